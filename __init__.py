@@ -1,0 +1,39 @@
+"""kernelmux: LLM-serving ops as specs, hardware backends as plugins, and an engine that picks.
+
+Call ``kernelmux.ops.<op>(...)``; see ``kernelmux.report()`` for what was chosen and why.
+"""
+
+from kernelmux import errors
+from kernelmux.engine import (
+    Feature,
+    Platform,
+    PlatformKind,
+    Settings,
+    configure,
+    current,
+    report,
+    reset,
+    resolve,
+    simulate,
+)
+from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
+from kernelmux import ops
+
+__all__ = [
+    "Backend",
+    "Feature",
+    "Implementation",
+    "Platform",
+    "PlatformKind",
+    "PlatformRequirement",
+    "Settings",
+    "configure",
+    "current",
+    "errors",
+    "hookimpl",
+    "ops",
+    "report",
+    "reset",
+    "resolve",
+    "simulate",
+]

@@ -1,0 +1,185 @@
+"""Host side of the triton backend's grouped_topk: what the fused kernel supports, its launch
+configuration (a heuristic table with an override for sweeps) and the single launch.
+
+Triton itself is imported on the first launch, so the backend registers (and reports "missing
+package triton") on machines without it."""
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+__all__ = [
+    "LaunchConfig",
+    "MAX_PADDED_EXPERTS",
+    "MAX_UNROLLED_PICKS",
+    "grouped_topk",
+    "launch_config",
+    "override_launch_config",
+    "supports",
+]
+
+# One row lives in registers as a next_pow2(G) x next_pow2(E / G) tile, with about five such tiles
+# live at once (logits/scores, biased scores, candidates, ids, masks). At 1024 lanes and one row
+# over 4 warps that is 8 values per thread per tile (~40 registers); 4096 lanes would need 16
+# warps per row or spill to local memory, and the top-k rounds scan the whole row each time, so
+# past this size a sort- or radix-based kernel is the right tool. Real routers are well inside it
+# (DeepSeek-V3 256, Qwen3 128, Kimi-K2 384 -> 512 padded).
+MAX_PADDED_EXPERTS = 1024
+# Group and expert selection are unrolled loops (one full-row scan per pick): code size and
+# compile time grow linearly with the count, and no known router picks more than a few dozen.
+MAX_UNROLLED_PICKS = 32
+
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@functools.cache
+def _kernel():
+    from kernelmux.backends.triton._grouped_topk_kernel import grouped_topk_kernel
+
+    return grouped_topk_kernel
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Rows of the batch each program handles, and warps per program."""
+
+    block_t: int
+    num_warps: int
+
+
+# Starting values chosen from register arithmetic, NOT measured: replace them with the winners
+# of a device sweep (override_launch_config) on H100/H200. Keyed on the token count and on
+# next_pow2(E), a proxy for the padded tile width. Small T: one row per program, so the batch
+# spreads over as many SMs as possible and each row's reductions stay short (latency); large T:
+# several rows per program to amortize the index math, the bias load and the launch, with warps
+# scaled so a thread holds about 8-16 values per tile.
+# (max tokens, max next_pow2(E), config); the first row that fits wins.
+_CONFIG_TABLE: tuple[tuple[float, int, LaunchConfig], ...] = (
+    (64, 256, LaunchConfig(block_t=1, num_warps=1)),
+    (64, MAX_PADDED_EXPERTS, LaunchConfig(block_t=1, num_warps=4)),
+    (2048, 64, LaunchConfig(block_t=16, num_warps=2)),
+    (2048, 256, LaunchConfig(block_t=4, num_warps=4)),
+    (2048, MAX_PADDED_EXPERTS, LaunchConfig(block_t=2, num_warps=8)),
+    (float("inf"), 64, LaunchConfig(block_t=32, num_warps=4)),
+    (float("inf"), 256, LaunchConfig(block_t=8, num_warps=8)),
+    (float("inf"), MAX_PADDED_EXPERTS, LaunchConfig(block_t=2, num_warps=8)),
+)
+
+# Set only through override_launch_config (benchmark sweeps); not thread-safe by design.
+_override: Optional[LaunchConfig] = None
+
+
+def launch_config(num_tokens: int, num_experts: int) -> LaunchConfig:
+    """The launch configuration for a batch: the active override if any, else the table's."""
+    if _override is not None:
+        return _override
+    padded = _next_pow2(num_experts)
+    for max_tokens, max_padded, config in _CONFIG_TABLE:
+        if num_tokens <= max_tokens and padded <= max_padded:
+            return config
+    return _CONFIG_TABLE[-1][2]  # past the limits supports() refuses; kept total for sweeps
+
+
+@contextlib.contextmanager
+def override_launch_config(config: LaunchConfig) -> Iterator[LaunchConfig]:
+    """Use ``config`` for every launch inside the block (for sweeps); restores the previous one."""
+    global _override
+    previous = _override
+    _override = config
+    try:
+        yield config
+    finally:
+        _override = previous
+
+
+def supports(
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    num_expert_group: int,
+    topk_group: int,
+    scoring_func: str = "softmax",
+    routed_scaling_factor: float = 1.0,
+    e_score_correction_bias: Optional[torch.Tensor] = None,
+) -> Optional[str]:
+    """None when the fused kernel handles this (already validated) call, else why not. The
+    engine checks the tensors' device against the record's ``devices`` before asking."""
+    num_experts = gating_output.shape[1]
+    group_size = num_experts // num_expert_group
+    padded = _next_pow2(num_expert_group) * _next_pow2(group_size)
+    if padded > MAX_PADDED_EXPERTS:
+        return (
+            f"E = {num_experts} in {num_expert_group} groups pads to {padded} > "
+            f"{MAX_PADDED_EXPERTS} lanes: the row does not fit one register tile"
+        )
+    if topk > MAX_UNROLLED_PICKS:
+        return f"topk = {topk} > {MAX_UNROLLED_PICKS}: expert selection is an unrolled loop"
+    if topk_group < num_expert_group and topk_group > MAX_UNROLLED_PICKS:
+        return (
+            f"topk_group = {topk_group} > {MAX_UNROLLED_PICKS}: group selection is an unrolled loop"
+        )
+    return None
+
+
+def grouped_topk(
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    num_expert_group: int,
+    topk_group: int,
+    scoring_func: str = "softmax",
+    routed_scaling_factor: float = 1.0,
+    e_score_correction_bias: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec's grouped_topk in one kernel launch; arguments are validated by the caller."""
+    num_tokens, num_experts = gating_output.shape
+    device = gating_output.device
+    weights = torch.empty((num_tokens, topk), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, topk), dtype=torch.int32, device=device)
+    if num_tokens == 0:
+        return weights, ids
+
+    group_size = num_experts // num_expert_group
+    config = launch_config(num_tokens, num_experts)
+    bias = e_score_correction_bias
+    has_bias = bias is not None
+    grid = (-(-num_tokens // config.block_t),)
+    # Triton launches on the current CUDA device; switch only when the tensors live elsewhere so
+    # the common path pays no context-manager cost.
+    guard = (
+        torch.cuda.device(device)
+        if device.type == "cuda" and device.index != torch.cuda.current_device()
+        else contextlib.nullcontext()
+    )
+    with guard:
+        _kernel()[grid](
+            gating_output,
+            bias if has_bias else gating_output,  # never read without a bias
+            weights,
+            ids,
+            num_tokens,
+            gating_output.stride(0),
+            gating_output.stride(1),
+            bias.stride(0) if has_bias else 0,
+            # float(): an int factor would be specialized (1) or typed i32 and compile apart.
+            float(routed_scaling_factor),
+            NUM_GROUPS=num_expert_group,
+            GROUP_SIZE=group_size,
+            G_PAD=_next_pow2(num_expert_group),
+            GS_PAD=_next_pow2(group_size),
+            TOPK=topk,
+            TOPK_PAD=_next_pow2(topk),
+            TOPK_GROUP=topk_group,
+            SIGMOID=scoring_func == "sigmoid",
+            HAS_BIAS=has_bias,
+            RENORMALIZE=renormalize,
+            BLOCK_T=config.block_t,
+            num_warps=config.num_warps,
+        )
+    return weights, ids

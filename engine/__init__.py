@@ -1,0 +1,110 @@
+"""The engine: platform model, startup selection, per-call dispatch, overrides and the report.
+
+The process has one current engine, built on first use from the environment (``Settings``) and
+replaced as a whole by ``configure``; nothing rebinds at import time.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable, Mapping
+
+from kernelmux.engine.platform import Feature, Platform, PlatformKind, detect, simulate
+from kernelmux.engine.settings import ENV_VARS, Settings
+from kernelmux.engine._engine import (
+    Decision,
+    Dispatcher,
+    Engine,
+    FallbackWarning,
+    OpTable,
+    check_known_backends,
+)
+from kernelmux.engine.report import report as _report_data
+
+__all__ = [
+    "ENV_VARS",
+    "Decision",
+    "Dispatcher",
+    "Engine",
+    "FallbackWarning",
+    "Feature",
+    "OpTable",
+    "Platform",
+    "PlatformKind",
+    "Settings",
+    "configure",
+    "current",
+    "detect",
+    "report",
+    "reset",
+    "resolve",
+    "simulate",
+]
+
+_lock = threading.Lock()
+_engine: Engine | None = None
+
+
+def _all_specs():
+    from kernelmux.ops.specs import ALL_SPECS
+
+    return ALL_SPECS
+
+
+def current() -> Engine:
+    """The process's engine, built at first use."""
+    engine = _engine
+    if engine is None:
+        with _lock:
+            engine = _engine
+            if engine is None:
+                engine = _install(Engine(_all_specs()))
+    return engine
+
+
+def _install(engine: Engine) -> Engine:
+    global _engine
+    _engine = engine
+    return engine
+
+
+def configure(
+    *,
+    prefer: Mapping[str, Iterable[str]] | None = None,
+    deny: Iterable[str] | None = None,
+    allow_plugins: Iterable[str] | None = None,
+    strict: bool | None = None,
+    platform: str | Platform | None = None,
+    from_env: bool = True,
+) -> Engine:
+    """Rebuild the engine with overrides on top of the environment's settings (or on top of the
+    defaults with ``from_env=False``), install it as current and return it."""
+    simulated = platform if isinstance(platform, str) else None
+    base = Settings.from_env() if from_env else Settings()
+    settings = base.with_changes(
+        prefer=prefer, deny=deny, allow_plugins=allow_plugins, strict=strict, platform=simulated
+    )
+    engine = Engine(
+        _all_specs(), settings, platform=platform if isinstance(platform, Platform) else None
+    )
+    check_known_backends(engine, (b for backends in settings.prefer.values() for b in backends))
+    with _lock:
+        return _install(engine)
+
+
+def reset() -> None:
+    """Forget the current engine; the next call builds one from the environment again."""
+    global _engine
+    with _lock:
+        _engine = None
+
+
+def resolve(op: str, *args: Any, **kwargs: Any):
+    """The implementation function that ``kernelmux.ops.<op>(*args, **kwargs)`` would run, for
+    callers that validate once and then call it directly with no dispatch cost."""
+    return current().resolve(op, *args, **kwargs)
+
+
+def report() -> dict[str, Any]:
+    """The current engine's selection report as JSON-ready data."""
+    return _report_data(current())

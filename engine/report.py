@@ -1,0 +1,174 @@
+"""The selection report: one view across all ops of what was chosen, viable, rejected and why."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+if TYPE_CHECKING:
+    from kernelmux.engine._engine import Engine
+    from kernelmux.registry import Implementation
+
+__all__ = ["explain_report", "report", "render_explain", "render_report"]
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _impl_json(impl: "Implementation") -> dict[str, Any]:
+    return {
+        "backend": impl.backend,
+        "plugin": impl.plugin,
+        "priority": impl.priority,
+        "requirement": impl.requirement.describe(),
+        "devices": sorted(impl.devices),
+        "description": impl.description,
+    }
+
+
+def report(engine: "Engine") -> dict[str, Any]:
+    """The report as JSON-ready data."""
+    registry = engine.registry
+    ops = []
+    for name, table in engine.tables.items():
+        dispatcher = engine.dispatchers[name]
+        ops.append({
+            "op": name,
+            "spec_version": table.spec.version,
+            "chosen": table.candidates[0].impl.backend if table.candidates else "reference (fallback)",
+            "viable": [dict(_impl_json(c.impl), preferred=c.preferred) for c in table.candidates],
+            "rejected": [dict(_impl_json(impl), reason=reason) for impl, reason in table.rejected],
+            "calls": [
+                {
+                    "key": [str(part) for part in (key if isinstance(key, tuple) else (key,))],
+                    "backend": decision.backend,
+                    "fallback": decision.fallback,
+                    "answers": [{"backend": b, "reason": r} for b, r in decision.answers],
+                }
+                for key, decision in dispatcher.decisions.items()
+            ],
+        })
+    return {
+        "kernelmux": _version("kernelmux"),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "platform": engine.platform.to_json(),
+        "settings": {
+            "prefer": {op: list(b) for op, b in engine.settings.prefer.items()},
+            "deny": sorted(engine.settings.deny),
+            "allow_plugins": sorted(engine.settings.allow_plugins) if engine.settings.allow_plugins is not None else None,
+            "strict": engine.settings.strict,
+        },
+        "plugins": [
+            {"name": p.name, "distribution": p.distribution, "version": p.version, "module": p.module}
+            for p in registry.plugins
+        ],
+        "quarantined": [
+            {"name": q.name, "distribution": q.distribution, "version": q.version, "reason": q.reason}
+            for q in registry.quarantined
+        ],
+        "skipped_plugins": [p.name for p in registry.skipped],
+        "rejected_registrations": [
+            {"plugin": r.plugin, "op": r.op, "backend": r.backend, "reason": r.reason}
+            for r in registry.rejections
+        ],
+        "ops": ops,
+    }
+
+
+def render_report(data: Mapping[str, Any]) -> Any:
+    """The report as rich renderables (a group of tables)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    platform = data["platform"]
+    header = Text.assemble(
+        ("platform: ", "bold"),
+        f"{platform['kind']} {platform['arch']} {platform['device_name']}"
+        + (" [simulated]" if platform["simulated"] else ""),
+        "\nfeatures: " + (", ".join(platform["features"]) or "none"),
+        f"\nkernelmux {data['kernelmux']}, torch {data['torch']}, triton {data['triton'] or 'not installed'}",
+    )
+    plugins = Table(title="plugins", title_justify="left")
+    for column in ("name", "distribution", "version", "status"):
+        plugins.add_column(column)
+    for p in data["plugins"]:
+        plugins.add_row(p["name"], p["distribution"], p["version"], "loaded")
+    for q in data["quarantined"]:
+        plugins.add_row(q["name"], q["distribution"], q["version"], f"[red]quarantined[/red]: {q['reason']}")
+    for name in data["skipped_plugins"]:
+        plugins.add_row(name, "", "", "not in KERNELMUX_PLUGINS allow-list")
+    parts: list[Any] = [header, plugins]
+    if data["rejected_registrations"]:
+        rejected = Table(title="implementations rejected at registration", title_justify="left")
+        for column in ("plugin", "implementation", "reason"):
+            rejected.add_column(column)
+        for r in data["rejected_registrations"]:
+            rejected.add_row(r["plugin"], f"{r['op']}:{r['backend']}", r["reason"])
+        parts.append(rejected)
+    ops = Table(title="ops", title_justify="left")
+    for column in ("op", "chosen", "other candidates (in order)", "not viable here"):
+        ops.add_column(column)
+    for op in data["ops"]:
+        others = [v["backend"] + (" (preferred)" if v["preferred"] else "") for v in op["viable"][1:]]
+        ops.add_row(
+            f"{op['op']} v{op['spec_version']}",
+            op["chosen"],
+            ", ".join(others) or "-",
+            "\n".join(f"{r['backend']}: {r['reason']}" for r in op["rejected"]) or "-",
+        )
+    parts.append(ops)
+    return Group(*parts)
+
+
+def explain_report(
+    engine: "Engine", op: str, kwargs: Mapping[str, Any] | None, case_name: str | None
+) -> dict[str, Any]:
+    """Why each implementation of ``op`` would or would not run, for one case if given."""
+    data = report(engine)
+    entry = next(o for o in data["ops"] if o["op"] == op)
+    result: dict[str, Any] = {"platform": data["platform"], "op": op, "case": case_name,
+                              "rejected": entry["rejected"], "viable": entry["viable"]}
+    if kwargs is not None:
+        answers = engine.explain(op, kwargs)
+        chosen = next((impl.backend for impl, reason in answers if reason is None), None)
+        result["answers"] = [{"backend": impl.backend, "reason": reason} for impl, reason in answers]
+        result["chosen"] = chosen or "reference (fallback)"
+    else:
+        result["chosen"] = entry["chosen"]
+    return result
+
+
+def render_explain(data: Mapping[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    platform = data["platform"]
+    title = Text.assemble(
+        (f"{data['op']}", "bold"),
+        f" on {platform['kind']} {platform['arch']}" + (" [simulated]" if platform["simulated"] else ""),
+        f", case {data['case']}" if data["case"] else " (no case: static selection only)",
+        "\nchosen: ", (data["chosen"], "bold green"),
+    )
+    table = Table()
+    for column in ("backend", "stage", "verdict"):
+        table.add_column(column)
+    answers = {a["backend"]: a["reason"] for a in data.get("answers", [])}
+    for v in data["viable"]:
+        if "answers" in data:
+            reason = answers.get(v["backend"])
+            verdict = "[green]accepts[/green]" if reason is None else f"declines: {reason}"
+        else:
+            verdict = "[green]viable[/green] (supports() is asked per call; pass --case)"
+        table.add_row(v["backend"], f"candidate (priority {v['priority']})", verdict)
+    for r in data["rejected"]:
+        table.add_row(r["backend"], "startup", f"[red]not viable[/red]: {r['reason']}")
+    return Group(title, table)

@@ -1,0 +1,54 @@
+"""Conformance comparison: closeness with max-relative and RMS error and the worst coordinates."""
+
+from __future__ import annotations
+
+import torch
+
+from kernelmux.ops._spec import Tolerance
+
+__all__ = ["assert_close", "error_stats"]
+
+
+def error_stats(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:
+    """Max absolute, max relative and RMS relative error of ``actual`` against ``expected`` (fp64)."""
+    a = actual.detach().double().cpu()
+    e = expected.detach().double().cpu()
+    if a.numel() == 0:
+        return {"max_abs": 0.0, "max_rel": 0.0, "rms_rel": 0.0}
+    diff = (a - e).abs()
+    scale = e.abs().clamp_min(torch.finfo(torch.float32).tiny)
+    rms_ref = e.pow(2).mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+    return {
+        "max_abs": diff.max().item(),
+        "max_rel": (diff / scale).max().item(),
+        "rms_rel": (diff.pow(2).mean().sqrt() / rms_ref).item(),
+    }
+
+
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, tolerance: Tolerance, what: str
+) -> None:
+    """Raise AssertionError naming ``what``, the error statistics and the worst coordinates when
+    any element is outside ``atol + rtol * |expected|`` or any NaN/Inf differs."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    a = actual.detach().double().cpu()
+    e = expected.detach().double().cpu()
+    nan_mismatch = a.isnan() != e.isnan()
+    both_finite = a.isfinite() & e.isfinite()
+    inf_mismatch = ~a.isnan() & ~e.isnan() & ~both_finite & (a != e)
+    limit = tolerance.atol + tolerance.rtol * e.abs()
+    excess = torch.where(both_finite, (a - e).abs() - limit, torch.zeros_like(a))
+    bad = nan_mismatch | inf_mismatch | (excess > 0)
+    if not bool(bad.any()):
+        return
+    stats = error_stats(torch.where(both_finite, a, 0), torch.where(both_finite, e, 0))
+    worst = torch.where(bad, excess.nan_to_num(float("inf")), -torch.ones_like(excess))
+    order = worst.flatten().argsort(descending=True)[:5]
+    coords = [tuple(int(i) for i in torch.unravel_index(j, a.shape)) for j in order]
+    rows = ", ".join(f"{c}: got {a[c].item():.7g}, expected {e[c].item():.7g}" for c in coords)
+    raise AssertionError(
+        f"{what}: {int(bad.sum())} of {a.numel()} elements outside atol={tolerance.atol:g} "
+        f"rtol={tolerance.rtol:g} (max_abs={stats['max_abs']:.3g}, max_rel={stats['max_rel']:.3g}, "
+        f"rms_rel={stats['rms_rel']:.3g}); worst {rows}"
+    )

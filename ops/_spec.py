@@ -1,0 +1,117 @@
+"""The spec framework: what an op *is* (OpSpec), its named input cases (Case), its cost and tolerance."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Mapping
+
+import torch
+
+__all__ = ["Case", "Cost", "OpSpec", "Tolerance"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Elementwise closeness for floating outputs: |actual - expected| <= atol + rtol * |expected|."""
+
+    atol: float
+    rtol: float
+
+
+@dataclass(frozen=True)
+class Cost:
+    """The least work one call must do: floating-point operations and bytes moved through memory
+    (each input read once, each output written once). The roofline divides these by ceilings."""
+
+    flops: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Case:
+    """A named input for tests and benchmarks.
+
+    ``make(device, generator)`` returns the call's keyword arguments, drawn fresh from
+    ``generator`` so every run checks new data. ``tags`` say what the case is for: ``model`` (a
+    real model's shape), ``random`` (small, for tests), ``edge`` (a boundary), ``quick`` (small
+    enough for ``--quick`` runs on a 2-core CPU). ``why`` says why the shape is there.
+    """
+
+    name: str
+    make: Callable[[torch.device, torch.Generator], dict[str, Any]]
+    tags: frozenset[str]
+    why: str
+
+    def build(self, device: str | torch.device = "cpu", seed: int = 0) -> dict[str, Any]:
+        """The case's keyword arguments on ``device``; drawn on the CPU so a seed means the same
+        values on every device, then moved."""
+        generator = torch.Generator().manual_seed(seed)
+        kwargs = self.make(torch.device("cpu"), generator)
+        device = torch.device(device)
+        if device.type == "cpu":
+            return kwargs
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+@dataclass(frozen=True, eq=False)
+class OpSpec:
+    """The contract of one op; the reference function *is* the contract.
+
+    - ``reference``: pure-torch math (fp32 inside); its signature, with annotations and defaults,
+      is the signature every implementation must have and the torch custom op's schema.
+    - ``validate``: same signature; raises ``InvalidArgumentError`` naming the argument, or returns
+      the *dispatch key*: a small hashable of the properties that can change which implementation
+      accepts the call (dtypes, device type, the dims that matter). It runs on every call, so it
+      must stay cheap: attribute reads, no tensor math, no device sync.
+    - ``fake``: same signature; returns outputs of the right shape, dtype and device without
+      computing them (torch.compile and meta tensors).
+    - ``check_close(actual, expected, kwargs)``: raises ``AssertionError`` with the worst
+      coordinates when ``actual`` does not conform; knows the op's contract (e.g. order-free rows).
+    - ``cost(kwargs)``: the op's ``Cost`` for the roofline.
+    - ``version``: bumped whenever the semantics change; implementations state the version they
+      implement and a mismatch is rejected at registration.
+    """
+
+    name: str
+    version: int
+    reference: Callable[..., Any]
+    validate: Callable[..., Hashable]
+    fake: Callable[..., Any]
+    check_close: Callable[[Any, Any, Mapping[str, Any]], None]
+    cost: Callable[[Mapping[str, Any]], Cost]
+    cases: tuple[Case, ...]
+    tolerance: Mapping[torch.dtype, Tolerance]
+    mutates_args: tuple[str, ...] = ()
+    signature: inspect.Signature = field(init=False)
+
+    def __post_init__(self) -> None:
+        signature = inspect.signature(self.reference)
+        for role in ("validate", "fake"):
+            other = inspect.signature(getattr(self, role))
+            if list(other.parameters) != list(signature.parameters):
+                raise TypeError(
+                    f"spec {self.name}: {role} parameters {list(other.parameters)} differ from the "
+                    f"reference's {list(signature.parameters)}"
+                )
+        names = [case.name for case in self.cases]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"spec {self.name}: duplicate case names {duplicates}")
+        object.__setattr__(self, "signature", signature)
+
+    def case(self, name: str) -> Case:
+        for case in self.cases:
+            if case.name == name:
+                return case
+        raise KeyError(
+            f"{self.name} has no case {name!r}; cases: {', '.join(c.name for c in self.cases)}"
+        )
+
+    def cases_tagged(self, tag: str) -> tuple[Case, ...]:
+        return tuple(case for case in self.cases if tag in case.tags)
+
+    def replace(self, **changes: Any) -> "OpSpec":
+        """A copy with some fields changed (tests use it to fake a spec at another version)."""
+        return dataclasses.replace(self, **changes)

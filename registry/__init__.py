@@ -1,0 +1,26 @@
+"""The plugin registry: hook specs, the implementation record, and entry-point loading with quarantine."""
+
+from kernelmux.registry._hookspecs import hookimpl, hookspec
+from kernelmux.registry._implementation import Backend, Implementation, PlatformRequirement
+from kernelmux.registry._registry import (
+    ENTRY_POINT_GROUP,
+    PluginInfo,
+    QuarantinedPlugin,
+    Registry,
+    Rejection,
+    signature_difference,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Backend",
+    "Implementation",
+    "PlatformRequirement",
+    "PluginInfo",
+    "QuarantinedPlugin",
+    "Registry",
+    "Rejection",
+    "hookimpl",
+    "hookspec",
+    "signature_difference",
+]

@@ -1,0 +1,119 @@
+"""The implementation record: one op's implementation by one backend, as frozen, validated data."""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+    from kernelmux.engine.platform import Feature, Platform, PlatformKind
+
+__all__ = ["Backend", "Implementation", "PlatformRequirement", "SupportsFn"]
+
+SupportsFn = Callable[..., Optional[str]]
+
+
+class Backend(str, enum.Enum):
+    """Names of the built-in backends (plugins may use any other name)."""
+
+    REFERENCE = "reference"
+    CPU = "cpu"
+    TRITON = "triton"
+    CUDA = "cuda"
+    ROCM = "rocm"
+    XPU = "xpu"
+
+
+@dataclass(frozen=True)
+class PlatformRequirement:
+    """Static conditions on the platform; empty fields mean "any"."""
+
+    kinds: frozenset["PlatformKind"] = frozenset()
+    archs: frozenset[str] = frozenset()
+    min_capability: tuple[int, int] | None = None
+    features: frozenset["Feature"] = frozenset()
+
+    def check(self, platform: "Platform") -> str | None:
+        """None when ``platform`` meets the requirement, else why not."""
+        if self.kinds and platform.kind not in self.kinds:
+            wanted = ", ".join(sorted(k.value for k in self.kinds))
+            return f"needs a {wanted} platform, this is {platform.kind.value}"
+        if self.archs and platform.arch not in self.archs:
+            return f"needs arch in {{{', '.join(sorted(self.archs))}}}, this is {platform.arch}"
+        if self.min_capability is not None and (
+            platform.capability is None or platform.capability < self.min_capability
+        ):
+            have = ".".join(map(str, platform.capability)) if platform.capability else "none"
+            return f"needs capability >= {'.'.join(map(str, self.min_capability))}, this has {have}"
+        missing = self.features - platform.features
+        if missing:
+            return f"needs features {', '.join(sorted(f.value for f in missing))} ({platform.arch} lacks them)"
+        return None
+
+    def describe(self) -> str:
+        parts = []
+        if self.kinds:
+            parts.append("/".join(sorted(k.value for k in self.kinds)))
+        if self.archs:
+            parts.append("arch in " + ",".join(sorted(self.archs)))
+        if self.min_capability:
+            parts.append("capability >= " + ".".join(map(str, self.min_capability)))
+        if self.features:
+            parts.append("+".join(sorted(f.value for f in self.features)))
+        return " ".join(parts) or "any platform"
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One op's implementation by one backend.
+
+    - ``fn`` must have exactly the spec's signature (checked at registration).
+    - ``supports``, if given, takes the same arguments and returns None when it accepts the call
+      or a human reason when it does not. Its answer is cached per dispatch key (the spec's
+      ``validate`` return value), so it must decide only from what that key captures.
+    - ``devices``: torch device types of the inputs it runs on (empty: any).
+    - ``packages``: import names it needs; a missing one rejects it with a pip hint.
+    - ``priority``: higher runs first among viable implementations, after user preferences.
+    """
+
+    op: str
+    backend: str
+    fn: Callable[..., Any]
+    spec_version: int
+    priority: int = 0
+    requirement: PlatformRequirement = PlatformRequirement()
+    devices: frozenset[str] = frozenset()
+    packages: tuple[str, ...] = ()
+    supports: SupportsFn | None = None
+    description: str = ""
+    plugin: str = field(default="", compare=False)  # filled in by the registry
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.op, str) or not self.op:
+            problems.append(f"op must be a non-empty str, got {self.op!r}")
+        if not isinstance(self.backend, str) or not self.backend:
+            problems.append(f"backend must be a non-empty str, got {self.backend!r}")
+        if not callable(self.fn):
+            problems.append(f"fn must be callable, got {type(self.fn).__name__}")
+        if self.supports is not None and not callable(self.supports):
+            problems.append(f"supports must be callable or None, got {type(self.supports).__name__}")
+        if type(self.spec_version) is not int:
+            problems.append(f"spec_version must be an int, got {self.spec_version!r}")
+        if type(self.priority) is not int:
+            problems.append(f"priority must be an int, got {self.priority!r}")
+        if problems:
+            raise TypeError("invalid Implementation: " + "; ".join(problems))
+        if isinstance(self.backend, Backend):
+            object.__setattr__(self, "backend", self.backend.value)
+        object.__setattr__(self, "devices", frozenset(self.devices))
+        object.__setattr__(self, "packages", tuple(self.packages))
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}:{self.backend}"
+
+    def missing_packages(self) -> tuple[str, ...]:
+        return tuple(p for p in self.packages if importlib.util.find_spec(p) is None)

@@ -1,0 +1,31 @@
+"""Test-session setup: the device under test, the Triton interpreter on CPU-only machines, and
+hypothesis profiles."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# Triton kernels run on the CPU under its interpreter when there is no GPU. Triton reads this when
+# a kernel is decorated, so it must be set before any kernel module is imported.
+if not torch.cuda.is_available() and importlib.util.find_spec("triton") is not None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+settings.register_profile(
+    "default", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE

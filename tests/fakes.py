@@ -1,0 +1,78 @@
+"""Counting fake implementations and plugins for registry and engine tests."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from kernelmux.ops.specs.grouped_topk import SPEC
+from kernelmux.registry import Implementation, PlatformRequirement, hookimpl
+
+
+class Counter:
+    """Counts calls of a fake implementation and of its supports()."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.supports_calls = 0
+
+
+def counting_grouped_topk(counter: Counter) -> Callable:
+    """A grouped_topk with the spec's exact signature that counts calls and returns the reference."""
+
+    def grouped_topk(
+        gating_output: torch.Tensor,
+        topk: int,
+        renormalize: bool,
+        num_expert_group: int,
+        topk_group: int,
+        scoring_func: str = "softmax",
+        routed_scaling_factor: float = 1.0,
+        e_score_correction_bias: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        counter.calls += 1
+        return SPEC.reference(gating_output, topk, renormalize, num_expert_group, topk_group,
+                              scoring_func, routed_scaling_factor, e_score_correction_bias)
+
+    return grouped_topk
+
+
+def fake_impl(
+    backend: str,
+    counter: Counter,
+    *,
+    priority: int = 0,
+    decline: Callable[[torch.Tensor], Optional[str]] | None = None,
+    devices: frozenset[str] = frozenset(),
+    requirement: PlatformRequirement = PlatformRequirement(),
+    spec_version: int = SPEC.version,
+) -> Implementation:
+    supports = None
+    if decline is not None:
+        def supports(gating_output, topk, renormalize, num_expert_group, topk_group,
+                     scoring_func="softmax", routed_scaling_factor=1.0, e_score_correction_bias=None):
+            counter.supports_calls += 1
+            return decline(gating_output)
+
+    return Implementation(
+        op=SPEC.name, backend=backend, fn=counting_grouped_topk(counter), spec_version=spec_version,
+        priority=priority, supports=supports, devices=devices, requirement=requirement,
+    )
+
+
+class FakePlugin:
+    """A plugin object whose hook returns the given records."""
+
+    def __init__(self, *impls: Implementation) -> None:
+        self.impls = list(impls)
+
+    @hookimpl
+    def kernelmux_implementations(self):
+        return self.impls
+
+
+class RaisingPlugin:
+    @hookimpl
+    def kernelmux_implementations(self):
+        raise RuntimeError("backend library failed to initialize")

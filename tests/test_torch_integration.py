@@ -1,0 +1,50 @@
+"""Each op is a torch custom op: opcheck passes and torch.compile(fullgraph=True) traces calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernelmux
+from conftest import DEVICE
+from kernelmux.ops import ALL_OPS
+
+
+def _positional(spec, kwargs):
+    return tuple(kwargs[name] for name in spec.signature.parameters)
+
+
+@pytest.mark.parametrize("op", ALL_OPS.values(), ids=lambda op: op.name)
+@pytest.mark.parametrize("case_name", ["small_sigmoid_bias", "small_softmax", "empty"])
+def test_opcheck(op, case_name):
+    kwargs = op.spec.case(case_name).build(DEVICE)
+    torch.library.opcheck(op.custom_op, _positional(op.spec, kwargs))
+
+
+@pytest.mark.parametrize("op", ALL_OPS.values(), ids=lambda op: op.name)
+def test_custom_op_is_registered_under_kernelmux_namespace(op):
+    assert getattr(torch.ops.kernelmux, op.name).default is op.custom_op
+    kwargs = op.spec.case("one_token").build(DEVICE)
+    op.spec.check_close(op.custom_op(*_positional(op.spec, kwargs)), op.spec.reference(**kwargs), kwargs)
+
+
+def test_compile_fullgraph_traces_without_graph_breaks():
+    spec = kernelmux.ops.grouped_topk.spec
+
+    def route(logits, bias):
+        weights, ids = kernelmux.ops.grouped_topk(logits * 1.0, 8, True, 8, 4, "sigmoid", 2.5, bias)
+        return weights * 2, ids
+
+    compiled = torch.compile(route, fullgraph=True, backend="aot_eager")
+    for case_name in ("deepseek_v3_t64", "deepseek_v3_t1"):
+        kwargs = spec.case(case_name).build(DEVICE)
+        weights, ids = compiled(kwargs["gating_output"], kwargs["e_score_correction_bias"])
+        ref_w, ref_ids = spec.reference(**kwargs)
+        spec.check_close((weights / 2, ids), (ref_w, ref_ids), kwargs)
+
+
+def test_compile_with_inductor_backend():
+    spec = kernelmux.ops.grouped_topk.spec
+    compiled = torch.compile(lambda x: kernelmux.ops.grouped_topk(x, 2, True, 1, 1), fullgraph=True)
+    kwargs = spec.case("mixtral_8x7b_t1024").build(DEVICE)
+    spec.check_close(compiled(kwargs["gating_output"]), spec.reference(**kwargs), kwargs)
