@@ -75,17 +75,22 @@ def configure(
     allow_plugins: Iterable[str] | None = None,
     strict: bool | None = None,
     platform: str | Platform | None = None,
+    plugins: Mapping[str, Any] | None = None,
     from_env: bool = True,
 ) -> Engine:
     """Rebuild the engine with overrides on top of the environment's settings (or on top of the
-    defaults with ``from_env=False``), install it as current and return it."""
+    defaults with ``from_env=False``), install it as current and return it. ``plugins`` maps
+    names to plugin objects registered in addition to the installed entry points."""
     simulated = platform if isinstance(platform, str) else None
     base = Settings.from_env() if from_env else Settings()
     settings = base.with_changes(
         prefer=prefer, deny=deny, allow_plugins=allow_plugins, strict=strict, platform=simulated
     )
     engine = Engine(
-        _all_specs(), settings, platform=platform if isinstance(platform, Platform) else None
+        _all_specs(),
+        settings,
+        platform=platform if isinstance(platform, Platform) else None,
+        plugins=plugins,
     )
     check_known_backends(engine, (b for backends in settings.prefer.values() for b in backends))
     with _lock:

@@ -146,7 +146,11 @@ class Dispatcher:
 
 
 class Engine:
-    """Startup selection for one platform: detect, load plugins, build frozen per-op tables."""
+    """Startup selection for one platform: detect, load plugins, build frozen per-op tables.
+
+    ``plugins`` (name -> plugin object) are registered after the entry points, for plugins that
+    live in a script or notebook rather than an installed distribution.
+    """
 
     def __init__(
         self,
@@ -155,6 +159,7 @@ class Engine:
         *,
         platform: Platform | None = None,
         registry: Registry | None = None,
+        plugins: Mapping[str, Any] | None = None,
     ) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
         if platform is None:
@@ -164,6 +169,8 @@ class Engine:
         if registry is None:
             registry = Registry(self.specs, strict=self.settings.strict)
             registry.load_entry_points(self.settings.allow_plugins)
+        for name, plugin in (plugins or {}).items():
+            registry.register_plugin(plugin, name)
         self.registry = registry
         self.tables = {name: self._build_table(spec) for name, spec in self.specs.items()}
         self.dispatchers = {name: Dispatcher(self, table) for name, table in self.tables.items()}
