@@ -3,8 +3,10 @@ eager and compiled, by CUDA-graph replay, with the copy-bandwidth roofline from 
 
     python -m kernelmux.perf.grouped_topk_gpu --out perf/results [--sweep]
 
-``--sweep`` also times every launch configuration of a grid per T (the data behind the Triton
-backend's launch table). Writes grouped_topk_gpu.json and .md into --out.
+The "triton" rows time the backend's default kernel ("packed") at its table's launch config.
+``--sweep`` also times both Triton kernels ("packed" and "baseline", via use_kernel) over every
+launch configuration of a grid per T (the data behind the Triton backend's launch table); each
+sweep row records its kernel. Writes grouped_topk_gpu.json and .md into --out.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,11 +33,14 @@ def _environment() -> dict[str, Any]:
     import triton
 
     props = torch.cuda.get_device_properties(0)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, check=False).stdout.strip()
-    except OSError:
-        commit = ""
+    # The device copy of the tree may carry no .git: the caller can pass the commit in.
+    commit = os.environ.get("KERNELMUX_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent, check=False).stdout.strip()
+        except OSError:
+            commit = ""
     try:
         driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                 capture_output=True, text=True, check=False).stdout.strip()
@@ -95,15 +101,22 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(_row(name, tokens, graph_replay_time(fn, inputs), nbytes, bandwidth))
             print(f"T={tokens:6d} {name:14s} {rows[-1]['median_us']:8.2f} us", flush=True)
         if args.sweep:
-            for block_t in SWEEP_BLOCK_T:
-                for warps in SWEEP_WARPS:
-                    config = triton_module.LaunchConfig(block_t=block_t, num_warps=warps)
-                    with triton_module.override_launch_config(config):
-                        timing = graph_replay_time(triton_module.grouped_topk, inputs, trials=15)
-                    sweep.append({"tokens": tokens, "block_t": block_t, "num_warps": warps,
-                                  "median_us": timing.median_us})
-            best = min((s for s in sweep if s["tokens"] == tokens), key=lambda s: s["median_us"])
-            print(f"T={tokens:6d} sweep best: {best}", flush=True)
+            for kernel in triton_module.KERNELS:
+                with triton_module.use_kernel(kernel):
+                    for kwargs in inputs[:2]:  # each kernel is checked before it is timed
+                        SPEC.check_close(triton_module.grouped_topk(**kwargs),
+                                         SPEC.reference(**kwargs), kwargs)
+                    for block_t in SWEEP_BLOCK_T:
+                        for warps in SWEEP_WARPS:
+                            config = triton_module.LaunchConfig(block_t=block_t, num_warps=warps)
+                            with triton_module.override_launch_config(config):
+                                timing = graph_replay_time(triton_module.grouped_topk, inputs,
+                                                           trials=15)
+                            sweep.append({"tokens": tokens, "kernel": kernel, "block_t": block_t,
+                                          "num_warps": warps, "median_us": timing.median_us})
+                best = min((s for s in sweep if s["tokens"] == tokens and s["kernel"] == kernel),
+                           key=lambda s: s["median_us"])
+                print(f"T={tokens:6d} sweep best ({kernel}): {best}", flush=True)
 
     result = {"op": "grouped_topk", "case": "DeepSeek-V3 routing (E 256, G 8, topk_group 4, top 8, "
               "sigmoid + bias, fp32 logits)", "method": "CUDA-graph replay of 32 calls, inputs rotated "
@@ -125,6 +138,16 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {tokens} | {t['median_us']:.2f} | {e['median_us']:.2f} | {c['median_us']:.2f} | "
                      f"{e['median_us'] / t['median_us']:.1f}x | {c['median_us'] / t['median_us']:.1f}x | "
                      f"{t['pct_of_roofline']:.0f}% |")
+    if sweep:
+        lines += ["", "Sweep: best launch config per T and kernel.", "",
+                  "| T | kernel | block_t | num_warps | us |", "|---|---|---|---|---|"]
+        for tokens in TOKENS:
+            for kernel in triton_module.KERNELS:
+                mine = [s for s in sweep if s["tokens"] == tokens and s["kernel"] == kernel]
+                if mine:
+                    b = min(mine, key=lambda s: s["median_us"])
+                    lines.append(f"| {tokens} | {kernel} | {b['block_t']} | {b['num_warps']} | "
+                                 f"{b['median_us']:.2f} |")
     (args.out / "grouped_topk_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

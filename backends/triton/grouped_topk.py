@@ -19,6 +19,7 @@ __all__ = [
     "launch_config",
     "override_launch_config",
     "supports",
+    "use_kernel",
 ]
 
 # One row lives in registers as a next_pow2(G) x next_pow2(E / G) tile, with about five such tiles
@@ -38,11 +39,40 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-@functools.cache
-def _kernel():
-    from kernelmux.backends.triton._grouped_topk_kernel import grouped_topk_kernel
+# The two kernels of _grouped_topk_kernel.py, by name: "packed" (one packed-key reduction per
+# pick; the default) and "baseline" (the original max / min-index / masked-sum picks), kept for
+# benchmark comparisons. Same arguments and results.
+KERNELS = ("packed", "baseline")
 
-    return grouped_topk_kernel
+# Set only through use_kernel (benchmarks, tests); not thread-safe by design.
+_kernel_name: str = "packed"
+
+
+@functools.cache
+def _kernel_by_name(name: str):
+    from kernelmux.backends.triton import _grouped_topk_kernel as module
+
+    kernels = {"packed": module.grouped_topk_kernel_packed, "baseline": module.grouped_topk_kernel}
+    return kernels[name]
+
+
+def _kernel():
+    """The kernel the next launch uses (the active use_kernel selection, else "packed")."""
+    return _kernel_by_name(_kernel_name)
+
+
+@contextlib.contextmanager
+def use_kernel(name: str) -> Iterator[str]:
+    """Launch kernel ``name`` ("packed" or "baseline") inside the block; restores the previous."""
+    global _kernel_name
+    if name not in KERNELS:
+        raise ValueError(f"unknown grouped_topk kernel {name!r}; expected one of {KERNELS}")
+    previous = _kernel_name
+    _kernel_name = name
+    try:
+        yield name
+    finally:
+        _kernel_name = previous
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from kernelmux.backends.triton.grouped_topk import (  # noqa: E402
     launch_config,
     override_launch_config,
     supports,
+    use_kernel,
 )
 from kernelmux.ops.specs import grouped_topk as spec_module  # noqa: E402
 from kernelmux.ops.specs.grouped_topk import SPEC  # noqa: E402
@@ -52,6 +53,13 @@ INTERPRETER_DEFAULT_CONFIG_MAX_ROWS = 16
 INTERPRETER_WIDE_CONFIG = LaunchConfig(block_t=256, num_warps=4)
 
 CASES = [c for c in SPEC.cases if c.build("cpu", 0)["gating_output"].shape[0] <= MAX_ROWS]
+
+
+@pytest.fixture(params=triton_grouped_topk.KERNELS)
+def kernel(request):
+    """Every kernel-running test runs once per kernel of _grouped_topk_kernel.py."""
+    with use_kernel(request.param):
+        yield request.param
 
 
 def _run(kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,12 +97,12 @@ def test_signatures_match_the_spec() -> None:
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_spec_case(case, seed: int) -> None:
+def test_spec_case(case, seed: int, kernel: str) -> None:
     kwargs = case.build(DEVICE, seed)
     _check(kwargs, _run(kwargs))
 
 
-def test_empty_batch_returns_empty_outputs() -> None:
+def test_empty_batch_returns_empty_outputs(kernel: str) -> None:
     kwargs = SPEC.case("empty").build(DEVICE, 0)
     weights, ids = grouped_topk(**kwargs)
     assert weights.shape == (0, kwargs["topk"]) and weights.dtype == torch.float32
@@ -103,7 +111,7 @@ def test_empty_batch_returns_empty_outputs() -> None:
 
 
 @pytest.mark.parametrize("layout", ["column_slice", "strided_columns", "transposed"])
-def test_non_contiguous_logits(layout: str) -> None:
+def test_non_contiguous_logits(layout: str, kernel: str) -> None:
     kwargs = SPEC.case("deepseek_v3_t64").build(DEVICE, 3)
     logits = kwargs["gating_output"]
     num_tokens, num_experts = logits.shape
@@ -124,14 +132,16 @@ def test_non_contiguous_logits(layout: str) -> None:
 
 @pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("logit_dtype", [torch.float32, torch.bfloat16])
-def test_bias_dtype_differs_from_logits(logit_dtype: torch.dtype, bias_dtype: torch.dtype) -> None:
+def test_bias_dtype_differs_from_logits(
+    logit_dtype: torch.dtype, bias_dtype: torch.dtype, kernel: str
+) -> None:
     kwargs = SPEC.case("deepseek_v3_t64").build(DEVICE, 4)
     kwargs["gating_output"] = kwargs["gating_output"].to(logit_dtype)
     kwargs["e_score_correction_bias"] = kwargs["e_score_correction_bias"].to(bias_dtype)
     _check(kwargs, _run(kwargs))
 
 
-def test_strided_bias() -> None:
+def test_strided_bias(kernel: str) -> None:
     kwargs = SPEC.case("small_sigmoid_bias").build(DEVICE, 5)
     bias = kwargs["e_score_correction_bias"]
     wide = torch.zeros(2 * bias.shape[0], dtype=bias.dtype, device=DEVICE)
@@ -141,7 +151,7 @@ def test_strided_bias() -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_outputs_fully_written(case) -> None:
+def test_outputs_fully_written(case, kernel: str) -> None:
     # Outputs come from torch.empty: any element the kernel skipped would hold garbage.
     kwargs = case.build(DEVICE, 6)
     _assert_sane(kwargs, *_run(kwargs))
@@ -161,7 +171,7 @@ _BUCKET_SHAPES = {
     [(max_padded, config) for _, max_padded, config in _CONFIG_TABLE],
     ids=[f"T<={t}-E<={e}-bt{c.block_t}-w{c.num_warps}" for t, e, c in _CONFIG_TABLE],
 )
-def test_each_table_config(max_padded: int, config: LaunchConfig) -> None:
+def test_each_table_config(max_padded: int, config: LaunchConfig, kernel: str) -> None:
     # 2.5 blocks of rows: two full programs and a partial one (rows past T masked).
     num_tokens = 2 * config.block_t + max(config.block_t // 2, 1)
     experts, groups, topk_group, topk, scoring, with_bias = _BUCKET_SHAPES[max_padded]
@@ -204,7 +214,7 @@ def test_supports_limits() -> None:
     assert "topk" in supports(**many)
 
 
-def test_equal_top_two_in_a_group_both_count() -> None:
+def test_equal_top_two_in_a_group_both_count(kernel: str) -> None:
     # Groups 0 and 2 hold their best score twice: summing both keeps them (1.76, 1.46 against
     # 1.19 and 0.96); removing every lane equal to the max would keep groups 1 and 3 instead.
     row = [2.0, 2.0, -3.0, -3.0, 2.5, -1.0, -2.0, -3.0, 1.0, 1.0, -4.0, -4.0, 3.0, -5.0, -5.0, -5.0]
@@ -223,3 +233,54 @@ def test_equal_top_two_in_a_group_both_count() -> None:
     assert ids[0].sort().values.tolist() == [0, 1, 8, 9]
     assert ids[1].sort().values.tolist() == [6, 7, 14, 15]
     _check(kwargs, (weights, ids))
+
+
+def test_use_kernel_selects_and_restores() -> None:
+    from kernelmux.backends.triton import _grouped_topk_kernel as module
+
+    def name_of(fn):
+        return getattr(fn, "fn", fn).__name__  # the interpreter wraps the JITFunction
+
+    assert name_of(triton_grouped_topk._kernel()) == "grouped_topk_kernel_packed"  # the default
+    with use_kernel("baseline"):
+        assert name_of(triton_grouped_topk._kernel()) == "grouped_topk_kernel"
+        with use_kernel("packed"):
+            assert name_of(triton_grouped_topk._kernel()) == "grouped_topk_kernel_packed"
+        assert name_of(triton_grouped_topk._kernel()) == "grouped_topk_kernel"
+    assert triton_grouped_topk._kernel() is triton_grouped_topk._kernel_by_name("packed")
+    assert module.grouped_topk_kernel is not module.grouped_topk_kernel_packed
+    with pytest.raises(ValueError):
+        with use_kernel("fast"):
+            pass
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ties_go_to_the_lowest_ids(kernel: str, seed: int) -> None:
+    # Heavily tied rows (logits drawn from 3 values, bias 0): the choice at a tie is the lowest
+    # expert id, in the group stage and in the expert stage, for both kernels. The reference's
+    # torch.topk does not promise that order, so the expected ids are computed here by a stable
+    # sort on (-value, id).
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens, experts, groups, topk_group, topk = 8, 32, 4, 2, 5
+    logits = torch.tensor([-1.0, 0.0, 1.0])[torch.randint(0, 3, (num_tokens, experts), generator=gen)]
+    kwargs = {
+        "gating_output": logits.to(DEVICE),
+        "topk": topk,
+        "renormalize": False,
+        "num_expert_group": groups,
+        "topk_group": topk_group,
+        "scoring_func": "sigmoid",
+        "routed_scaling_factor": 1.0,
+        "e_score_correction_bias": torch.zeros(experts, device=DEVICE),
+    }
+    weights, ids = grouped_topk(**kwargs)
+    scores = logits.sigmoid()
+    grouped = scores.view(num_tokens, groups, -1)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+    for t in range(num_tokens):
+        order = sorted(range(groups), key=lambda g: (-float(group_scores[t, g]), g))
+        kept = set(order[:topk_group])
+        cand = [e for e in range(experts) if e // (experts // groups) in kept]
+        want = sorted(cand, key=lambda e: (-float(scores[t, e]), e))[:topk]
+        assert ids[t].cpu().tolist() and sorted(ids[t].cpu().tolist()) == sorted(want), (t, kernel)
+    torch.testing.assert_close(weights.cpu(), scores.gather(1, ids.cpu().long()))
