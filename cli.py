@@ -39,7 +39,6 @@ def _info(args: argparse.Namespace) -> int:
 
 def _explain(args: argparse.Namespace) -> int:
     from kernelmux.engine.report import explain_report, render_explain
-    from kernelmux.errors import KernelmuxError
 
     engine = _engine(args.platform)
     if args.op not in engine.specs:
@@ -57,11 +56,7 @@ def _explain(args: argparse.Namespace) -> int:
         # tensors (shapes and dtypes only) and let the engine answer for the simulated device.
         simulated = engine.platform.simulated
         kwargs = case.build("meta" if simulated else engine.platform.device_type)
-    try:
-        data = explain_report(engine, args.op, kwargs, args.case)
-    except KernelmuxError as error:
-        print(f"kernelmux: {error}", file=sys.stderr)
-        return 2
+    data = explain_report(engine, args.op, kwargs, args.case)
     if args.json:
         print(json.dumps(data, indent=2))
     else:
@@ -92,8 +87,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from kernelmux.errors import KernelmuxError
+
     args = _parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KernelmuxError as error:  # bad platform names, settings, strict-mode plugin failures
+        print(f"kernelmux: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -15,6 +15,7 @@ __all__ = [
     "LaunchConfig",
     "MAX_PADDED_EXPERTS",
     "MAX_UNROLLED_PICKS",
+    "force_64bit_offsets",
     "grouped_topk",
     "launch_config",
     "override_launch_config",
@@ -39,6 +40,44 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+_INT32_LIMIT = 2**31
+
+
+def _needs_64bit_offsets(
+    gating_output: torch.Tensor, topk: int, bias: Optional[torch.Tensor]
+) -> bool:
+    """Whether some element offset the packed kernel forms (logits, bias, outputs) can pass
+    int32; the kernel then computes every offset in int64 (the baseline always does for logits)."""
+    num_tokens, num_experts = gating_output.shape
+    row_stride, expert_stride = gating_output.stride()
+    last_logit = (num_tokens - 1) * row_stride + (num_experts - 1) * expert_stride
+    last_bias = (num_experts - 1) * bias.stride(0) if bias is not None else 0
+    return max(last_logit, last_bias, num_tokens * topk) >= _INT32_LIMIT
+
+
+def _packed_constexprs(
+    gating_output: torch.Tensor, topk: int, bias: Optional[torch.Tensor]
+) -> dict:
+    """The packed kernel's host-chosen constexprs beyond the shape ones."""
+    return {
+        "OFFSETS_64": _force_64bit_offsets or _needs_64bit_offsets(gating_output, topk, bias),
+        "FAST_DIV": _fast_div_available(),
+    }
+
+
+@functools.cache
+def _fast_div_available() -> bool:
+    """tl.math.fdiv(..., approx=True) (an approximate reciprocal) exists in this Triton."""
+    import inspect
+
+    import triton.language as tl
+
+    try:
+        return "approx" in inspect.signature(tl.math.fdiv).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 # The two kernels of _grouped_topk_kernel.py, by name: "packed" (one packed-key reduction per
 # pick; the default) and "baseline" (the original max / min-index / masked-sum picks), kept for
 # benchmark comparisons. Same arguments and results.
@@ -46,6 +85,8 @@ KERNELS = ("packed", "baseline")
 
 # Set only through use_kernel (benchmarks, tests); not thread-safe by design.
 _kernel_name: str = "packed"
+# Set only through force_64bit_offsets (tests); not thread-safe by design.
+_force_64bit_offsets: bool = False
 
 
 @functools.cache
@@ -73,6 +114,19 @@ def use_kernel(name: str) -> Iterator[str]:
         yield name
     finally:
         _kernel_name = previous
+
+
+@contextlib.contextmanager
+def force_64bit_offsets(force: bool = True) -> Iterator[bool]:
+    """Make the packed kernel use int64 offsets inside the block even when int32 ones would do
+    (tests: the 64-bit path otherwise needs a > 8 GiB tensor); restores the previous setting."""
+    global _force_64bit_offsets
+    previous = _force_64bit_offsets
+    _force_64bit_offsets = force
+    try:
+        yield force
+    finally:
+        _force_64bit_offsets = previous
 
 
 @dataclass(frozen=True)
@@ -187,8 +241,11 @@ def grouped_topk(
         if device.type == "cuda" and device.index != torch.cuda.current_device()
         else contextlib.nullcontext()
     )
+    kernel = _kernel()
+    # The packed kernel's extra constexprs (the baseline keeps the original argument list).
+    extra = _packed_constexprs(gating_output, topk, bias) if _kernel_name == "packed" else {}
     with guard:
-        _kernel()[grid](
+        kernel[grid](
             gating_output,
             bias if has_bias else gating_output,  # never read without a bias
             weights,
@@ -211,5 +268,6 @@ def grouped_topk(
             RENORMALIZE=renormalize,
             BLOCK_T=config.block_t,
             num_warps=config.num_warps,
+            **extra,
         )
     return weights, ids

@@ -24,6 +24,7 @@ from kernelmux.backends.triton.grouped_topk import (  # noqa: E402
     MAX_PADDED_EXPERTS,
     MAX_UNROLLED_PICKS,
     LaunchConfig,
+    force_64bit_offsets,
     grouped_topk,
     launch_config,
     override_launch_config,
@@ -284,3 +285,43 @@ def test_ties_go_to_the_lowest_ids(kernel: str, seed: int) -> None:
         want = sorted(cand, key=lambda e: (-float(scores[t, e]), e))[:topk]
         assert ids[t].cpu().tolist() and sorted(ids[t].cpu().tolist()) == sorted(want), (t, kernel)
     torch.testing.assert_close(weights.cpu(), scores.gather(1, ids.cpu().long()))
+
+
+def test_offsets_are_64bit_exactly_when_needed() -> None:
+    # Meta tensors: the shapes and strides of > 8 GiB logits without the memory.
+    def constexprs(logits, topk=8, bias=None):
+        return triton_grouped_topk._packed_constexprs(logits, topk, bias)
+
+    small = torch.empty(16384, 256, device="meta")
+    assert constexprs(small)["OFFSETS_64"] is False
+    # Last element offset (T - 1) * 256 + 255 = 2**31 - 1: still fits; one more row does not.
+    assert constexprs(torch.empty(2**23, 256, device="meta"))["OFFSETS_64"] is False
+    assert constexprs(torch.empty(2**23 + 1, 256, device="meta"))["OFFSETS_64"] is True
+    # A transposed view: the expert stride is T.
+    assert constexprs(torch.empty(256, 2**23 + 1, device="meta").t())["OFFSETS_64"] is True
+    # Outputs: T * topk elements.
+    assert constexprs(torch.empty(2**28, 1, device="meta"), topk=8)["OFFSETS_64"] is True
+    with force_64bit_offsets():
+        assert constexprs(small)["OFFSETS_64"] is True
+        with force_64bit_offsets(False):
+            assert constexprs(small)["OFFSETS_64"] is False
+        assert constexprs(small)["OFFSETS_64"] is True
+    assert constexprs(small)["OFFSETS_64"] is False
+
+
+@pytest.mark.parametrize(
+    "case", ["deepseek_v3_t64", "small_sigmoid_bias", "small_softmax", "one_token", "groups_of_one"]
+)
+def test_packed_kernel_64bit_offsets(case: str) -> None:
+    # The int64 offset path (taken for huge tensors only) against the reference, plain and with
+    # a transposed view (expert stride T) and a row-padded view (row stride E + 7).
+    kwargs = SPEC.case(case).build(DEVICE, 8)
+    logits = kwargs["gating_output"]
+    views = [logits, logits.t().contiguous().t()]
+    wide = torch.full((logits.shape[0], logits.shape[1] + 7), float("nan"), device=DEVICE)
+    wide[:, 3 : 3 + logits.shape[1]] = logits
+    views.append(wide[:, 3 : 3 + logits.shape[1]])
+    with use_kernel("packed"), force_64bit_offsets():
+        for view in views:
+            kw = dict(kwargs, gating_output=view)
+            _check(kw, _run(kw))
