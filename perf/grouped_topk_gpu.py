@@ -109,13 +109,26 @@ def main(argv: list[str] | None = None) -> int:
                     for block_t in SWEEP_BLOCK_T:
                         for warps in SWEEP_WARPS:
                             config = triton_module.LaunchConfig(block_t=block_t, num_warps=warps)
-                            with triton_module.override_launch_config(config):
-                                timing = graph_replay_time(triton_module.grouped_topk, inputs,
-                                                           trials=15)
-                            sweep.append({"tokens": tokens, "kernel": kernel, "block_t": block_t,
-                                          "num_warps": warps, "median_us": timing.median_us})
-                best = min((s for s in sweep if s["tokens"] == tokens and s["kernel"] == kernel),
-                           key=lambda s: s["median_us"])
+                            row = {"tokens": tokens, "kernel": kernel, "block_t": block_t,
+                                   "num_warps": warps, "median_us": None}
+                            sweep.append(row)
+                            try:
+                                with triton_module.override_launch_config(config):
+                                    # Every configuration is checked before it is timed.
+                                    SPEC.check_close(triton_module.grouped_topk(**inputs[0]),
+                                                     SPEC.reference(**inputs[0]), inputs[0])
+                                    timing = graph_replay_time(triton_module.grouped_topk,
+                                                               inputs, trials=15)
+                            except ValueError as refused:  # a known-bad configuration
+                                row["status"] = f"refused: {refused}"
+                                continue
+                            except AssertionError as wrong:
+                                row["status"] = f"WRONG: {str(wrong)[:200]}"
+                                print(f"T={tokens} {kernel} {config}: WRONG", flush=True)
+                                continue
+                            row.update(status="ok", median_us=timing.median_us)
+                best = min((s for s in sweep if s["tokens"] == tokens and s["kernel"] == kernel
+                            and s["median_us"] is not None), key=lambda s: s["median_us"])
                 print(f"T={tokens:6d} sweep best ({kernel}): {best}", flush=True)
 
     result = {"op": "grouped_topk", "case": "DeepSeek-V3 routing (E 256, G 8, topk_group 4, top 8, "
@@ -143,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                   "| T | kernel | block_t | num_warps | us |", "|---|---|---|---|---|"]
         for tokens in TOKENS:
             for kernel in triton_module.KERNELS:
-                mine = [s for s in sweep if s["tokens"] == tokens and s["kernel"] == kernel]
+                mine = [s for s in sweep if s["tokens"] == tokens and s["kernel"] == kernel
+                        and s["median_us"] is not None]
                 if mine:
                     b = min(mine, key=lambda s: s["median_us"])
                     lines.append(f"| {tokens} | {kernel} | {b['block_t']} | {b['num_warps']} | "

@@ -13,6 +13,7 @@ import torch
 
 __all__ = [
     "LaunchConfig",
+    "KNOWN_BAD_CONFIGS",
     "MAX_PADDED_EXPERTS",
     "MAX_UNROLLED_PICKS",
     "force_64bit_offsets",
@@ -33,7 +34,6 @@ MAX_PADDED_EXPERTS = 1024
 # Group and expert selection are unrolled loops (one full-row scan per pick): code size and
 # compile time grow linearly with the count, and no known router picks more than a few dozen.
 MAX_UNROLLED_PICKS = 32
-
 
 
 def _next_pow2(n: int) -> int:
@@ -137,23 +137,31 @@ class LaunchConfig:
     num_warps: int
 
 
-# Starting values chosen from register arithmetic, NOT measured: replace them with the winners
-# of a device sweep (override_launch_config) on H100/H200. Keyed on the token count and on
-# next_pow2(E), a proxy for the padded tile width. Small T: one row per program, so the batch
-# spreads over as many SMs as possible and each row's reductions stay short (latency); large T:
-# several rows per program to amortize the index math, the bias load and the launch, with warps
-# scaled so a thread holds about 8-16 values per tile.
-# (max tokens, max next_pow2(E), config); the first row that fits wins.
+# Keyed on the token count and on next_pow2(E), a proxy for the padded tile width; the first row
+# that fits wins. E <= 256 rows are measured (H200, Triton 3.6, DeepSeek-V3 routing,
+# perf/results/grouped_topk_h200_*.json): one row per 1-warp program is fastest up to T = 1024
+# (each pick's reductions stay within one warp: single REDUX instructions, no shared memory);
+# above it 4 rows per 1-warp program amortize the per-program setup (bias load, index math) at
+# the same per-row instruction count (~375 SASS instructions a row, the same as 2 rows, which
+# Triton 3.6 miscompiles: see KNOWN_BAD_CONFIGS). The E <= 64 and E <= 1024 rows are register
+# arithmetic, not measured (no model case of those sizes is timed yet); the GPU test suite runs
+# every row of the table against the reference.
 _CONFIG_TABLE: tuple[tuple[float, int, LaunchConfig], ...] = (
     (64, 256, LaunchConfig(block_t=1, num_warps=1)),
     (64, MAX_PADDED_EXPERTS, LaunchConfig(block_t=1, num_warps=4)),
+    (1024, 256, LaunchConfig(block_t=1, num_warps=1)),
     (2048, 64, LaunchConfig(block_t=16, num_warps=2)),
-    (2048, 256, LaunchConfig(block_t=4, num_warps=4)),
-    (2048, MAX_PADDED_EXPERTS, LaunchConfig(block_t=2, num_warps=8)),
+    (2048, MAX_PADDED_EXPERTS, LaunchConfig(block_t=4, num_warps=8)),
     (float("inf"), 64, LaunchConfig(block_t=32, num_warps=4)),
-    (float("inf"), 256, LaunchConfig(block_t=8, num_warps=8)),
-    (float("inf"), MAX_PADDED_EXPERTS, LaunchConfig(block_t=2, num_warps=8)),
+    (float("inf"), 256, LaunchConfig(block_t=4, num_warps=1)),
+    (float("inf"), MAX_PADDED_EXPERTS, LaunchConfig(block_t=4, num_warps=8)),
 )
+
+# Launch configurations of the packed kernel that compute wrong ids under Triton 3.6 on an H200
+# (every T, every row: perf/diag/sweep_check.py, 2026-11-22; the interpreter and all other
+# (block_t, num_warps) in {1..32} x {1, 2, 4, 8} are right). Cause not yet found: suspected in the
+# lowering of the run-sort's reshape/split for a 2-row tile over 1-2 warps. Refused, never run.
+KNOWN_BAD_CONFIGS = frozenset({LaunchConfig(block_t=2, num_warps=1), LaunchConfig(block_t=2, num_warps=2)})
 
 # Set only through override_launch_config (benchmark sweeps); not thread-safe by design.
 _override: Optional[LaunchConfig] = None
@@ -172,8 +180,13 @@ def launch_config(num_tokens: int, num_experts: int) -> LaunchConfig:
 
 @contextlib.contextmanager
 def override_launch_config(config: LaunchConfig) -> Iterator[LaunchConfig]:
-    """Use ``config`` for every launch inside the block (for sweeps); restores the previous one."""
+    """Use ``config`` for every launch inside the block (for sweeps); restores the previous one.
+    Raises ValueError for a configuration in KNOWN_BAD_CONFIGS."""
     global _override
+    if config in KNOWN_BAD_CONFIGS:
+        raise ValueError(
+            f"{config} computes wrong results under Triton 3.6 (see KNOWN_BAD_CONFIGS); refused"
+        )
     previous = _override
     _override = config
     try:

@@ -325,3 +325,34 @@ def test_packed_kernel_64bit_offsets(case: str) -> None:
         for view in views:
             kw = dict(kwargs, gating_output=view)
             _check(kw, _run(kw))
+
+
+SWEEP_CONFIGS = [
+    LaunchConfig(block_t=bt, num_warps=w)
+    for bt in (1, 2, 4, 8, 16, 32)
+    for w in (1, 2, 4, 8)
+    if LaunchConfig(block_t=bt, num_warps=w) not in triton_grouped_topk.KNOWN_BAD_CONFIGS
+]
+
+
+@pytest.mark.skipif(
+    not ON_GPU,
+    reason="GPU only: compiles every launch configuration for the device (a miscompile depends "
+    "on the layout, which the interpreter does not have); run on the GPU with perf/run_gpu.sh",
+)
+@pytest.mark.parametrize("config", SWEEP_CONFIGS, ids=lambda c: f"bt{c.block_t}w{c.num_warps}")
+@pytest.mark.parametrize("case_name", ["deepseek_v3_t64", "deepseek_v2_t1024", "small_softmax"])
+def test_every_launch_config_compiled(config: LaunchConfig, case_name: str, kernel: str) -> None:
+    kwargs = SPEC.case(case_name).build(DEVICE, 17)
+    with override_launch_config(config):
+        actual = grouped_topk(**kwargs)
+    _check(kwargs, actual)
+
+
+def test_known_bad_configs_are_refused() -> None:
+    for config in triton_grouped_topk.KNOWN_BAD_CONFIGS:
+        with pytest.raises(ValueError, match="wrong results under Triton 3.6"):
+            with override_launch_config(config):
+                pass
+    for _, _, config in _CONFIG_TABLE:
+        assert config not in triton_grouped_topk.KNOWN_BAD_CONFIGS
