@@ -138,30 +138,30 @@ class LaunchConfig:
 
 
 # Keyed on the token count and on next_pow2(E), a proxy for the padded tile width; the first row
-# that fits wins. E <= 256 rows are measured (H200, Triton 3.6, DeepSeek-V3 routing,
-# perf/results/grouped_topk_h200_*.json): one row per 1-warp program is fastest up to T = 1024
-# (each pick's reductions stay within one warp: single REDUX instructions, no shared memory);
-# above it 4 rows per 1-warp program amortize the per-program setup (bias load, index math) at
-# the same per-row instruction count (~375 SASS instructions a row, the same as 2 rows, which
-# Triton 3.6 miscompiles: see KNOWN_BAD_CONFIGS). The E <= 64 and E <= 1024 rows are register
-# arithmetic, not measured (no model case of those sizes is timed yet); the GPU test suite runs
-# every row of the table against the reference.
+# that fits wins. The E <= 256 row is measured (H200, Triton 3.6, DeepSeek-V3 routing, sweep of
+# block_t in 1..32 x num_warps in 1..8, perf/results/grouped_topk_h200_8792404.json): one row per
+# 1-warp program is fastest at every T (2.30 / 2.46 / 2.89 / 8.15 / 13.44 us at T = 1 / 64 / 1024
+# / 8192 / 16384; the runner-up at T = 16384 is (8, 2) at 13.81): each pick's reductions stay
+# inside one warp (single REDUX instructions, no shared memory) and many small programs keep
+# every SM busy. The E <= 64 and E <= 1024 rows are register arithmetic, not measured (no case
+# of those sizes is timed yet); the GPU test suite runs every configuration against the reference.
 _CONFIG_TABLE: tuple[tuple[float, int, LaunchConfig], ...] = (
-    (64, 256, LaunchConfig(block_t=1, num_warps=1)),
-    (64, MAX_PADDED_EXPERTS, LaunchConfig(block_t=1, num_warps=4)),
-    (1024, 256, LaunchConfig(block_t=1, num_warps=1)),
+    (64, 64, LaunchConfig(block_t=1, num_warps=1)),
     (2048, 64, LaunchConfig(block_t=16, num_warps=2)),
-    (2048, MAX_PADDED_EXPERTS, LaunchConfig(block_t=4, num_warps=8)),
     (float("inf"), 64, LaunchConfig(block_t=32, num_warps=4)),
-    (float("inf"), 256, LaunchConfig(block_t=4, num_warps=1)),
+    (float("inf"), 256, LaunchConfig(block_t=1, num_warps=1)),
+    (64, MAX_PADDED_EXPERTS, LaunchConfig(block_t=1, num_warps=4)),
     (float("inf"), MAX_PADDED_EXPERTS, LaunchConfig(block_t=4, num_warps=8)),
 )
 
-# Launch configurations of the packed kernel that compute wrong ids under Triton 3.6 on an H200
-# (every T, every row: perf/diag/sweep_check.py, 2026-11-22; the interpreter and all other
-# (block_t, num_warps) in {1..32} x {1, 2, 4, 8} are right). Cause not yet found: suspected in the
-# lowering of the run-sort's reshape/split for a 2-row tile over 1-2 warps. Refused, never run.
-KNOWN_BAD_CONFIGS = frozenset({LaunchConfig(block_t=2, num_warps=1), LaunchConfig(block_t=2, num_warps=2)})
+# Launch configurations refused because the packed kernel computes wrong ids with them under
+# Triton 3.6 on an H200, while the interpreter and every other (block_t, num_warps) in
+# {1..32} x {1, 2, 4, 8} are right (tests/backends/triton, test_every_launch_config_compiled,
+# and perf/diag/sweep_check.py, 2026-11-22): (2, 1) and (2, 2) at DeepSeek-V3 routing, (2, 4) at
+# DeepSeek-V2's padded groups of 20. (2, 8) was not seen wrong but shares the 2-row tile, so the
+# whole block_t = 2 family is refused until the cause (suspected: the lowering of the run-sort's
+# reshape/split for a 2-row tile) is found. Refused for the baseline kernel too, for simplicity.
+KNOWN_BAD_CONFIGS = frozenset(LaunchConfig(block_t=2, num_warps=w) for w in (1, 2, 4, 8))
 
 # Set only through override_launch_config (benchmark sweeps); not thread-safe by design.
 _override: Optional[LaunchConfig] = None

@@ -188,9 +188,11 @@ def test_each_table_config(max_padded: int, config: LaunchConfig, kernel: str) -
 
 def test_launch_config_table_and_override() -> None:
     assert launch_config(1, 256) == LaunchConfig(block_t=1, num_warps=1)
-    assert launch_config(16384, 256) == _CONFIG_TABLE[6][2]
-    assert launch_config(1024, 8) == _CONFIG_TABLE[2][2]
-    assert launch_config(64, 1000) == _CONFIG_TABLE[1][2]
+    # The measured row: one row per 1-warp program at every T for E <= 256.
+    assert launch_config(16384, 256) == LaunchConfig(block_t=1, num_warps=1)
+    assert launch_config(1024, 8) == _CONFIG_TABLE[1][2]
+    assert launch_config(64, 1000) == _CONFIG_TABLE[4][2]
+    assert launch_config(100000, 1000) == _CONFIG_TABLE[5][2]
     sweep = LaunchConfig(block_t=3, num_warps=2)
     outer = LaunchConfig(block_t=5, num_warps=1)
     with override_launch_config(outer):
