@@ -72,11 +72,14 @@ def measure(calls: int, repeats: int) -> dict[str, Any]:
             "resolved": lambda: resolved(*positional),
             "resolve() itself": lambda: kernelmux.resolve("grouped_topk", *positional),
         }
-        # Interleave the variants so drift in machine load hits all of them alike.
+        # Interleave the variants, rotating which goes first, so drift in machine load and
+        # whatever the first block of a round pays (seen: ~10 us a call) hit all of them alike.
         samples: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(repeats):
-            for name, fn in variants.items():
-                samples[name] += _per_call_ns(fn, calls, 1)
+        names = list(variants)
+        for round_index in range(repeats):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                samples[name] += _per_call_ns(variants[name], calls, 1)
         medians = {name: statistics.median(s) / 1e3 for name, s in samples.items()}
         results[label] = {
             "backend": impl.backend,

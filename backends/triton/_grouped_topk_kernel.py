@@ -390,7 +390,6 @@ def grouped_topk_kernel_packed(
         # pick only looks at each run's head: the winner's run pops its head. Every pick then
         # costs one compare/select per run instead of four per lane; the order is exact because
         # the sort is stable (ties keep the lowest id first).
-        N_RUNS: tl.constexpr = N_LANES // 4
         k02, k13 = tl.split(tl.reshape(key3, [BLOCK_T, N_LANES // 4, 2, 2]))
         k0, k2 = tl.split(k02)
         k1, k3 = tl.split(k13)

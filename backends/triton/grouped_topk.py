@@ -139,7 +139,7 @@ class LaunchConfig:
 
 # Keyed on the token count and on next_pow2(E), a proxy for the padded tile width; the first row
 # that fits wins. The E <= 256 row is measured (H200, Triton 3.6, DeepSeek-V3 routing, sweep of
-# block_t in 1..32 x num_warps in 1..8, perf/results/grouped_topk_h200_8792404.json): one row per
+# block_t in 1..32 x num_warps in 1..8, perf/results/grouped_topk_h200_8792404_sweep.json): one row per
 # 1-warp program is fastest at every T (2.30 / 2.46 / 2.89 / 8.15 / 13.44 us at T = 1 / 64 / 1024
 # / 8192 / 16384; the runner-up at T = 16384 is (8, 2) at 13.81): each pick's reductions stay
 # inside one warp (single REDUX instructions, no shared memory) and many small programs keep
