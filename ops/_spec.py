@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Mapping
@@ -111,7 +110,3 @@ class OpSpec:
 
     def cases_tagged(self, tag: str) -> tuple[Case, ...]:
         return tuple(case for case in self.cases if tag in case.tags)
-
-    def replace(self, **changes: Any) -> "OpSpec":
-        """A copy with some fields changed (tests use it to fake a spec at another version)."""
-        return dataclasses.replace(self, **changes)
