@@ -68,6 +68,8 @@ class OpSpec:
       computing them (torch.compile and meta tensors).
     - ``check_close(actual, expected, kwargs)``: raises ``AssertionError`` with the worst
       coordinates when ``actual`` does not conform; knows the op's contract (e.g. order-free rows).
+      ``actual`` and ``expected`` are what ``outputs`` returns for each run.
+    - ``mutates_args``: the arguments an in-place op writes (declared to torch.library too).
     - ``cost(kwargs)``: the op's ``Cost`` for the roofline.
     - ``version``: bumped whenever the semantics change; implementations state the version they
       implement and a mismatch is rejected at registration.
@@ -99,6 +101,14 @@ class OpSpec:
         if duplicates:
             raise ValueError(f"spec {self.name}: duplicate case names {duplicates}")
         object.__setattr__(self, "signature", signature)
+
+    def outputs(self, result: Any, kwargs: Mapping[str, Any]) -> Any:
+        """What a call produced, for comparison: its return value, or for an in-place op the
+        return value (if any) followed by the mutated arguments."""
+        if not self.mutates_args:
+            return result
+        mutated = tuple(kwargs[name] for name in self.mutates_args)
+        return mutated if result is None else (result, *mutated)
 
     def case(self, name: str) -> Case:
         for case in self.cases:
