@@ -9,8 +9,24 @@ from kernelmux.ops._op import Op
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.ops.specs import ALL_SPECS
 
-__all__ = ["ALL_OPS", "Case", "Cost", "Op", "OpSpec", "Tolerance", "grouped_topk"]
+__all__ = [
+    "ALL_OPS",
+    "Case",
+    "Cost",
+    "Op",
+    "OpSpec",
+    "Tolerance",
+    "grouped_topk",
+    "quantize_fp8",
+    "scaled_mm",
+    "selective_state_update",
+    "ssd_scan",
+]
 
 ALL_OPS = {spec.name: Op(spec) for spec in ALL_SPECS}
 
 grouped_topk = ALL_OPS["grouped_topk"]
+quantize_fp8 = ALL_OPS["quantize_fp8"]
+scaled_mm = ALL_OPS["scaled_mm"]
+ssd_scan = ALL_OPS["ssd_scan"]
+selective_state_update = ALL_OPS["selective_state_update"]

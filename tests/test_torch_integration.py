@@ -23,10 +23,20 @@ SMALL_CASES = [
 ]
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
+ALL_OPCHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
 @pytest.mark.parametrize("op, case", SMALL_CASES)
 def test_opcheck(op, case):
     kwargs = case.build(DEVICE)
-    torch.library.opcheck(op.custom_op, _positional(op.spec, kwargs))
+    checks = ALL_OPCHECKS
+    if DEVICE == "cpu" and any(isinstance(v, torch.Tensor) and v.dtype in FP8_DTYPES for v in kwargs.values()):
+        # opcheck's schema test compares the inputs before and after with torch.allclose, which
+        # has no fp8 kernel on CPU; it runs on the GPU (and the in-place contract is tested by
+        # the conformance tests everywhere).
+        checks = tuple(c for c in ALL_OPCHECKS if c != "test_schema")
+    torch.library.opcheck(op.custom_op, _positional(op.spec, kwargs), test_utils=checks)
 
 
 @pytest.mark.parametrize("op, case", SMALL_CASES)

@@ -96,7 +96,7 @@ def test_nothing_accepts_falls_back_to_reference_with_one_warning():
     assert len(fallback_warnings) == 1
     assert "never: not today" in str(fallback_warnings[0].message)
     assert declining.calls == 0
-    (call,) = report(engine)["ops"][0]["calls"]
+    (call,) = [o for o in report(engine)["ops"] if o["op"] == "grouped_topk"][0]["calls"]
     assert call["fallback"] and call["backend"] == "reference"
 
 
@@ -189,7 +189,7 @@ def test_configure_python_api_replaces_the_engine_and_rejects_unknown_backends()
 def test_report_lists_chosen_viable_and_rejected():
     engine = _engine(fake_impl("fast", Counter(), priority=5), fake_impl("slow", Counter()),
                      fake_impl("gpu", Counter(), requirement=PlatformRequirement(kinds=frozenset({PlatformKind.CUDA}))))
-    (op,) = report(engine)["ops"]
+    (op,) = [o for o in report(engine)["ops"] if o["op"] == "grouped_topk"]
     assert op["chosen"] == "fast"
     assert [v["backend"] for v in op["viable"]] == ["fast", "slow"]
     assert {r["backend"]: r["reason"] for r in op["rejected"]}["gpu"].startswith("needs a cuda")
