@@ -128,13 +128,17 @@ class Dispatcher:
                 self.decisions[key] = Decision(chosen.backend, False, summary)
             else:
                 declined = [(b, r or "") for b, r in summary] + [
-                    (impl.backend, f"rejected at startup: {why}") for impl, why in self.table.rejected
+                    (impl.backend, f"rejected at startup: {why}")
+                    for impl, why in self.table.rejected
+                    if impl.backend != Backend.REFERENCE  # the fallback itself is no candidate
                 ]
                 if self._engine.settings.strict:
                     raise NoImplementationError(spec.name, declined)
                 fn = spec.reference
                 self.decisions[key] = Decision(Backend.REFERENCE.value, True, summary)
-                reasons = "; ".join(f"{b}: {r}" for b, r in declined) or "no implementation registered"
+                reasons = "; ".join(f"{b}: {r}" for b, r in declined) or (
+                    "no other implementation is registered"
+                )
                 message = (
                     f"kernelmux: {spec.name} fell back to the reference (slow) for this input "
                     f"({reasons}). Set KERNELMUX_STRICT=1 to make this an error."

@@ -17,6 +17,8 @@ __all__ = [
     "OpSpec",
     "Tolerance",
     "grouped_topk",
+    "kv_cache_write",
+    "paged_attention",
     "quantize_fp8",
     "scaled_mm",
     "selective_state_update",
@@ -26,6 +28,8 @@ __all__ = [
 ALL_OPS = {spec.name: Op(spec) for spec in ALL_SPECS}
 
 grouped_topk = ALL_OPS["grouped_topk"]
+paged_attention = ALL_OPS["paged_attention"]
+kv_cache_write = ALL_OPS["kv_cache_write"]
 quantize_fp8 = ALL_OPS["quantize_fp8"]
 scaled_mm = ALL_OPS["scaled_mm"]
 ssd_scan = ALL_OPS["ssd_scan"]

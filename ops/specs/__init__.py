@@ -2,6 +2,8 @@
 
 from kernelmux.ops.specs import (
     grouped_topk,
+    kv_cache_write,
+    paged_attention,
     quantize_fp8,
     scaled_mm,
     selective_state_update,
@@ -12,6 +14,8 @@ __all__ = ["ALL_SPECS"]
 
 ALL_SPECS = (
     grouped_topk.SPEC,
+    paged_attention.SPEC,
+    kv_cache_write.SPEC,
     quantize_fp8.SPEC,
     scaled_mm.SPEC,
     ssd_scan.SPEC,
