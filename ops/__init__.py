@@ -18,8 +18,11 @@ __all__ = [
     "Tolerance",
     "grouped_topk",
     "kv_cache_write",
+    "mla_decode",
     "paged_attention",
     "quantize_fp8",
+    "quantize_mxfp4",
+    "quantize_nvfp4",
     "scaled_mm",
     "selective_state_update",
     "ssd_scan",
@@ -30,7 +33,10 @@ ALL_OPS = {spec.name: Op(spec) for spec in ALL_SPECS}
 grouped_topk = ALL_OPS["grouped_topk"]
 paged_attention = ALL_OPS["paged_attention"]
 kv_cache_write = ALL_OPS["kv_cache_write"]
+mla_decode = ALL_OPS["mla_decode"]
 quantize_fp8 = ALL_OPS["quantize_fp8"]
 scaled_mm = ALL_OPS["scaled_mm"]
+quantize_nvfp4 = ALL_OPS["quantize_nvfp4"]
+quantize_mxfp4 = ALL_OPS["quantize_mxfp4"]
 ssd_scan = ALL_OPS["ssd_scan"]
 selective_state_update = ALL_OPS["selective_state_update"]

@@ -3,8 +3,11 @@
 from kernelmux.ops.specs import (
     grouped_topk,
     kv_cache_write,
+    mla_decode,
     paged_attention,
     quantize_fp8,
+    quantize_mxfp4,
+    quantize_nvfp4,
     scaled_mm,
     selective_state_update,
     ssd_scan,
@@ -16,8 +19,11 @@ ALL_SPECS = (
     grouped_topk.SPEC,
     paged_attention.SPEC,
     kv_cache_write.SPEC,
+    mla_decode.SPEC,
     quantize_fp8.SPEC,
     scaled_mm.SPEC,
+    quantize_nvfp4.SPEC,
+    quantize_mxfp4.SPEC,
     ssd_scan.SPEC,
     selective_state_update.SPEC,
 )
