@@ -16,6 +16,7 @@ __all__ = [
     "Op",
     "OpSpec",
     "Tolerance",
+    "fused_moe",
     "grouped_topk",
     "kv_cache_write",
     "mla_decode",
@@ -31,6 +32,7 @@ __all__ = [
 ALL_OPS = {spec.name: Op(spec) for spec in ALL_SPECS}
 
 grouped_topk = ALL_OPS["grouped_topk"]
+fused_moe = ALL_OPS["fused_moe"]
 paged_attention = ALL_OPS["paged_attention"]
 kv_cache_write = ALL_OPS["kv_cache_write"]
 mla_decode = ALL_OPS["mla_decode"]

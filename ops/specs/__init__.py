@@ -1,6 +1,7 @@
 """One module per op spec; ALL_SPECS lists them in a stable order (the single source of op names)."""
 
 from kernelmux.ops.specs import (
+    fused_moe,
     grouped_topk,
     kv_cache_write,
     mla_decode,
@@ -17,6 +18,7 @@ __all__ = ["ALL_SPECS"]
 
 ALL_SPECS = (
     grouped_topk.SPEC,
+    fused_moe.SPEC,
     paged_attention.SPEC,
     kv_cache_write.SPEC,
     mla_decode.SPEC,

@@ -141,7 +141,7 @@ def test_resolve_returns_the_function_dispatch_would_run():
     fn = engine.resolve("grouped_topk", **kwargs)
     fn(**kwargs)
     assert chosen.calls == 1
-    with pytest.raises(UnknownOpError, match="known ops: grouped_topk"):
+    with pytest.raises(UnknownOpError, match="known ops: .*grouped_topk"):
         engine.resolve("no_such_op")
 
 
