@@ -68,3 +68,27 @@ def test_compile_with_inductor_backend():
     compiled = torch.compile(lambda x: kernelmux.ops.grouped_topk(x, 2, True, 1, 1), fullgraph=True)
     kwargs = spec.case("mixtral_8x7b_t1024").build(DEVICE)
     spec.check_close(compiled(kwargs["gating_output"]), spec.reference(**kwargs), kwargs)
+
+
+# One small random case per op: fullgraph compilation of a call through kernelmux.ops.
+FIRST_RANDOM_CASE = [
+    pytest.param(op, next(c for c in op.spec.cases if "random" in c.tags), id=op.name)
+    for op in ALL_OPS.values()
+]
+
+
+@pytest.mark.parametrize("op, case", FIRST_RANDOM_CASE)
+def test_every_op_compiles_fullgraph(op, case):
+    # Each op is its own program: start dynamo fresh so the shared code objects (this test's
+    # `call`, Op.__call__) do not hit the recompile limit across parameters.
+    torch._dynamo.reset()
+    kwargs, ref_kwargs = case.build(DEVICE), case.build(DEVICE)
+    names = list(op.spec.signature.parameters)
+
+    def call(*args):
+        return op(*args)
+
+    compiled = torch.compile(call, fullgraph=True, backend="aot_eager")
+    actual = op.spec.outputs(compiled(*(kwargs[n] for n in names)), kwargs)
+    expected = op.spec.outputs(op.spec.reference(**ref_kwargs), ref_kwargs)
+    op.spec.check_close(actual, expected, kwargs)
