@@ -16,6 +16,7 @@ __all__ = [
     "Op",
     "OpSpec",
     "Tolerance",
+    "fp4_mm",
     "fused_moe",
     "grouped_topk",
     "kv_cache_write",
@@ -40,5 +41,6 @@ quantize_fp8 = ALL_OPS["quantize_fp8"]
 scaled_mm = ALL_OPS["scaled_mm"]
 quantize_nvfp4 = ALL_OPS["quantize_nvfp4"]
 quantize_mxfp4 = ALL_OPS["quantize_mxfp4"]
+fp4_mm = ALL_OPS["fp4_mm"]
 ssd_scan = ALL_OPS["ssd_scan"]
 selective_state_update = ALL_OPS["selective_state_update"]

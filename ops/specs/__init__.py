@@ -1,6 +1,7 @@
 """One module per op spec; ALL_SPECS lists them in a stable order (the single source of op names)."""
 
 from kernelmux.ops.specs import (
+    fp4_mm,
     fused_moe,
     grouped_topk,
     kv_cache_write,
@@ -26,6 +27,7 @@ ALL_SPECS = (
     scaled_mm.SPEC,
     quantize_nvfp4.SPEC,
     quantize_mxfp4.SPEC,
+    fp4_mm.SPEC,
     ssd_scan.SPEC,
     selective_state_update.SPEC,
 )
