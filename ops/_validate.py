@@ -8,7 +8,7 @@ import torch
 
 from kernelmux.errors import InvalidArgumentError
 
-__all__ = ["check_choice", "check_int", "check_tensor", "dtype_names"]
+__all__ = ["check_choice", "check_int", "check_paged_batch", "check_tensor", "dtype_names"]
 
 
 def dtype_names(dtypes: Collection[torch.dtype]) -> str:
@@ -51,3 +51,37 @@ def check_int(op: str, name: str, value: Any, *, low: int, high: int | None = No
 def check_choice(op: str, name: str, value: Any, choices: Collection[Any]) -> None:
     if value not in choices:
         raise InvalidArgumentError(op, name, f"one of {sorted(choices)}", repr(value))
+
+
+def check_paged_batch(
+    op: str,
+    cu_seqlens_q: Any,
+    block_table: Any,
+    seq_lens: Any,
+    max_query_len: Any,
+    max_seq_len: Any,
+    scale: Any,
+    device: torch.device,
+) -> int:
+    """The batch description shared by the paged attention ops (vLLM's metadata): int32
+    ``cu_seqlens_q [B+1]``, ``block_table [B, max_blocks]``, ``seq_lens [B]`` on ``device``, host
+    ints ``max_query_len`` and ``max_seq_len``, a float ``scale``. Returns B."""
+    check_tensor(op, "cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), rank=1, device=device)
+    if cu_seqlens_q.shape[0] < 1:
+        raise InvalidArgumentError(op, "cu_seqlens_q", "shape (B+1,) with B >= 0", (0,))
+    batch = cu_seqlens_q.shape[0] - 1
+    check_tensor(op, "block_table", block_table, dtypes=(torch.int32,), rank=2, device=device)
+    if block_table.shape[0] != batch:
+        raise InvalidArgumentError(
+            op, "block_table", f"{batch} rows (B = len(cu_seqlens_q) - 1)", tuple(block_table.shape)
+        )
+    check_tensor(op, "seq_lens", seq_lens, dtypes=(torch.int32,), rank=1, device=device)
+    if seq_lens.shape[0] != batch:
+        raise InvalidArgumentError(
+            op, "seq_lens", f"shape ({batch},) (B = len(cu_seqlens_q) - 1)", tuple(seq_lens.shape)
+        )
+    check_int(op, "max_query_len", max_query_len, low=0)
+    check_int(op, "max_seq_len", max_seq_len, low=0)
+    if type(scale) not in (float, int):
+        raise InvalidArgumentError(op, "scale", "a Python float", type(scale).__name__)
+    return batch

@@ -7,6 +7,7 @@ from typing import Any, Hashable, Mapping, Optional
 import torch
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._compare import assert_close_to_magnitude
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.ops._validate import check_choice, check_tensor
 from kernelmux.ops.specs.quantize_fp8 import quantize_fp8
@@ -364,26 +365,9 @@ def check_close(actual: Any, expected: Any, kwargs: Mapping[str, Any]) -> None:
     if expected.numel() == 0:
         return
     mag = magnitude(kwargs)
-    got, want = actual.detach().double().cpu(), expected.detach().double().cpu()
-    both_finite = got.isfinite() & want.isfinite()
-    special_mismatch = ~both_finite & ~((got == want) | (got.isnan() & want.isnan()))
-    limit = tolerance.atol * mag + tolerance.rtol * want.abs()
-    excess = torch.where(both_finite, (got - want).abs() - limit, torch.zeros_like(got))
-    bad = special_mismatch | (excess > 0)
-    if not bool(bad.any()):
-        return
-    ratio = torch.where(both_finite, (got - want).abs() / limit.clamp_min(1e-300), 0)
-    worst = torch.where(bad, ratio.nan_to_num(float("inf")), -1.0)
-    order = worst.flatten().argsort(descending=True)[:5]
-    coords = [tuple(int(i) for i in torch.unravel_index(j, got.shape)) for j in order]
-    rows = ", ".join(
-        f"{c}: got {got[c].item():.7g}, expected {want[c].item():.7g}, mag {mag[c].item():.4g}"
-        for c in coords
-    )
-    raise AssertionError(
-        f"{NAME} ({kwargs['quantization']}): {int(bad.sum())} of {got.numel()} elements outside "
-        f"{tolerance.atol:g} * mag + {tolerance.rtol:g} * |expected| "
-        f"(mag = L2 of the down projection's terms); worst {rows}"
+    assert_close_to_magnitude(
+        actual, expected, mag, tolerance, f"{NAME} ({kwargs['quantization']})",
+        "L2 of the down projection's terms",
     )
 
 

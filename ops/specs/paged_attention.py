@@ -9,7 +9,7 @@ import torch
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.ops._compare import assert_close
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
-from kernelmux.ops._validate import check_int, check_tensor
+from kernelmux.ops._validate import check_int, check_paged_batch, check_tensor
 from kernelmux.ops.specs.kv_cache_write import FP8, check_scale, random_cache
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
@@ -152,24 +152,9 @@ def validate(
     if v_cache.shape != k_cache.shape:
         raise InvalidArgumentError(NAME, "v_cache", f"shape {tuple(k_cache.shape)} (k_cache's)",
                                    tuple(v_cache.shape))
-    check_tensor(NAME, "cu_seqlens_q", cu_seqlens_q, dtypes=(torch.int32,), rank=1, device=device)
-    if cu_seqlens_q.shape[0] < 1:
-        raise InvalidArgumentError(NAME, "cu_seqlens_q", "shape (B+1,) with B >= 0", (0,))
-    batch = cu_seqlens_q.shape[0] - 1
-    check_tensor(NAME, "block_table", block_table, dtypes=(torch.int32,), rank=2, device=device)
-    if block_table.shape[0] != batch:
-        raise InvalidArgumentError(
-            NAME, "block_table", f"{batch} rows (B = len(cu_seqlens_q) - 1)", tuple(block_table.shape)
-        )
-    check_tensor(NAME, "seq_lens", seq_lens, dtypes=(torch.int32,), rank=1, device=device)
-    if seq_lens.shape[0] != batch:
-        raise InvalidArgumentError(
-            NAME, "seq_lens", f"shape ({batch},) (B = len(cu_seqlens_q) - 1)", tuple(seq_lens.shape)
-        )
-    check_int(NAME, "max_query_len", max_query_len, low=0)
-    check_int(NAME, "max_seq_len", max_seq_len, low=0)
-    if type(scale) not in (float, int):
-        raise InvalidArgumentError(NAME, "scale", "a Python float", type(scale).__name__)
+    check_paged_batch(
+        NAME, cu_seqlens_q, block_table, seq_lens, max_query_len, max_seq_len, scale, device
+    )
     if type(causal) is not bool:
         raise InvalidArgumentError(NAME, "causal", "a bool", type(causal).__name__)
     check_int(NAME, "sliding_window", sliding_window, low=0)
