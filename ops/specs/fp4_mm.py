@@ -11,6 +11,7 @@ from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.ops._validate import check_choice, check_tensor
 from kernelmux.ops.specs.quantize_mxfp4 import e8m0_to_float, quantize_mxfp4
 from kernelmux.ops.specs.quantize_nvfp4 import E2M1_VALUES, quantize_nvfp4
+from kernelmux.ops.specs.scaled_mm import OUT_DTYPES  # the GEMM specs share their output dtypes
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
@@ -18,7 +19,6 @@ __all__ = ["SPEC", "decode_e2m1", "dequantize_fp4", "fp4_mm"]
 
 NAME = "fp4_mm"
 # The API names the output dtype with a string (a torch.dtype is not a custom-op argument type).
-OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)  # W4A16; a uint8 `a` means W4A4
 # Per format: the block along K and the dtype of its block scales.
 BLOCKS = {"nvfp4": 16, "mxfp4": 32}
