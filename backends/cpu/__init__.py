@@ -1,23 +1,34 @@
-"""The cpu backend: vectorized torch implementations for CPU tensors that beat the references."""
+"""The cpu backend: vectorized torch implementations for CPU tensors that beat the references
+(speed-ups measured by perf/cpu_vs_reference.py, recorded in perf/results/)."""
 
 from __future__ import annotations
 
 from kernelmux.ops.specs import grouped_topk as grouped_topk_spec
+from kernelmux.ops.specs import mla_decode as mla_decode_spec
+from kernelmux.ops.specs import paged_attention as paged_attention_spec
 from kernelmux.registry import Backend, Implementation, hookimpl
 
 
 @hookimpl
 def kernelmux_implementations() -> list[Implementation]:
-    from kernelmux.backends.cpu import grouped_topk
+    from kernelmux.backends.cpu import attention, grouped_topk
 
-    return [
-        Implementation(
-            op=grouped_topk_spec.NAME,
+    def cpu(spec, fn, description: str) -> Implementation:
+        return Implementation(
+            op=spec.NAME,
             backend=Backend.CPU,
-            fn=grouped_topk.grouped_topk,
-            spec_version=grouped_topk_spec.SPEC.version,
+            fn=fn,
+            spec_version=spec.SPEC.version,
             priority=10,
             devices=frozenset({"cpu"}),
-            description="selection on logits, top-k over kept groups only, weights for chosen ids only",
+            description=description,
         )
+
+    return [
+        cpu(grouped_topk_spec, grouped_topk.grouped_topk,
+            "selection on logits, top-k over kept groups only, weights for chosen ids only"),
+        cpu(paged_attention_spec, attention.paged_attention,
+            "chunked block gather, GQA heads packed as rows, torch's fused CPU flash attention"),
+        cpu(mla_decode_spec, attention.mla_decode,
+            "chunked latent gather, all heads as rows of one problem, torch's fused CPU flash attention"),
     ]

@@ -275,7 +275,10 @@ def _maker(
             for b, kv_len in enumerate(kv_lens):
                 positions = torch.arange(kv_len)
                 read[table[b, positions // block_size], positions % block_size] = True
-            cache[~read] = float("nan")
+            if cache.dtype == FP8:
+                cache.view(torch.uint8)[~read] = 0x7F  # e4m3fn's NaN code (masked_fill has no fp8 kernel)
+            else:
+                cache[~read] = float("nan")
         kwargs = {
             "q": torch.randn(sum(q_lens), num_heads, head_dim, generator=generator, dtype=dtype),
             "kv_cache": cache,
