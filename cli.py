@@ -83,6 +83,15 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("op")
     explain.add_argument("--case", metavar="NAME", help="ask supports() with this spec case's inputs")
     explain.set_defaults(run=_explain)
+    bench = sub.add_parser(
+        "bench", help="time every viable implementation on the specs' cases against measured ceilings",
+        description="Checks each implementation against the reference, times it, and reports "
+        "TFLOP/s, GB/s, percent of a roofline measured in the same run and speed-ups.",
+    )
+    from kernelmux.perf import bench as bench_module
+
+    bench_module.add_arguments(bench)
+    bench.set_defaults(run=bench_module.main)
     return parser
 
 

@@ -26,6 +26,9 @@ class Cost:
 
     flops: int
     bytes: int
+    # Which dense matrix rate bounds the flops: "bf16" (fp16 alike), "fp8", "fp4" or "fp32". The
+    # precision a conforming kernel may compute in, not the reference's (which is often fp32).
+    matmul: str = "bf16"
 
 
 @dataclass(frozen=True)

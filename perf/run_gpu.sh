@@ -1,13 +1,41 @@
 #!/usr/bin/env bash
-# One device call: install kernelmux and the example plugin into the machine's python (no network:
-# no build isolation, no dependency resolution), run the whole test suite on the GPU, then the
-# grouped_topk benchmark. Outputs go to $OUT (or ./perf-out).
-#   bash perf/run_gpu.sh [--sweep]
+# The GPU suite, for one device call per group of steps. Installs kernelmux and the example plugin
+# into the machine's python (no network: no build isolation, no dependency resolution), then runs
+# the named steps, writing to $OUT (or ./perf-out):
+#   tests-core   pytest on everything but the two slow files below   -> pytest_core.txt
+#   tests-slow   opcheck/compile tests and Triton launch configs      -> pytest_slow.txt
+#   bench        kernelmux bench over every op's model cases          -> bench.json, bench.md, bench.log
+#   compare      perf/diag/compare_demo.py on triton grouped_topk     -> compare.txt, compare_demo_*.json
+#   sweep        grouped_topk launch-configuration sweep              -> grouped_topk_gpu.{json,md}
+# A device command may run 10 minutes: tests-core + bench fit one call, tests-slow + compare
+# another. Set KERNELMUX_COMMIT (the tree travels without .git).
+#   bash perf/run_gpu.sh tests-core bench
 set -uo pipefail
 out=${OUT:-perf-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+repo=$(pwd)
 python3 -m pip install -q --no-deps --no-build-isolation --no-index . ./tests/plugin_pkg 2>&1 | tail -3
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
-(cd /tmp && python3 -m pytest "$OLDPWD/tests" -q -p no:cacheprovider 2>&1) | tee "$out/pytest.txt" | tail -25
-python3 -m kernelmux.perf.grouped_topk_gpu --out "$out" "$@" 2>&1 | tee "$out/bench.txt"
+slow=(tests/test_torch_integration.py tests/backends/triton)
+for step in "$@"; do
+    echo "== $step ($(date -u +%T))"
+    case "$step" in
+    tests-core)
+        (cd /tmp && timeout 420 python3 -m pytest "$repo/tests" -q -p no:cacheprovider -rfE \
+            --durations=15 "${slow[@]/#/--ignore=$repo/}" 2>&1) | tee "$out/pytest_core.txt" | tail -25 ;;
+    tests-slow)
+        (cd /tmp && timeout 420 python3 -m pytest "${slow[@]/#/$repo/}" -q -p no:cacheprovider -rfE \
+            --durations=15 2>&1) | tee "$out/pytest_slow.txt" | tail -25 ;;
+    bench)
+        timeout 300 python3 -m kernelmux bench --json "$out/bench.json" --md "$out/bench.md" \
+            2> "$out/bench.log" | tail -5 ;;
+    compare)
+        timeout 200 python3 perf/diag/compare_demo.py --backend triton --delay-us 2 --out "$out" 2>&1 \
+            | tee "$out/compare.txt" | tail -8 ;;
+    sweep)
+        python3 -m kernelmux.perf.grouped_topk_gpu --out "$out" --sweep 2>&1 | tail -5 ;;
+    *)
+        echo "unknown step $step" >&2; exit 2 ;;
+    esac
+done

@@ -1,14 +1,19 @@
-"""GPU timing by CUDA-graph replay with rotated inputs, and the device-copy bandwidth ceiling."""
+"""Timers: CUDA-graph replay with rotated inputs, CUDA events per call (optionally flushing the
+L2 between calls) for code a graph cannot capture, and the wall clock on CPUs; and the
+device-copy bandwidth ceiling."""
 
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["Timing", "copy_bandwidth_gbps", "graph_replay_time", "rotation_count"]
+__all__ = [
+    "Timing", "copy_bandwidth_gbps", "event_time", "graph_replay_time", "rotation_count", "wall_time",
+]
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,13 @@ class Timing:
     median_us: float
     p20_us: float
     p80_us: float
+
+
+def _summary(per_call_us: list[float]) -> Timing:
+    if len(per_call_us) < 2:
+        return Timing(per_call_us[0], per_call_us[0], per_call_us[0])
+    q = statistics.quantiles(per_call_us, n=5, method="inclusive")
+    return Timing(statistics.median(per_call_us), q[0], q[3])
 
 
 def rotation_count(bytes_per_call: int, l2_bytes: int, cap: int) -> int:
@@ -57,10 +69,54 @@ def graph_replay_time(
         end.record()
         end.synchronize()
         per_call.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
-    per_call.sort()
-    q = statistics.quantiles(per_call, n=5)
     del graph
-    return Timing(statistics.median(per_call), q[0], q[3])
+    return _summary(per_call)
+
+
+def event_time(
+    fn: Callable[..., Any],
+    inputs: Sequence[dict[str, Any]],
+    *,
+    reps: int = 50,
+    budget_s: float = 1.0,
+    flush_l2_bytes: int = 0,
+) -> Timing:
+    """Time single calls of ``fn`` (cycling through ``inputs``) with CUDA events, for code a
+    graph cannot capture (host syncs, such as the references' ``.tolist()``). The times include
+    launch overhead and any host work, as a caller sees it. With ``flush_l2_bytes``, a buffer
+    that large is overwritten before every call, outside the timed region."""
+    flush = torch.empty(flush_l2_bytes // 4, dtype=torch.float32, device="cuda") if flush_l2_bytes else None
+    for kwargs in inputs[:3]:
+        fn(**kwargs)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    per_call: list[float] = []
+    spent = 0.0
+    while len(per_call) < 3 or (len(per_call) < reps and spent < budget_s):
+        if flush is not None:
+            flush.fill_(len(per_call))
+        start.record()
+        fn(**inputs[len(per_call) % len(inputs)])
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) * 1e3)
+        spent += per_call[-1] / 1e6
+    return _summary(per_call)
+
+
+def wall_time(fn: Callable[[], Any], *, reps: int = 50, budget_s: float = 1.0, warmup: int = 2) -> Timing:
+    """Time single calls with the wall clock (CPU work): ``warmup`` calls, then at least 3 and up
+    to ``reps`` calls while ``budget_s`` lasts."""
+    for _ in range(warmup):
+        fn()
+    per_call: list[float] = []
+    spent = 0.0
+    while len(per_call) < 3 or (len(per_call) < reps and spent < budget_s):
+        start = time.perf_counter()
+        fn()
+        per_call.append((time.perf_counter() - start) * 1e6)
+        spent += per_call[-1] / 1e6
+    return _summary(per_call)
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 << 30, trials: int = 20) -> float:

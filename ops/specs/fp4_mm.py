@@ -265,7 +265,9 @@ def cost(kwargs: Mapping[str, Any]) -> Cost:
     tensors = [a, b] + [kwargs.get(n) for n in ("b_scale", "a_scale", "b_global_scale",
                                                   "a_global_scale")]
     bytes_moved = sum(t.numel() * t.element_size() for t in tensors if t is not None)
-    return Cost(flops=2 * rows * channels * cols, bytes=bytes_moved + rows * channels * out_size)
+    # W4A4 (packed activations) runs on FP4 tensor cores; W4A16 dequantizes into a bf16 GEMM.
+    return Cost(flops=2 * rows * channels * cols, bytes=bytes_moved + rows * channels * out_size,
+                matmul="fp4" if a.dtype == torch.uint8 else "bf16")
 
 
 # ---------------------------------------------------------------------------------------------

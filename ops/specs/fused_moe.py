@@ -395,7 +395,7 @@ def cost(kwargs: Mapping[str, Any]) -> Cost:
         + kwargs["topk_weights"].numel() * 4 + kwargs["topk_ids"].numel() * 4
         + (kwargs["expert_map"].numel() * 4 if kwargs["expert_map"] is not None else 0)
     )
-    return Cost(flops=flops, bytes=bytes_moved)
+    return Cost(flops=flops, bytes=bytes_moved, matmul="fp8" if w1.element_size() == 1 else "bf16")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -231,7 +231,8 @@ def cost(kwargs: Mapping[str, Any]) -> Cost:
         + rows * channels * out_size
         + (bias.numel() * bias.element_size() if bias is not None else 0)
     )
-    return Cost(flops=2 * rows * channels * cols, bytes=bytes_moved)
+    return Cost(flops=2 * rows * channels * cols, bytes=bytes_moved,
+                matmul="fp8" if a.element_size() == 1 else "bf16")
 
 
 # ---------------------------------------------------------------------------------------------
