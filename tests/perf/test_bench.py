@@ -145,10 +145,14 @@ def test_compare_passes_identical_runs_and_catches_a_slowed_row(result):
     assert bench.compare(broken, result, 10.0, out=lines.append) == 1
 
 
-def test_markdown_and_plot(result, tmp_path):
+def test_markdown(result):
     text = bench.markdown(result)
     assert "| grouped_topk | deepseek_v3_t64 | cpu | ok |" in text
     assert "| grouped_topk | deepseek_v3_t64 | wrong | wrong |" in text
+
+
+def test_plot(result, tmp_path):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (kernelmux[bench]; [test] has it)")
     path = tmp_path / "bench.png"
     bench.plot(result, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
