@@ -73,6 +73,9 @@ class OpSpec:
       coordinates when ``actual`` does not conform; knows the op's contract (e.g. order-free rows).
       ``actual`` and ``expected`` are what ``outputs`` returns for each run.
     - ``mutates_args``: the arguments an in-place op writes (declared to torch.library too).
+    - ``canonical(outputs, kwargs)``, if given: the outputs rewritten so that results the
+      contract treats as equal are equal element by element (top-k rows sorted by id), for error
+      statistics such as the perf suite's; None when the outputs already are.
     - ``cost(kwargs)``: the op's ``Cost`` for the roofline.
     - ``version``: bumped whenever the semantics change; implementations state the version they
       implement and a mismatch is rejected at registration.
@@ -88,6 +91,7 @@ class OpSpec:
     cases: tuple[Case, ...]
     tolerance: Mapping[torch.dtype, Tolerance]
     mutates_args: tuple[str, ...] = ()
+    canonical: Callable[[Any, Mapping[str, Any]], Any] | None = None
     signature: inspect.Signature = field(init=False)
 
     def __post_init__(self) -> None:

@@ -246,7 +246,8 @@ def run(
                 try:
                     call_kwargs = _clone(kwargs)
                     actual = spec.outputs(fn(**call_kwargs), call_kwargs)
-                    row.update(error_stats(actual, expected))
+                    canonical = spec.canonical or (lambda outputs, _: outputs)
+                    row.update(error_stats(canonical(actual, kwargs), canonical(expected, kwargs)))
                     try:
                         spec.check_close(actual, expected, kwargs)
                     except AssertionError as error:

@@ -168,6 +168,14 @@ def fake(
 TOLERANCE = {dtype: Tolerance(atol=1e-6, rtol=2e-5) for dtype in LOGIT_DTYPES}
 
 
+def canonical(outputs: Any, kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, ids)`` on the CPU with each row sorted by expert id (the order within a row is
+    not part of the contract), ids as int64."""
+    weights, ids = outputs
+    sorted_ids, order = ids.long().cpu().sort(dim=1)
+    return weights.cpu().gather(1, order), sorted_ids
+
+
 def check_close(actual: Any, expected: Any, kwargs: Mapping[str, Any]) -> None:
     """Rows are compared as sets: the same experts, and the same weight for each expert."""
     weights, ids = actual
@@ -178,12 +186,11 @@ def check_close(actual: Any, expected: Any, kwargs: Mapping[str, Any]) -> None:
                 f"{NAME} {what}: got {tuple(got.shape)} {got.dtype} on {got.device}, expected "
                 f"{tuple(want.shape)} {want.dtype} on {want.device}"
             )
-    ids64, ref_ids64 = ids.long().cpu(), ref_ids.long().cpu()
     num_experts = kwargs["gating_output"].shape[1]
-    if ids64.numel() and (ids64.min() < 0 or ids64.max() >= num_experts):
-        raise AssertionError(f"{NAME} ids: values outside [0, {num_experts}): {ids64.unique()}")
-    sorted_ids, order = ids64.sort(dim=1)
-    ref_sorted_ids, ref_order = ref_ids64.sort(dim=1)
+    if ids.numel() and (ids.min() < 0 or ids.max() >= num_experts):
+        raise AssertionError(f"{NAME} ids: values outside [0, {num_experts}): {ids.unique()}")
+    sorted_weights, sorted_ids = canonical(actual, kwargs)
+    ref_sorted_weights, ref_sorted_ids = canonical(expected, kwargs)
     mismatch = (sorted_ids != ref_sorted_ids).any(dim=1).nonzero().flatten()
     if mismatch.numel():
         row = int(mismatch[0])
@@ -192,8 +199,8 @@ def check_close(actual: Any, expected: Any, kwargs: Mapping[str, Any]) -> None:
             f"row {row}: got {sorted_ids[row].tolist()}, expected {ref_sorted_ids[row].tolist()}"
         )
     assert_close(
-        weights.cpu().gather(1, order),
-        ref_weights.cpu().gather(1, ref_order),
+        sorted_weights,
+        ref_sorted_weights,
         TOLERANCE[kwargs["gating_output"].dtype],
         f"{NAME} weights (rows sorted by expert id)",
     )
@@ -343,6 +350,7 @@ SPEC = OpSpec(
     validate=validate,
     fake=fake,
     check_close=check_close,
+    canonical=canonical,
     cost=cost,
     cases=_cases(),
     tolerance=TOLERANCE,
