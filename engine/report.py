@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 __all__ = ["explain_report", "report", "render_explain", "render_report"]
 
 
-def _version(distribution: str) -> str | None:
+def distribution_version(distribution: str) -> str | None:
     try:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
@@ -55,9 +55,9 @@ def report(engine: "Engine") -> dict[str, Any]:
             ],
         })
     return {
-        "kernelmux": _version("kernelmux"),
+        "kernelmux": distribution_version("kernelmux"),
         "torch": torch.__version__,
-        "triton": _version("triton"),
+        "triton": distribution_version("triton"),
         "platform": engine.platform.to_json(),
         "settings": {
             "prefer": {op: list(b) for op, b in engine.settings.prefer.items()},

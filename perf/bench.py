@@ -20,7 +20,6 @@ forces the event timer with the L2 overwritten before each call. On CPUs, the wa
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import math
 import os
@@ -34,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from kernelmux.engine import Engine, Settings
+from kernelmux.engine.report import distribution_version
 from kernelmux.ops.specs import ALL_SPECS
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf.timing import Timing, event_time, graph_replay_time, rotation_count, wall_time
@@ -62,13 +62,6 @@ class Plan:
 # Environment and ceilings
 
 
-def _version(distribution: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _commit() -> str:
     if os.environ.get("KERNELMUX_COMMIT"):
         return os.environ["KERNELMUX_COMMIT"]
@@ -88,8 +81,8 @@ def environment(engine: Engine, device: str) -> dict[str, Any]:
         "arch": engine.platform.arch,
         "machine": host_platform.machine(),
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "kernelmux": _version("kernelmux"),
+        "triton": distribution_version("triton"),
+        "kernelmux": distribution_version("kernelmux"),
         "python": sys.version.split()[0],
         "commit": _commit(),
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),

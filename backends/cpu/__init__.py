@@ -1,5 +1,5 @@
 """The cpu backend: vectorized torch implementations for CPU tensors that beat the references
-(speed-ups measured by perf/cpu_vs_reference.py, recorded in perf/results/)."""
+(speed-ups: `kernelmux bench --backend cpu`, recorded in perf/results/)."""
 
 from __future__ import annotations
 
