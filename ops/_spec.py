@@ -38,7 +38,9 @@ class Case:
     ``make(device, generator)`` returns the call's keyword arguments, drawn fresh from
     ``generator`` so every run checks new data. ``tags`` say what the case is for: ``model`` (a
     real model's shape), ``random`` (small, for tests), ``edge`` (a boundary), ``quick`` (small
-    enough for ``--quick`` runs on a 2-core CPU). ``why`` says why the shape is there.
+    enough for ``--quick`` runs on a 2-core CPU), ``gpu`` (a model shape sized for an accelerator,
+    e.g. a perf goal's: CPU runs of tests and benchmarks leave it out unless it is named). ``why``
+    says why the shape is there.
     """
 
     name: str

@@ -7,6 +7,9 @@ import os
 
 from kernelmux.engine.platform import PlatformKind
 from kernelmux.ops.specs import grouped_topk as grouped_topk_spec
+from kernelmux.ops.specs import kv_cache_write as kv_cache_write_spec
+from kernelmux.ops.specs import mla_decode as mla_decode_spec
+from kernelmux.ops.specs import paged_attention as paged_attention_spec
 from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated; the interpreter runs kernels on CPU
@@ -15,22 +18,34 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 _GPU_KINDS = frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.XPU})
 
 
+def _triton(spec_module, fn, supports, description: str) -> Implementation:
+    return Implementation(
+        op=spec_module.NAME,
+        backend=Backend.TRITON,
+        fn=fn,
+        supports=supports,
+        spec_version=spec_module.SPEC.version,
+        priority=-10 if _INTERPRETED else 20,
+        requirement=PlatformRequirement() if _INTERPRETED else PlatformRequirement(kinds=_GPU_KINDS),
+        devices=frozenset({"cuda", "xpu", "cpu"} if _INTERPRETED else {"cuda", "xpu"}),
+        packages=("triton",),
+        description=description,
+    )
+
+
 @hookimpl
 def kernelmux_implementations() -> list[Implementation]:
-    from kernelmux.backends.triton import grouped_topk
+    from kernelmux.backends.triton import attention, grouped_topk, kv_cache_write
 
     return [
-        Implementation(
-            op=grouped_topk_spec.NAME,
-            backend=Backend.TRITON,
-            fn=grouped_topk.grouped_topk,
-            supports=grouped_topk.supports,
-            spec_version=grouped_topk_spec.SPEC.version,
-            priority=-10 if _INTERPRETED else 20,
-            requirement=PlatformRequirement() if _INTERPRETED else PlatformRequirement(kinds=_GPU_KINDS),
-            devices=frozenset({"cuda", "xpu", "cpu"} if _INTERPRETED else {"cuda", "xpu"}),
-            packages=("triton",),
-            description="one fused kernel: scoring, bias, group top-2, group and expert top-k, "
-            "renormalize, scale",
-        )
+        _triton(grouped_topk_spec, grouped_topk.grouped_topk, grouped_topk.supports,
+                "one fused kernel: scoring, bias, group top-2, group and expert top-k, renormalize, scale"),
+        _triton(paged_attention_spec, attention.paged_attention, attention.paged_attention_supports,
+                "tiled flash attention over the paged cache: GQA heads x tokens as rows, split-KV "
+                "with a merge kernel when the grid is small"),
+        _triton(kv_cache_write_spec, kv_cache_write.kv_cache_write, kv_cache_write.supports,
+                "one scatter kernel: a token's K and V rows per program, fp8 quantized in flight"),
+        _triton(mla_decode_spec, attention.mla_decode, attention.mla_decode_supports,
+                "the paged-attention kernel with one latent head: heads as rows, values from the "
+                "key tile, split-KV with a merge kernel"),
     ]

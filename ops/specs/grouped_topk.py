@@ -195,7 +195,7 @@ def check_close(actual: Any, expected: Any, kwargs: Mapping[str, Any]) -> None:
     if mismatch.numel():
         row = int(mismatch[0])
         raise AssertionError(
-            f"{NAME} ids: {mismatch.numel()} of {ids64.shape[0]} rows choose other experts; "
+            f"{NAME} ids: {mismatch.numel()} of {ids.shape[0]} rows choose other experts; "
             f"row {row}: got {sorted_ids[row].tolist()}, expected {ref_sorted_ids[row].tolist()}"
         )
     assert_close(

@@ -305,7 +305,8 @@ def _deepseek(batch: int, context: int, heads: int, q_len: int = 1, **options: A
 def _cases() -> tuple[Case, ...]:
     model, quick = frozenset({"model"}), frozenset({"model", "quick"})
     rand, edge = frozenset({"random", "quick"}), frozenset({"edge", "quick"})
-    scaled = "; the perf suite scales the grid up (B 256, context 32768)"
+    gpu = frozenset({"model", "gpu"})
+    scaled = "; the gpu-tagged cases scale the grid up"
     cases = []
     for heads, who in ((128, "DeepSeek-V3 (128 heads, TP1)"), (16, "DeepSeek-V3 at TP8 (16 heads)")):
         for batch, context in ((1, 512), (1, 4096), (8, 512), (8, 4096), (64, 512), (64, 4096)):
@@ -315,6 +316,15 @@ def _cases() -> tuple[Case, ...]:
                               _deepseek(batch, context, heads), tags,
                               f"{who} decode, B {batch} x context {context}, 512+64, block 64" + scaled))
     cases += [
+        # The perf goals' shapes beyond B 64 x 4096 bf16 (accelerators only).
+        Case("deepseek_v3_h128_decode_b128_ctx4096", _deepseek(128, 4096, 128), gpu,
+             "DeepSeek-V3 (128 heads) decode, B 128 x 4096 (perf goal)"),
+        Case("deepseek_v3_h128_fp8_decode_b64_ctx4096",
+             _deepseek(64, 4096, 128, cache_dtype=FP8, kv_scale=0.23), gpu,
+             "DeepSeek-V3 (128 heads) decode with an fp8 latent cache, B 64 x 4096 (perf goal)"),
+        Case("deepseek_v3_h128_fp8_decode_b128_ctx4096",
+             _deepseek(128, 4096, 128, cache_dtype=FP8, kv_scale=0.23), gpu,
+             "DeepSeek-V3 (128 heads) decode with an fp8 latent cache, B 128 x 4096 (perf goal)"),
         Case("deepseek_v3_h16_mtp2_b8_ctx4096", _deepseek(8, 4096, 16, q_len=2), quick,
              "MTP: DeepSeek-V3's one-token multi-token prediction verifies 2 queries per sequence"),
         Case("deepseek_v3_h128_mtp4_b8_ctx512", _deepseek(8, 512, 128, q_len=4), quick,

@@ -361,7 +361,8 @@ def _decode(batch: int, context: int, num_heads: int, num_kv_heads: int, **optio
 def _cases() -> tuple[Case, ...]:
     model, quick = frozenset({"model"}), frozenset({"model", "quick"})
     rand, edge = frozenset({"random", "quick"}), frozenset({"edge", "quick"})
-    scaled = "; the perf suite scales the grid up (B up to 256, context up to 32768)"
+    gpu = frozenset({"model", "gpu"})
+    scaled = "; the gpu-tagged cases scale the grid up"
     return (
         # Llama-3-8B: 32 q / 8 kv heads, D 128; Llama-3-70B at TP8: 8 / 1. Block size 16.
         Case("llama3_8b_decode_b8_ctx4096", _decode(8, 4096, 32, 8), model,
@@ -372,6 +373,24 @@ def _cases() -> tuple[Case, ...]:
              "Llama-3-70B at TP8 decode (8 q heads sharing 1 kv head), B 8 x 4096" + scaled),
         Case("llama3_70b_tp8_decode_b1_ctx32768", _decode(1, 32768, 8, 1), quick,
              "Llama-3-70B at TP8 decode of one 32768-token context: one long split-KV sequence"),
+        # The perf goals' shapes (GB-sized caches: accelerators only).
+        Case("llama3_8b_decode_b64_ctx4096", _decode(64, 4096, 32, 8), gpu,
+             "Llama-3-8B decode, B 64 x context 4096: a 1 GiB bf16 cache (perf goal)"),
+        Case("llama3_70b_tp8_decode_b64_ctx4096", _decode(64, 4096, 8, 1), gpu,
+             "Llama-3-70B at TP8 decode, B 64 x 4096 (perf goal)"),
+        Case("llama3_70b_tp8_decode_b8_ctx32768", _decode(8, 32768, 8, 1), gpu,
+             "Llama-3-70B at TP8 decode, B 8 x 32768: few long sequences, split-KV (perf goal)"),
+        Case("llama3_8b_fp8_decode_b64_ctx4096",
+             _decode(64, 4096, 32, 8, cache_dtype=FP8, scales=(0.23, 0.31)),
+             gpu, "Llama-3-8B decode with an fp8 cache, B 64 x 4096 (perf goal)"),
+        Case("llama3_70b_tp8_fp8_decode_b64_ctx4096",
+             _decode(64, 4096, 8, 1, cache_dtype=FP8, scales=(0.23, 0.31)), gpu,
+             "Llama-3-70B at TP8 decode with an fp8 cache, B 64 x 4096 (perf goal)"),
+        Case("llama3_70b_tp8_fp8_decode_b8_ctx32768",
+             _decode(8, 32768, 8, 1, cache_dtype=FP8, scales=(0.23, 0.31)), gpu,
+             "Llama-3-70B at TP8 decode with an fp8 cache, B 8 x 32768 (perf goal)"),
+        Case("llama3_8b_prefill_t8192", _maker((8192,), (8192,), 32, 8, 128), gpu,
+             "Llama-3-8B causal prefill of one 8192-token prompt (perf goal)"),
         Case("llama3_8b_prefill_t1024", _maker((1024,), (1024,), 32, 8, 128), model,
              "Llama-3-8B prefill of one 1024-token prompt, causal (q_len = seq_len)" + scaled),
         Case("llama3_8b_prefill_t1024_4seqs", _maker((512, 256, 192, 64), (512, 256, 192, 64), 32, 8, 128),

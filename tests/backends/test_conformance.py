@@ -23,6 +23,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and DEVICE == "cpu"
 # The Triton interpreter costs ~10 ms per program: on the CPU it sees the cases up to this many
 # rows here (the triton backend's own tests run the larger ones with one wide block).
 INTERPRETER_MAX_ROWS = 64
+# ...and moves at most this many bytes (attention over long contexts: ~0.3 s per MiB of KV).
+INTERPRETER_MAX_BYTES = 16 << 20
 
 
 def _runnable_here():
@@ -85,12 +87,18 @@ CASE_PARAMS = [
 
 @pytest.mark.parametrize("impl, case", CASE_PARAMS)
 def test_named_cases(impl, case):
+    if DEVICE == "cpu" and "gpu" in case.tags:
+        pytest.skip("gpu-tagged case (a GB-sized perf-goal shape): runs in the GPU suite, not on the CPU")
     seed = _fresh_seed()
     kwargs = case.build(DEVICE, seed)
     first = next((v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
     if _interpreted(impl) and first is not None and first.shape[0] > INTERPRETER_MAX_ROWS:
         pytest.skip(f"Triton interpreter on CPU: {first.shape[0]} rows > {INTERPRETER_MAX_ROWS}; "
                     "runs compiled on the GPU")
+    moved = SPECS[impl.op].cost(kwargs).bytes
+    if _interpreted(impl) and moved > INTERPRETER_MAX_BYTES:
+        pytest.skip(f"Triton interpreter on CPU: the case moves {moved / 2**20:.0f} MiB > "
+                    f"{INTERPRETER_MAX_BYTES >> 20} MiB; runs compiled on the GPU")
     _check(impl, kwargs, seed)
 
 

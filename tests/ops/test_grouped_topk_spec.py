@@ -174,3 +174,13 @@ def test_good_input_passes_and_key_reflects_dispatch_properties():
     key = SPEC.validate(**_good())
     assert key != SPEC.validate(**_good(gating_output=torch.randn(4, 16, dtype=torch.bfloat16)))
     assert key == SPEC.validate(**_good(gating_output=torch.randn(9, 16)))  # T is not in the key
+
+
+def test_check_close_names_rows_that_choose_other_experts():
+    kwargs = SPEC.case("deepseek_v3_t64").build(seed=4)
+    weights, ids = reference(**kwargs)
+    other = ids.clone()
+    unchosen = [e for e in range(kwargs["gating_output"].shape[1]) if e not in ids[5].tolist()]
+    other[5, 0] = unchosen[0]
+    with pytest.raises(AssertionError, match=r"ids: 1 of 64 rows choose other experts; row 5"):
+        SPEC.check_close((weights, other), (weights, ids), kwargs)

@@ -228,7 +228,8 @@ def _assert_fake_matches(kwargs, real):
         assert (f.shape, f.dtype, f.stride(), f.device.type) == (r.shape, r.dtype, r.stride(), "meta")
 
 
-@pytest.mark.parametrize("case", SPEC.cases, ids=lambda c: c.name)
+# gpu-tagged cases are GB-sized: the reference runs them in the GPU suite (conformance), not here.
+@pytest.mark.parametrize("case", [c for c in SPEC.cases if "gpu" not in c.tags], ids=lambda c: c.name)
 def test_fake_matches_reference_metadata(case):
     kwargs = case.build(seed=3)
     real = reference(**kwargs)

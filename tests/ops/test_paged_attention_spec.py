@@ -226,7 +226,8 @@ def test_output_ignores_unread_memory_and_physical_block_placement():
     assert torch.equal(reference(**moved), before)
 
 
-@pytest.mark.parametrize("case", SPEC.cases, ids=lambda c: c.name)
+# gpu-tagged cases are GB-sized: the reference runs them in the GPU suite (conformance), not here.
+@pytest.mark.parametrize("case", [c for c in SPEC.cases if "gpu" not in c.tags], ids=lambda c: c.name)
 def test_fake_matches_reference_metadata(case):
     kwargs = case.build(seed=3)
     real = reference(**kwargs)

@@ -1,0 +1,332 @@
+"""Host side of the triton backend's paged_attention and mla_decode: what the kernels support,
+the launch plan (tile shape, warps, pipeline depth, KV splits) chosen from host ints alone, and
+the launches (kernels: _attention_kernel.py).
+
+The plan never reads device data: decode versus prefill comes from ``max_query_len`` and the
+token count, the split count from the batch size, head counts, ``max_seq_len`` and the SM count.
+A call therefore never syncs with the host, and a captured CUDA graph stays valid when the
+sequence lengths, block tables and queries change under it (``max_seq_len`` at capture bounds
+them). Configurations come from a table of measured choices (see ``_TABLE``), not from
+autotuning: the first call of a new shape costs one Triton compilation (about a second, cached
+on disk by Triton for later processes) and nothing else.
+
+Triton itself is imported on the first launch, so the backend registers (and reports "missing
+package triton") on machines without it."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass, replace
+from typing import Iterator, Optional
+
+import torch
+
+__all__ = [
+    "AttentionPlan",
+    "mla_decode",
+    "mla_decode_supports",
+    "override_plan",
+    "paged_attention",
+    "paged_attention_supports",
+    "plan_for",
+]
+
+FP8 = torch.float8_e4m3fn
+# Register tiles: a [BLOCK_M, next_pow2(D)] fp32 accumulator, the query tile and two KV tiles.
+# Past these widths the tiles spill; no model in the specs' cases comes near.
+MAX_HEAD_DIM = 256
+MAX_MLA_WIDTH = 1024
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One launch: ``block_m`` rows (tokens x query heads of one KV head) per program,
+    ``block_n`` KV positions per step, ``num_splits`` shares of each tile's KV range (merged by a
+    second kernel when > 1), and Triton's ``num_warps`` and ``num_stages``."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int = 1
+
+
+# Set only through override_plan (sweeps, tests); not thread-safe by design.
+_override: Optional[dict] = None
+
+
+@contextlib.contextmanager
+def override_plan(**fields) -> Iterator[None]:
+    """Replace fields of every plan inside the block (sweeps and tests), e.g.
+    ``override_plan(num_splits=4)`` or ``override_plan(block_n=32, num_stages=3)``."""
+    global _override
+    unknown = set(fields) - set(AttentionPlan.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown AttentionPlan fields {sorted(unknown)}")
+    previous = _override
+    _override = fields
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few splits still exercise the merge
+
+
+# Base configurations, by kind of call. "decode": one query per sequence, query heads of a KV
+# head packed as rows; "prefill": varlen tiles of tokens x heads; "mla": 576-wide latent rows,
+# heads as rows. Measured on an H100 (perf/results/, see perf/README.md): TODO fill from sweep.
+_TABLE = {
+    "decode": AttentionPlan(block_m=16, block_n=64, num_warps=4, num_stages=3),
+    "prefill": AttentionPlan(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    "mla": AttentionPlan(block_m=64, block_n=32, num_warps=8, num_stages=2),
+}
+# Splitting stops once the grid has this many programs per SM, and never makes a share shorter
+# than _MIN_SPLIT_LEN positions (the merge then costs more than the parallelism gains).
+_PROGRAMS_PER_SM = 2
+_MIN_SPLIT_LEN = 512
+_MAX_SPLITS = 64
+
+
+def plan_for(
+    kind: str, device: torch.device, num_seqs: int, num_tokens: int, group: int, num_kv_heads: int,
+    max_query_len: int, max_seq_len: int,
+) -> AttentionPlan:
+    """The plan for a call, from host ints only (no device data: CUDA-graph safe)."""
+    plan = _TABLE[kind]
+    if _override is not None:
+        plan = replace(plan, **_override)
+        if "num_splits" in _override:
+            return plan
+    tiles, head_tiles = _grid_size(plan.block_m, group, num_seqs, num_tokens, max_query_len)
+    programs = tiles * head_tiles * num_kv_heads
+    target = _PROGRAMS_PER_SM * _sm_count(device)
+    splits = 1
+    if programs < target:
+        splits = min(-(-target // max(programs, 1)), max(max_seq_len // _MIN_SPLIT_LEN, 1), _MAX_SPLITS)
+    return replace(plan, num_splits=max(splits, 1))
+
+
+def _grid_size(block_m: int, group: int, num_seqs: int, num_tokens: int, max_query_len: int):
+    """(query tiles, head tiles per KV head) of the kernel's grid. One query per sequence: tile b
+    is sequence b. Otherwise a bound the kernel's tile-to-sequence search relies on: sequence b's
+    ceil(q_len_b / tokens_per_tile) tiles start at cu_q[b] // tokens_per_tile + b."""
+    heads_per_tile = min(group, block_m)
+    tokens_per_tile = block_m // heads_per_tile
+    if _one_query_per_seq(num_seqs, num_tokens, max_query_len):
+        tiles = num_seqs
+    else:
+        tiles = num_tokens // tokens_per_tile + num_seqs
+    return tiles, -(-group // heads_per_tile)
+
+
+def _one_query_per_seq(num_seqs: int, num_tokens: int, max_query_len: int) -> bool:
+    # No q_len exceeds max_query_len <= 1, so T == B means every sequence has exactly one.
+    return max_query_len <= 1 and num_tokens == num_seqs
+
+
+def _device_guard(device: torch.device):
+    # Triton launches on the current CUDA device; switch only when the tensors live elsewhere.
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _launch(
+    *, q, k, v, out, lse, cu_seqlens_q, block_table, seq_lens, sinks, k_scale, v_scale,
+    max_query_len, scale, causal, window, soft_cap, group, d_main, d_rope, v_from_k, plan,
+):
+    from kernelmux.backends.triton import _attention_kernel as kernels
+
+    num_tokens, num_q_heads = q.shape[0], q.shape[1]
+    num_seqs = seq_lens.shape[0]
+    num_kv_heads = num_q_heads // group
+    heads_per_tile = min(group, plan.block_m)
+    tiles, head_tiles = _grid_size(plan.block_m, group, num_seqs, num_tokens, max_query_len)
+    splits = plan.num_splits
+    device = q.device
+    if splits > 1:
+        part_acc = torch.empty((splits, num_tokens, num_q_heads, d_main), dtype=torch.float32, device=device)
+        part_ml = torch.empty((2, splits, num_tokens, num_q_heads), dtype=torch.float32, device=device)
+    else:
+        part_acc = part_ml = out
+    want_lse = lse is not None
+    grid = (num_kv_heads * head_tiles, tiles, splits)
+    with _device_guard(device):
+        kernels.paged_attention_kernel[grid](
+            q, k, v, out, lse if want_lse else out, part_acc, part_ml,
+            cu_seqlens_q, block_table, seq_lens,
+            sinks if sinks is not None else out,
+            k_scale if k_scale is not None else out,
+            v_scale if v_scale is not None else out,
+            num_seqs, num_tokens, splits, float(scale), float(soft_cap), int(window),
+            q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), k.stride(2) if k.dim() == 4 else 0,
+            v.stride(0), v.stride(1), v.stride(2) if v.dim() == 4 else 0,
+            out.stride(0), out.stride(1),
+            block_table.stride(0),
+            NUM_Q_HEADS=num_q_heads,
+            GROUP=group,
+            HEADS_PER_TILE=heads_per_tile,
+            BLOCK_M=plan.block_m,
+            BLOCK_N=plan.block_n,
+            D_MAIN=d_main,
+            D_ROPE=d_rope,
+            BLOCK_D=_next_pow2(d_main),
+            BLOCK_R=_next_pow2(d_rope) if d_rope else 1,
+            BLOCK_SIZE=k.shape[1],
+            ONE_QUERY_PER_SEQ=_one_query_per_seq(num_seqs, num_tokens, max_query_len),
+            CAUSAL=causal,
+            WINDOW=window > 0,
+            SOFT_CAP=soft_cap > 0,
+            HAS_SINKS=sinks is not None,
+            HAS_K_SCALE=k_scale is not None,
+            HAS_V_SCALE=v_scale is not None,
+            V_FROM_K=v_from_k,
+            RETURN_LSE=want_lse,
+            SPLIT_KV=splits > 1,
+            DOT_FP32=_INTERPRETED,
+            num_warps=plan.num_warps,
+            num_stages=plan.num_stages,
+        )
+        if splits > 1:
+            kernels.merge_splits_kernel[(num_tokens, num_q_heads)](
+                out, lse if want_lse else out, part_acc, part_ml,
+                sinks if sinks is not None else out,
+                num_tokens, splits, out.stride(0), out.stride(1),
+                NUM_Q_HEADS=num_q_heads,
+                D_MAIN=d_main,
+                BLOCK_D=_next_pow2(d_main),
+                SPLITS_PAD=_next_pow2(splits),
+                HAS_SINKS=sinks is not None,
+                RETURN_LSE=want_lse,
+                num_warps=4 if d_main >= 256 else 2,
+            )
+
+
+def paged_attention_supports(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> Optional[str]:
+    """None when the kernel handles this (already validated) call, else why not."""
+    head_dim = query.shape[2]
+    if head_dim > MAX_HEAD_DIM:
+        return f"head dim {head_dim} > {MAX_HEAD_DIM}: the register tiles would spill"
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            return f"{name} has a non-unit stride {t.stride(-1)} along the head dim"
+    return None
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The spec's paged_attention: one tiled launch (plus a merge when the KV range is split);
+    arguments are validated by the caller."""
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    num_tokens, num_q_heads, head_dim = query.shape
+    if num_tokens == 0 or max_query_len == 0:
+        return out.zero_()
+    group = num_q_heads // k_cache.shape[2]
+    kind = "decode" if max_query_len <= 1 else "prefill"
+    plan = plan_for(kind, query.device, seq_lens.shape[0], num_tokens, group, k_cache.shape[2],
+                    max_query_len, max_seq_len)
+    _launch(
+        q=query, k=k_cache, v=v_cache, out=out, lse=None, cu_seqlens_q=cu_seqlens_q,
+        block_table=block_table, seq_lens=seq_lens, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        max_query_len=max_query_len, scale=scale, causal=causal, window=sliding_window,
+        soft_cap=logits_soft_cap, group=group, d_main=head_dim, d_rope=0, v_from_k=False, plan=plan,
+    )
+    return out
+
+
+def mla_decode_supports(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    kv_lora_rank: int = 512,
+    kv_scale: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+) -> Optional[str]:
+    """None when the kernel handles this (already validated) call, else why not."""
+    if q.shape[2] > MAX_MLA_WIDTH:
+        return f"row width {q.shape[2]} > {MAX_MLA_WIDTH}: the register tiles would spill"
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
+        if t.stride(-1) != 1:
+            return f"{name} has a non-unit stride {t.stride(-1)} along the row"
+    return None
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    kv_lora_rank: int = 512,
+    kv_scale: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec's mla_decode: the paged-attention kernel with one latent KV head, values taken
+    from the key tile; arguments are validated by the caller."""
+    num_tokens, num_heads, width = q.shape
+    device = q.device
+    out = torch.empty((num_tokens, num_heads, kv_lora_rank), dtype=q.dtype, device=device)
+    lse = torch.empty((num_tokens, num_heads) if return_lse else (0,), dtype=torch.float32, device=device)
+    if num_tokens == 0 or max_query_len == 0:
+        return out.zero_(), lse.zero_()
+    plan = plan_for("mla", device, seq_lens.shape[0], num_tokens, num_heads, 1, max_query_len, max_seq_len)
+    _launch(
+        q=q, k=kv_cache, v=kv_cache, out=out, lse=lse if return_lse else None, cu_seqlens_q=cu_seqlens_q,
+        block_table=block_table, seq_lens=seq_lens, sinks=None, k_scale=kv_scale, v_scale=kv_scale,
+        max_query_len=max_query_len, scale=scale, causal=True, window=0, soft_cap=0.0, group=num_heads,
+        d_main=kv_lora_rank, d_rope=width - kv_lora_rank, v_from_k=True, plan=plan,
+    )
+    return out, lse

@@ -1,0 +1,170 @@
+"""Launch-plan sweep for the triton backend's paged_attention and mla_decode on the perf goals'
+shapes (the gpu-tagged cases), with dense torch SDPA on the same shapes as a peer.
+
+Every plan is checked against the spec's reference before it is timed (CUDA-graph replay, the
+cache far larger than L2). Bandwidth is the spec's byte count over the median time, as a percent
+of the device-copy bandwidth measured in the same run; prefill is FLOP/s over the measured bf16
+matmul rate. The table in attention.py (_TABLE) is chosen from these numbers.
+
+    python perf/diag/attention_sweep.py --out DIR [--ops paged_attention mla_decode] [--kinds decode]
+        [--quick] [--budget-s 400]
+
+The record is rewritten after every case, so a run cut off by a time limit keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from kernelmux.backends.triton import attention
+from kernelmux.engine.report import distribution_version
+from kernelmux.ops.specs import mla_decode as mla_spec
+from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.perf import ceilings as ceilings_module
+from kernelmux.perf.timing import graph_replay_time
+
+DECODE_CASES = [
+    "llama3_8b_decode_b64_ctx4096", "llama3_70b_tp8_decode_b64_ctx4096", "llama3_70b_tp8_decode_b8_ctx32768",
+    "llama3_8b_fp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b64_ctx4096",
+    "llama3_70b_tp8_fp8_decode_b8_ctx32768",
+]
+PREFILL_CASES = ["llama3_8b_prefill_t8192"]
+MLA_CASES = [
+    "deepseek_v3_h128_decode_b64_ctx4096", "deepseek_v3_h128_decode_b128_ctx4096",
+    "deepseek_v3_h128_fp8_decode_b64_ctx4096", "deepseek_v3_h128_fp8_decode_b128_ctx4096",
+]
+# (block_m, block_n, num_warps, num_stages); splits from the heuristic unless a variant names them.
+DECODE_PLANS = [(16, n, w, s) for n, w, s in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2),
+                                             (128, 4, 3), (128, 8, 3), (64, 8, 3), (32, 2, 3))]
+PREFILL_PLANS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+                 (64, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 2)]
+MLA_PLANS = [(64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 3), (32, 32, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2),
+             (128, 16, 8, 2), (32, 64, 4, 3)]
+SPLITS = [1, 2, 4, 8, 16, 32]
+
+
+def _plan_fields(plan) -> dict:
+    block_m, block_n, num_warps, num_stages = plan
+    return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def _time(fn, kwargs) -> float:
+    return graph_replay_time(fn, [kwargs], calls_per_graph=4, trials=10).median_us
+
+
+def _sdpa_peer(spec, kwargs) -> float | None:
+    """Dense torch SDPA on the same logical problem (contiguous [B, H, L, D] KV, no paging)."""
+    import torch.nn.functional as F
+
+    if spec.name != "paged_attention" or kwargs["k_cache"].dtype == torch.float8_e4m3fn:
+        return None
+    q, kc = kwargs["query"], kwargs["k_cache"]
+    batch = kwargs["seq_lens"].shape[0]
+    length = kwargs["max_seq_len"]
+    heads, kv_heads, dim = q.shape[1], kc.shape[2], q.shape[2]
+    q_len = q.shape[0] // batch
+    qd = q.view(batch, q_len, heads, dim).transpose(1, 2).contiguous()
+    k = torch.randn(batch, kv_heads, length, dim, device=q.device, dtype=q.dtype)
+    v = torch.randn_like(k)
+    if q_len == 1:
+        def fn(qd=qd, k=k, v=v):
+            return F.scaled_dot_product_attention(qd, k, v, enable_gqa=True)
+    else:
+        k = k.repeat_interleave(heads // kv_heads, 1)
+        v = v.repeat_interleave(heads // kv_heads, 1)
+
+        def fn(qd=qd, k=k, v=v):
+            return F.scaled_dot_product_attention(qd, k, v, is_causal=True)
+    return _time(lambda: fn(), {})
+
+
+def run(out_dir: str, ops: list[str], kinds: list[str], quick: bool, budget_s: float) -> None:
+    began = time.time()
+    device = torch.device("cuda")
+    ceilings = ceilings_module.measure("cuda")
+    print("ceilings:", {k: round(v, 1) for k, v in ceilings.items() if v}, flush=True)
+    groups = []
+    if "paged_attention" in ops:
+        groups += [(pa_spec, attention.paged_attention, c, DECODE_PLANS, "decode") for c in DECODE_CASES]
+        groups += [(pa_spec, attention.paged_attention, c, PREFILL_PLANS, "prefill") for c in PREFILL_CASES]
+    if "mla_decode" in ops:
+        groups += [(mla_spec, attention.mla_decode, c, MLA_PLANS, "mla") for c in MLA_CASES]
+    groups = [g for g in groups if g[4] in kinds]
+    rows = []
+    record = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": distribution_version("triton"), "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"),
+        "ceilings": ceilings, "rows": rows,
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    for spec_module, fn, case_name, plans, kind in groups:
+        if time.time() - began > budget_s:
+            print(f"budget of {budget_s} s spent: {case_name} and later cases not run", flush=True)
+            break
+        spec = spec_module.SPEC
+        kwargs = spec.case(case_name).build(device, 0)
+        cost = spec.cost(kwargs)
+        expected = spec.reference(**kwargs)
+        torch.cuda.synchronize()
+        default = attention.plan_for(
+            kind, device, kwargs["seq_lens"].shape[0], next(iter(kwargs.values())).shape[0],
+            *((kwargs["query"].shape[1] // kwargs["k_cache"].shape[2], kwargs["k_cache"].shape[2])
+              if kind != "mla" else (kwargs["q"].shape[1], 1)),
+            kwargs["max_query_len"], kwargs["max_seq_len"])
+        variants = [(_plan_fields(p), "") for p in (plans[:3] if quick else plans)]
+        if kind != "prefill" and not quick:
+            best_guess = _plan_fields(plans[0])
+            variants += [(dict(best_guess, num_splits=s), "splits") for s in SPLITS]
+        peer = _sdpa_peer(spec, kwargs)
+        if peer is not None:
+            rows.append(dict(op=spec.name, case=case_name, plan="torch SDPA (dense KV)", us=peer,
+                             gbps=cost.bytes / peer / 1e3, tflops=cost.flops / peer / 1e6, status="peer"))
+        for fields, tag in variants:
+            started = time.time()
+            row = dict(op=spec.name, case=case_name, plan=fields, default_splits=default.num_splits, tag=tag)
+            try:
+                with attention.override_plan(**fields):
+                    actual = fn(**kwargs)
+                    spec.check_close(spec.outputs(actual, kwargs), spec.outputs(expected, kwargs), kwargs)
+                    us = _time(fn, kwargs)
+                row.update(us=us, gbps=cost.bytes / us / 1e3, tflops=cost.flops / us / 1e6, status="ok")
+            except AssertionError as error:
+                row.update(status="wrong", error=str(error)[:300])
+            except Exception as error:  # noqa: BLE001 - out of resources etc.: record and go on
+                row.update(status="error", error=f"{type(error).__name__}: {str(error)[:300]}")
+            row["seconds"] = round(time.time() - started, 1)
+            rows.append(row)
+            pct = row.get("error")
+            if "us" in row:
+                pct = (f"{100 * row['gbps'] / ceilings['memory_gbps']:5.1f}% bw "
+                       f"{100 * row['tflops'] / ceilings['bf16_tflops']:5.1f}% bf16")
+            print(f"{case_name:42s} {str(fields):75s} {row.get('us', 0):9.1f} us {pct}", flush=True)
+        for row in rows:
+            if row["case"] == case_name and row["status"] == "peer":
+                print(f"{case_name:42s} {'torch SDPA dense':75s} {row['us']:9.1f} us "
+                      f"{100 * row['gbps'] / ceilings['memory_gbps']:5.1f}% bw "
+                      f"{100 * row['tflops'] / ceilings['bf16_tflops']:5.1f}% bf16", flush=True)
+        del kwargs, expected
+        torch.cuda.empty_cache()
+        with open(os.path.join(out_dir, f"attention_sweep_{'_'.join(kinds)}.json"), "w") as f:
+            json.dump(record, f, indent=1, default=str)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="perf-out")
+    parser.add_argument("--ops", nargs="*", default=["paged_attention", "mla_decode"])
+    parser.add_argument("--kinds", nargs="*", default=["decode", "prefill", "mla"])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=float("inf"), help="start no case after this")
+    args = parser.parse_args()
+    run(args.out, args.ops, args.kinds, args.quick, args.budget_s)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The triton backend's paged_attention and mla_decode kernels beyond the named cases: every
+launch-plan shape (rows per tile, KV step, forced KV splits), cache block sizes, drawn varlen
+batches with every option, NaN in unread cache slots, plans from host ints only, and CUDA-graph
+replays with changed inputs (GPU only)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import DEVICE
+from kernelmux.backends.triton import attention
+from kernelmux.ops.specs import mla_decode as mla_spec
+from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.ops.specs.kv_cache_write import FP8
+
+pytest.importorskip("triton")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and DEVICE == "cpu"
+if DEVICE == "cpu" and not INTERPRETED:
+    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+
+def _build(make, seed: int) -> dict:
+    kwargs = make(torch.device("cpu"), torch.Generator().manual_seed(seed))
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+def _check_paged(kwargs, seed):
+    expected = pa_spec.paged_attention(**kwargs)
+    actual = attention.paged_attention(**kwargs)
+    try:
+        pa_spec.check_close(actual, expected, kwargs)
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: {error}") from None
+
+
+def _check_mla(kwargs, seed):
+    expected = mla_spec.mla_decode(**kwargs)
+    actual = attention.mla_decode(**kwargs)
+    try:
+        mla_spec.check_close(actual, expected, kwargs)
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: {error}") from None
+
+
+# A chunked prefill, a decode, a full prefill and a sequence without queries, with every option.
+MIXED = dict(q_lens=(5, 1, 9, 0), kv_lens=(23, 17, 9, 6), num_heads=8, num_kv_heads=2, head_dim=32,
+             block_size=8)
+OPTIONS = {
+    "plain": {},
+    "window": {"sliding_window": 6},
+    "sinks_cap": {"with_sinks": True, "logits_soft_cap": 2.0, "scale": 0.5},
+    "fp8": {"cache_dtype": FP8, "scales": (0.3, 0.07)},
+    "non_causal": {"causal": False},
+}
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 32), (64, 16), (16, 64)])
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_paged_attention_every_plan_shape(options, block_m, block_n, num_splits):
+    seed = 1000 * block_m + block_n + num_splits
+    kwargs = _build(pa_spec._maker(**MIXED, **OPTIONS[options]), seed)
+    with attention.override_plan(block_m=block_m, block_n=block_n, num_splits=num_splits):
+        _check_paged(kwargs, seed)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 16, 32, 64, 128])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_decode_block_sizes(block_size, num_splits):
+    # Lengths 1, one short of a block, one past it and several blocks plus a partial one.
+    lens = (1, max(block_size - 1, 1), block_size + 1, 3 * block_size + 5)
+    kwargs = _build(pa_spec._maker((1,) * 4, lens, 8, 2, 64, block_size=block_size), block_size)
+    with attention.override_plan(num_splits=num_splits):
+        _check_paged(kwargs, block_size)
+
+
+@st.composite
+def paged_batches(draw):
+    batch = draw(st.integers(1, 4))
+    kv_lens = tuple(draw(st.integers(1, 40)) for _ in range(batch))
+    decode = draw(st.booleans())
+    causal = decode or draw(st.booleans())
+    q_lens = tuple(1 if decode else draw(st.integers(0, kv)) for kv in kv_lens)
+    num_kv_heads = draw(st.sampled_from([1, 2]))
+    return dict(
+        q_lens=q_lens, kv_lens=kv_lens,
+        num_heads=num_kv_heads * draw(st.sampled_from([1, 3, 4, 8])), num_kv_heads=num_kv_heads,
+        head_dim=draw(st.sampled_from([16, 24, 64])),
+        block_size=draw(st.sampled_from([1, 4, 16])),
+        dtype=draw(st.sampled_from([torch.bfloat16, torch.float16])),
+        causal=causal,
+        sliding_window=draw(st.sampled_from([0, 1, 5])) if causal else 0,
+        logits_soft_cap=draw(st.sampled_from([0.0, 5.0])),
+        with_sinks=draw(st.booleans()),
+        shared_prefix_blocks=draw(st.sampled_from([0, 1])),
+    )
+
+
+@settings(max_examples=25 if INTERPRETED else 200)
+@given(shape=paged_batches(), fp8=st.booleans(), splits=st.sampled_from([None, 1, 2, 4]),
+       seed=st.integers(0, 2**31 - 1))
+def test_paged_attention_random_batches(shape, fp8, splits, seed):
+    if fp8:
+        shape.update(cache_dtype=FP8, scales=(0.25, 0.5))
+    kwargs = _build(pa_spec._maker(**shape), seed)
+    plan = {} if splits is None else {"num_splits": splits}
+    with attention.override_plan(**plan):
+        _check_paged(kwargs, seed)
+
+
+def test_paged_attention_ignores_nan_in_unread_slots():
+    kwargs = _build(pa_spec._maker((1, 3), (13, 21), 4, 2, 16, block_size=8, spare_blocks=4), 7)
+    expected = pa_spec.paged_attention(**kwargs)
+    # Poison every slot no sequence reads: block tails past each length and the spare blocks.
+    read = torch.zeros(kwargs["k_cache"].shape[:2], dtype=torch.bool, device=DEVICE)
+    for b, length in enumerate(kwargs["seq_lens"].tolist()):
+        for j in range(length):
+            read[kwargs["block_table"][b, j // 8], j % 8] = True
+    for name in ("k_cache", "v_cache"):
+        kwargs[name][~read] = float("nan")
+    actual = attention.paged_attention(**kwargs)
+    pa_spec.check_close(actual, expected, kwargs)
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (64, 32), (32, 64)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("case", ["small_mtp_fp16", "small_fp8", "partial_blocks", "nan_in_unused_slots"])
+def test_mla_decode_every_plan_shape(case, block_m, block_n, num_splits):
+    seed = 1000 * block_m + block_n + num_splits
+    kwargs = mla_spec.SPEC.case(case).build(DEVICE, seed)
+    with attention.override_plan(block_m=block_m, block_n=block_n, num_splits=num_splits):
+        _check_mla(kwargs, seed)
+
+
+def test_plan_uses_host_ints_only_and_splits_small_grids():
+    device = torch.device(DEVICE)
+    sms = attention._sm_count(device)
+    # Many sequences: the grid already fills the device, no split.
+    many = attention.plan_for("decode", device, 64 * sms, 64 * sms, 4, 8, 1, 4096)
+    assert many.num_splits == 1
+    # One long sequence, one KV head: split up to the per-SM target, bounded by the length.
+    one = attention.plan_for("decode", device, 1, 1, 8, 1, 1, 32768)
+    assert 1 < one.num_splits <= attention._MAX_SPLITS
+    short = attention.plan_for("decode", device, 1, 1, 8, 1, 1, attention._MIN_SPLIT_LEN)
+    assert short.num_splits == 1
+    with attention.override_plan(num_splits=3, block_n=16):
+        forced = attention.plan_for("decode", device, 1, 1, 8, 1, 1, 100)
+    assert (forced.num_splits, forced.block_n) == (3, 16)
+    with pytest.raises(ValueError, match="unknown AttentionPlan fields"):
+        with attention.override_plan(block_k=3):
+            pass
+
+
+def test_supports_names_what_it_refuses():
+    kwargs = pa_spec.SPEC.case("single_token").build(DEVICE)
+    assert attention.paged_attention_supports(**kwargs) is None
+    wide = dict(kwargs, query=torch.zeros(1, 4, 512, dtype=torch.bfloat16, device=DEVICE))
+    assert "head dim 512" in attention.paged_attention_supports(**wide)
+    strided = dict(kwargs, query=kwargs["query"].repeat(1, 1, 2)[..., ::2])
+    assert "non-unit stride" in attention.paged_attention_supports(**strided)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs: the plan depends on host ints only, so a captured decode replays correctly on
+# new lengths, block tables and queries (within the max_seq_len of the capture).
+
+needs_cuda = pytest.mark.skipif(DEVICE != "cuda",
+                                reason="CUDA graphs need a CUDA device; runs in the GPU suite")
+
+
+def _capture(fn, kwargs):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile and warm up outside the capture
+            fn(**kwargs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn(**kwargs)
+    return graph, result
+
+
+def _refill(static: dict, fresh: dict) -> None:
+    for name, value in fresh.items():
+        if isinstance(value, torch.Tensor):
+            static[name].copy_(value)
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paged_attention_decode_graph_replays_new_inputs(num_splits, fp8):
+    options = {"cache_dtype": FP8, "scales": (0.23, 0.31)} if fp8 else {}
+    batch, max_len = 16, 2048
+    make = pa_spec._maker((1,) * batch, (max_len,) * batch, 32, 8, 128, spare_blocks=64, **options)
+    static = _build(make, 0)
+    plan = {} if num_splits is None else {"num_splits": num_splits}
+    with attention.override_plan(**plan):
+        graph, out = _capture(attention.paged_attention, static)
+        for seed in (1, 2):
+            fresh = _build(make, seed)
+            # New lengths (1 .. max_len), a new table (same shapes), new queries and caches.
+            lens = torch.randint(1, max_len + 1, (batch,), generator=torch.Generator().manual_seed(seed))
+            fresh["seq_lens"] = lens.to(torch.int32).to(DEVICE)
+            _refill(static, fresh)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            pa_spec.check_close(out, pa_spec.paged_attention(**static), static)
+
+
+@needs_cuda
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_mla_decode_graph_replays_new_inputs(num_splits):
+    batch, max_len = 8, 1024
+    make = mla_spec._maker((1,) * batch, (max_len,) * batch, 128, scale=mla_spec.DEEPSEEK_V3_SCALE,
+                           spare_blocks=16)
+    static = _build(make, 0)
+    plan = {} if num_splits is None else {"num_splits": num_splits}
+    with attention.override_plan(**plan):
+        graph, (out, lse) = _capture(attention.mla_decode, static)
+        for seed in (1, 2):
+            fresh = _build(make, seed)
+            lens = torch.randint(1, max_len + 1, (batch,), generator=torch.Generator().manual_seed(seed))
+            fresh["seq_lens"] = lens.to(torch.int32).to(DEVICE)
+            _refill(static, fresh)
+            out.fill_(float("nan"))
+            lse.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            mla_spec.check_close((out, lse), mla_spec.mla_decode(**static), static)

@@ -1,0 +1,611 @@
+"""The triton backend's kv_cache_write against the spec's reference, byte for byte: compiled on
+CUDA tensors where a GPU is present, else under the Triton interpreter (TRITON_INTERPRET=1) on CPU
+tensors."""
+
+import contextlib
+import importlib.util
+import inspect
+import math
+import os
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+# The interpreter flag is read when @triton.jit decorates, i.e. when the kernel module is first
+# imported, so it must be set before that import (conftest sets it too; this file may run alone).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip(
+        "needs triton (pip install kernelmux[test] on Linux x86_64)", allow_module_level=True
+    )
+
+from conftest import DEVICE  # noqa: E402
+from kernelmux.backends.triton import kv_cache_write as host  # noqa: E402
+from kernelmux.backends.triton.kv_cache_write import (  # noqa: E402
+    MAX_PADDED_HEAD_DIM,
+    MAX_TILE,
+    LaunchConfig,
+    force_software_fp8,
+    kv_cache_write,
+    launch_config,
+    native_fp8_cast,
+    override_launch_config,
+    supports,
+    tile_shape,
+)
+from kernelmux.ops.specs import kv_cache_write as spec_module  # noqa: E402
+from kernelmux.ops.specs.kv_cache_write import SPEC, quantize_to_cache_fp8  # noqa: E402
+
+ON_GPU = DEVICE == "cuda"
+FP8 = torch.float8_e4m3fn
+
+if not ON_GPU and not isinstance(
+    host._kernel(), importlib.import_module("triton.runtime.interpreter").InterpretedFunction
+):
+    pytest.skip(
+        "the triton kernel module was imported before TRITON_INTERPRET=1 was set, so it cannot "
+        "run on CPU tensors in this process; run this file on its own",
+        allow_module_level=True,
+    )
+
+# The interpreter evaluates the integer fp8 route on NaN and inf lanes too (their codes are then
+# replaced), and numpy warns about the arithmetic; the results are checked byte for byte below.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+]
+
+SEEDS = (0, 1)
+# The interpreter's cost is per program (~10 ms), not per element: above this many tokens the spec
+# cases run with one wide block per program (the heuristic's configs are covered by
+# test_each_launch_config and, compiled, on the GPU).
+INTERPRETER_MAX_TOKENS = 64
+INTERPRETER_WIDE_CONFIG = LaunchConfig(block_t=256, num_warps=4)
+
+# The fp8 routes a device can run: the integer route everywhere; the hardware cast on CUDA
+# devices of compute capability >= 8.9 only (the interpreter's own cast is wrong, see
+# _kv_cache_write_kernel.py, so the native route is never launched there).
+ROUTES = ["software", "native"]
+
+
+def _run(kwargs: dict) -> None:
+    """The kernel, with one wide block per program for big batches under the interpreter."""
+    if ON_GPU or kwargs["key"].shape[0] <= INTERPRETER_MAX_TOKENS:
+        assert kv_cache_write(**kwargs) is None
+        return
+    with override_launch_config(INTERPRETER_WIDE_CONFIG):
+        assert kv_cache_write(**kwargs) is None
+
+
+def _clone(kwargs: dict) -> dict:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+def _check(kwargs: dict, seed: int = 0) -> None:
+    """Run the kernel on ``kwargs`` and the reference on a copy; both whole caches compared as
+    bytes (written slots and untouched ones)."""
+    assert supports(**kwargs) is None
+    expected = _clone(kwargs)
+    SPEC.reference(**expected)
+    _run(kwargs)
+    try:
+        SPEC.check_close(SPEC.outputs(None, kwargs), SPEC.outputs(None, expected), kwargs)
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: {error}") from None
+
+
+def _route(route: str):
+    """Context for an fp8 route; skips the native one where the device has no hardware cast."""
+    if route == "software":
+        return force_software_fp8()
+    if not native_fp8_cast(torch.device(DEVICE)):
+        pytest.skip(
+            "GPU only: the native fp8 route needs a CUDA device of compute capability >= 8.9 "
+            "(on CPU the interpreter's fp32 -> fp8 cast is not round-to-nearest-even)"
+        )
+    return force_software_fp8(False)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().view(torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Signature, support, configuration
+
+
+def test_signatures_match_the_spec() -> None:
+    assert inspect.signature(kv_cache_write) == SPEC.signature
+    assert inspect.signature(supports).parameters == SPEC.signature.parameters
+
+
+def test_supports_limits() -> None:
+    kwargs = SPEC.case("small_fp16_padding").build("cpu", 0)
+    assert supports(**kwargs) is None
+    # Only the shapes matter: meta tensors stand for a head dim too wide for one tile.
+    wide = torch.empty(1, 1, MAX_PADDED_HEAD_DIM + 1, device="meta")
+    cache = torch.empty(2, 4, 1, MAX_PADDED_HEAD_DIM + 1, device="meta")
+    reason = supports(wide, wide, cache, cache, torch.empty(1, dtype=torch.int64, device="meta"))
+    assert reason is not None and str(MAX_PADDED_HEAD_DIM + 1) in reason
+    edge = torch.empty(1, 1, MAX_PADDED_HEAD_DIM, device="meta")
+    assert supports(edge, edge, cache, cache, torch.empty(1, dtype=torch.int64, device="meta")) is None
+
+
+def test_tile_shape() -> None:
+    assert tile_shape(8, 128) == (8, 128)  # Llama-3-8B: the whole row, no padding
+    assert tile_shape(3, 40) == (4, 64)  # padded heads and dims
+    assert tile_shape(64, 128) == (MAX_TILE // 128, 128)  # MHA: head chunks of 32
+    assert tile_shape(1, MAX_PADDED_HEAD_DIM) == (1, MAX_PADDED_HEAD_DIM)
+
+
+def test_launch_config_heuristic_and_override() -> None:
+    # One 16-byte vector per thread for bf16 rows of 8 x 128: 1024 elements over 4 warps.
+    assert launch_config(8, 128, 2) == LaunchConfig(block_t=1, num_warps=4)
+    assert launch_config(1, 128, 2) == LaunchConfig(block_t=2, num_warps=1)  # 70B at TP8
+    assert launch_config(32, 128, 2) == LaunchConfig(block_t=1, num_warps=8)
+    assert launch_config(64, 128, 2) == LaunchConfig(block_t=1, num_warps=8)  # head chunks
+    assert launch_config(1, 8, 2) == LaunchConfig(block_t=16, num_warps=1)  # capped tokens
+    sweep = LaunchConfig(block_t=4, num_warps=2)
+    outer = LaunchConfig(block_t=8, num_warps=1)
+    with override_launch_config(outer):
+        with override_launch_config(sweep):
+            assert launch_config(8, 128, 2) == sweep
+        assert launch_config(8, 128, 2) == outer
+    assert launch_config(8, 128, 2) == LaunchConfig(block_t=1, num_warps=4)
+    with pytest.raises(ValueError, match="power of two"):
+        with override_launch_config(LaunchConfig(block_t=3, num_warps=1)):
+            pass
+    with pytest.raises(AttributeError):
+        sweep.block_t = 2  # frozen
+
+
+def test_native_fp8_cast_choice() -> None:
+    assert native_fp8_cast(torch.device("cpu")) is False
+    with force_software_fp8():
+        assert native_fp8_cast(torch.device(DEVICE)) is False
+        with force_software_fp8(False):
+            assert native_fp8_cast(torch.device(DEVICE)) is (
+                ON_GPU and torch.version.hip is None and torch.cuda.get_device_capability() >= (8, 9)
+                and os.environ.get("TRITON_INTERPRET", "") != "1"
+            )
+        assert native_fp8_cast(torch.device(DEVICE)) is False
+
+
+# ---------------------------------------------------------------------------------------------
+# The spec's cases
+
+
+# fp8 cases run once per route; bf16/fp16 caches are copied, with no route to choose.
+CASE_PARAMS = [
+    pytest.param(case, route, id=f"{case.name}-{route}")
+    for case in SPEC.cases
+    for route in (ROUTES if case.build("cpu", 0)["k_cache"].dtype == FP8 else ["copy"])
+]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("case, route", CASE_PARAMS)
+def test_spec_case(case, route: str, seed: int) -> None:
+    kwargs = case.build(DEVICE, seed)
+    with _route(route) if route != "copy" else contextlib.nullcontext():
+        _check(kwargs, seed)
+
+
+def test_empty_batch_launches_nothing(monkeypatch) -> None:
+    kwargs = SPEC.case("empty").build(DEVICE, 0)
+    before = _clone(kwargs)
+
+    def no_launch():
+        raise AssertionError("T = 0 must not launch the kernel")
+
+    monkeypatch.setattr(host, "_kernel", no_launch)
+    assert kv_cache_write(**kwargs) is None
+    assert torch.equal(_bytes(kwargs["k_cache"]), _bytes(before["k_cache"]))
+    assert torch.equal(_bytes(kwargs["v_cache"]), _bytes(before["v_cache"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Poisoned caches, padding, special values
+
+
+def _poisoned_cache(shape, cache_dtype, generator) -> torch.Tensor:
+    """NaN everywhere (bf16/fp16), or random bytes including NaN codes (fp8)."""
+    if cache_dtype == FP8:
+        return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8).view(FP8)
+    return torch.full(shape, float("nan"), dtype=cache_dtype)
+
+
+@pytest.mark.parametrize(
+    "cache_dtype, route",
+    [(torch.bfloat16, "copy"), (torch.float16, "copy")] + [(FP8, route) for route in ROUTES],
+    ids=lambda p: str(p).replace("torch.", ""),
+)
+def test_poisoned_caches_keep_untouched_slots(cache_dtype: torch.dtype, route: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    dtype = torch.float16 if cache_dtype == torch.float16 else torch.bfloat16
+    num_blocks, block_size, heads, dim = 6, 4, 3, 24
+    shape = (num_blocks, block_size, heads, dim)
+    # Padding of several values (any negative is padding), the first and last slot written.
+    slots = torch.tensor([5, -1, 23, 0, -8, 17, -(2**62), 9, -1], dtype=torch.int64)
+    key = torch.randn(slots.numel(), heads, dim, generator=gen).to(dtype)
+    value = torch.randn(slots.numel(), heads, dim, generator=gen).to(dtype)
+    kwargs = {
+        "key": key.to(DEVICE),
+        "value": value.to(DEVICE),
+        "k_cache": _poisoned_cache(shape, cache_dtype, gen).to(DEVICE),
+        "v_cache": _poisoned_cache(shape, cache_dtype, gen).to(DEVICE),
+        "slot_mapping": slots.to(DEVICE),
+        "k_scale": torch.tensor(0.37, device=DEVICE) if cache_dtype == FP8 else None,
+        "v_scale": torch.tensor([0.011], device=DEVICE) if cache_dtype == FP8 else None,
+    }
+    before = _clone(kwargs)
+    with _route(route) if route != "copy" else contextlib.nullcontext():
+        _check(kwargs)
+    written = set(slots[slots >= 0].tolist())
+    for cache, old in ((kwargs["k_cache"], before["k_cache"]), (kwargs["v_cache"], before["v_cache"])):
+        now_bytes = _bytes(cache).view(num_blocks * block_size, -1)
+        old_bytes = _bytes(old).view(num_blocks * block_size, -1)
+        for slot in range(num_blocks * block_size):
+            if slot not in written:
+                assert torch.equal(now_bytes[slot], old_bytes[slot]), f"slot {slot} was touched"
+            else:
+                assert not torch.equal(now_bytes[slot], old_bytes[slot]), f"slot {slot} not written"
+
+
+def test_copy_keeps_nan_payloads_and_signed_zeros() -> None:
+    # bf16/fp16 caches hold the key's bits: NaNs of either sign and payload, infinities, -0.0.
+    patterns = [0x7FC0, 0xFFC0, 0x7F81, 0xFFFF, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x8001]
+    for dtype, nan_patterns in ((torch.bfloat16, patterns), (torch.float16, [0x7E00, 0xFE00, 0x7C01,
+                                                                              0xFFFF, 0x7C00, 0xFC00,
+                                                                              0x8000, 0x0001, 0x8001])):
+        bits = torch.tensor(nan_patterns, dtype=torch.int32).to(torch.int16)
+        key = bits.view(dtype).reshape(1, 1, -1).to(DEVICE)
+        kwargs = {
+            "key": key,
+            "value": key.flip(-1),
+            "k_cache": torch.zeros(2, 2, 1, key.shape[-1], dtype=dtype, device=DEVICE),
+            "v_cache": torch.zeros(2, 2, 1, key.shape[-1], dtype=dtype, device=DEVICE),
+            "slot_mapping": torch.tensor([3], device=DEVICE),
+            "k_scale": None,
+            "v_scale": None,
+        }
+        _check(kwargs)
+        assert torch.equal(kwargs["k_cache"][1, 1, 0].cpu().view(torch.int16), bits)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8: bit-exact against quantize_to_cache_fp8 over every 16-bit input
+
+# Scales: none (no division), 1 (division, exact), scales that are not powers of two (rounded
+# quotients, so the fp32 value lands between bf16 grid points), 1 + 2**-23 and 1 - 2**-24 (every
+# e4m3 rounding tie of the input grid moved just off the tie, both ways), a large scale (fp32
+# subnormal quotients, everything below the smallest e4m3 subnormal), a tiny one (everything
+# saturates but zeros and NaN) and a calibrated-looking one.
+SCALES = [None, 1.0, 0.3, 0.0173, 1.0 + 2.0**-23, 1.0 - 2.0**-24, 3000.0, 1e-30, 7.5e-3]
+
+
+def _every_16bit_value(dtype: torch.dtype) -> torch.Tensor:
+    """All 65536 bit patterns of ``dtype`` (every finite value, both infinities, every NaN) as a
+    [16, 16, 256] key: 16 tokens of 16 heads of 256."""
+    return torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype).reshape(16, 16, 256)
+
+
+def _fp8_check_all_values(dtype: torch.dtype, scale) -> None:
+    key = _every_16bit_value(dtype).to(DEVICE)
+    value = key.flip(0)  # other rows in other slots
+    scale_tensor = None if scale is None else torch.tensor(scale, dtype=torch.float32, device=DEVICE)
+    shape = (5, 4, 16, 256)  # 20 slots, 16 written
+    kwargs = {
+        "key": key,
+        "value": value,
+        "k_cache": torch.zeros(shape, dtype=FP8, device=DEVICE),
+        "v_cache": torch.zeros(shape, dtype=FP8, device=DEVICE),
+        "slot_mapping": torch.arange(19, 3, -1, device=DEVICE),
+        "k_scale": scale_tensor,
+        "v_scale": scale_tensor,
+    }
+    kv_cache_write(**kwargs)
+    # Straight against quantize_to_cache_fp8, element by element, with the first mismatches named.
+    got = _bytes(kwargs["k_cache"]).view(20, -1)[4:].flip(0).reshape(-1)
+    want = _bytes(quantize_to_cache_fp8(key, scale_tensor)).reshape(-1)
+    differ = (got != want).nonzero().flatten()
+    inputs = key.cpu().reshape(-1)
+    detail = ", ".join(
+        f"{inputs[i].float().item():.9g} -> 0x{got[i].item():02x} (want 0x{want[i].item():02x})"
+        for i in differ[:8].tolist()
+    )
+    assert differ.numel() == 0, f"{dtype}, scale {scale}: {differ.numel()} codes differ: {detail}"
+    got_v = _bytes(kwargs["v_cache"]).view(20, -1)[4:].flip(0).reshape(-1)
+    assert torch.equal(got_v, _bytes(quantize_to_cache_fp8(value, scale_tensor)).reshape(-1))
+    # Slots 0..3 were not in the mapping: still zero codes.
+    assert not _bytes(kwargs["k_cache"]).view(20, -1)[:4].any()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("scale", SCALES, ids=lambda s: "none" if s is None else f"{s:.9g}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp8_every_input_value(dtype: torch.dtype, scale, route: str) -> None:
+    with _route(route):
+        _fp8_check_all_values(dtype, scale)
+
+
+@settings(max_examples=8)
+@given(scale=st.floats(2.0**-12, 2.0**12, width=32), bf16=st.booleans())
+def test_fp8_every_input_value_drawn_scales(scale: float, bf16: bool) -> None:
+    # The default route for the device (the native cast on an H100; the integer one on CPU).
+    _fp8_check_all_values(torch.bfloat16 if bf16 else torch.float16, scale)
+
+
+def test_fp8_hand_worked_codes() -> None:
+    # The spec's hand-worked bytes (x / 0.5, saturation, ties to even, signed zero, subnormals).
+    values = torch.tensor([1.0, 0.30078125, 0.53125, 0.59375, 1000.0, -1000.0, -0.0, 2.0**-11,
+                           3 * 2.0**-11, 0.375, float("nan"), -float("nan"), float("inf")],
+                          dtype=torch.bfloat16)
+    # torch does not keep a NaN's sign when it builds a bf16 tensor from floats: set the bits.
+    values.view(torch.int16)[10:12] = torch.tensor([0x7FC0, 0xFFC0 - 0x10000], dtype=torch.int16)
+    expected = [0x40, 0x32, 0x38, 0x3A, 0x7E, 0xFE, 0x80, 0x00, 0x02, 0x34, 0x7F, 0xFF, 0x7E]
+    key = values.reshape(-1, 1, 1).to(DEVICE)
+    n = values.numel()
+    k_cache = torch.zeros(n, 1, 1, 1, dtype=FP8, device=DEVICE)
+    v_cache = torch.zeros(n, 1, 1, 1, dtype=FP8, device=DEVICE)
+    slots = torch.arange(n, device=DEVICE)
+    kv_cache_write(key, key, k_cache, v_cache, slots, torch.tensor(0.5, device=DEVICE), None)
+    codes = _bytes(k_cache).flatten().tolist()
+    # NaN / 0.5: the NaN's sign is whatever the platform's division gives (x86 keeps it); the
+    # reference divides the same way on the same device, so only its code is asserted here.
+    reference_codes = _bytes(quantize_to_cache_fp8(key, torch.tensor(0.5, device=DEVICE))).flatten().tolist()
+    assert codes[:10] + codes[12:] == expected[:10] + expected[12:]
+    assert codes[10:12] == reference_codes[10:12] and all(c & 0x7F == 0x7F for c in codes[10:12])
+    # No scale: no division, so the NaN's sign bit survives on every device.
+    assert _bytes(v_cache).flatten().tolist()[10:12] == [0x7F, 0xFF]
+
+
+def test_scale_is_read_on_the_device(monkeypatch) -> None:
+    # No .item() (a host sync, and a value frozen into a CUDA graph): the kernel reads the tensor.
+    kwargs = SPEC.case("small_fp8_scales").build(DEVICE, 3)
+    expected = _clone(kwargs)
+    SPEC.reference(**expected)
+
+    def no_item(self):
+        raise AssertionError("kv_cache_write read a tensor on the host (.item())")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_item)
+    _run(kwargs)
+    monkeypatch.undo()
+    SPEC.check_close(SPEC.outputs(None, kwargs), SPEC.outputs(None, expected), kwargs)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU only: CUDA graph capture and replay")
+def test_cuda_graph_replay_sees_the_current_scale() -> None:
+    kwargs = SPEC.case("small_fp8_scales").build(DEVICE, 4)
+    initial = _clone(kwargs)
+    kv_cache_write(**_clone(kwargs))  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kv_cache_write(**kwargs)
+    for k_scale, v_scale in ((0.5, 0.25), (0.0173, 3.0)):
+        kwargs["k_scale"].fill_(k_scale)
+        kwargs["v_scale"].fill_(v_scale)
+        kwargs["k_cache"].copy_(initial["k_cache"])
+        kwargs["v_cache"].copy_(initial["v_cache"])
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = _clone(dict(initial, k_scale=kwargs["k_scale"], v_scale=kwargs["v_scale"]))
+        SPEC.reference(**expected)
+        SPEC.check_close(SPEC.outputs(None, kwargs), SPEC.outputs(None, expected), kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts: strided keys and values, views of bigger caches
+
+
+def _fused_qkv(key: torch.Tensor, value: torch.Tensor, num_q_heads: int = 3):
+    """key and value as slices of one NaN-padded [T, (Hq + 2 Hkv) * D] qkv projection output."""
+    tokens, heads, dim = key.shape
+    q = num_q_heads * dim
+    qkv = torch.full((tokens, q + 2 * heads * dim), float("nan"), dtype=key.dtype, device=key.device)
+    qkv[:, q : q + heads * dim] = key.reshape(tokens, heads * dim)
+    qkv[:, q + heads * dim :] = value.reshape(tokens, heads * dim)
+    key_view = qkv[:, q : q + heads * dim].view(tokens, heads, dim)
+    return key_view, qkv[:, q + heads * dim :].view(tokens, heads, dim)
+
+
+def _dim_strided(x: torch.Tensor) -> torch.Tensor:
+    """x stored as [T, D, Hkv]: the head dim's stride is Hkv (no unit stride anywhere but heads)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+KEY_LAYOUTS = ["contiguous", "fused_qkv", "dim_strided", "mixed"]
+
+
+def _key_views(key: torch.Tensor, value: torch.Tensor, layout: str):
+    if layout == "contiguous":
+        return key, value
+    if layout == "fused_qkv":
+        return _fused_qkv(key, value)
+    if layout == "dim_strided":
+        return _dim_strided(key), _dim_strided(value)
+    if layout == "mixed":  # key a fused-qkv slice, value dim-strided: every stride differs
+        return _fused_qkv(key, value)[0], _dim_strided(value)
+    raise ValueError(layout)
+
+
+def _cache_views(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str):
+    """The caches as views of other storage, and that storage (to check nothing outside the views
+    was written)."""
+    num_blocks, block_size, heads, dim = k_cache.shape
+    if layout == "joint":  # vLLM's FlashAttention layout: [2, num_blocks, block_size, Hkv, D]
+        storage = torch.stack([k_cache, v_cache])
+        return storage[0], storage[1], storage
+    if layout == "joint_blocks_outer":  # FlashInfer's: [num_blocks, 2, block_size, Hkv, D]
+        storage = torch.stack([k_cache, v_cache], dim=1)
+        return storage[:, 0], storage[:, 1], storage
+    if layout == "padded_heads":  # head stride D + 5, with poison between heads
+        storage = torch.full((2, num_blocks, block_size, heads, dim + 5), float("nan"),
+                             device=k_cache.device).to(k_cache.dtype)
+        storage[0, ..., :dim] = k_cache
+        storage[1, ..., :dim] = v_cache
+        return storage[0, ..., :dim], storage[1, ..., :dim], storage
+    if layout == "head_major":  # stored [num_blocks, Hkv, block_size, D], permuted
+        storage = torch.stack([k_cache, v_cache]).transpose(2, 3).contiguous()
+        return storage[0].transpose(1, 2), storage[1].transpose(1, 2), storage
+    if layout == "mixed":  # K plain, V head-major in a storage of its own: different strides
+        storage = v_cache.transpose(1, 2).contiguous()
+        return k_cache, storage.transpose(1, 2), None
+    raise ValueError(layout)
+
+
+CACHE_LAYOUTS = ["joint", "joint_blocks_outer", "padded_heads", "head_major", "mixed"]
+
+
+@pytest.mark.parametrize("cache_layout", ["plain"] + CACHE_LAYOUTS)
+@pytest.mark.parametrize("key_layout", KEY_LAYOUTS)
+@pytest.mark.parametrize("case_name", ["small_fp16_padding", "small_fp8_scales"])
+def test_strided_inputs_and_caches(case_name: str, key_layout: str, cache_layout: str) -> None:
+    kwargs = SPEC.case(case_name).build(DEVICE, 5)
+    kwargs["key"], kwargs["value"] = _key_views(kwargs["key"], kwargs["value"], key_layout)
+    storage = None
+    if cache_layout != "plain":
+        kwargs["k_cache"], kwargs["v_cache"], storage = _cache_views(
+            kwargs["k_cache"], kwargs["v_cache"], cache_layout
+        )
+        assert not (kwargs["k_cache"].is_contiguous() and kwargs["v_cache"].is_contiguous()) or (
+            cache_layout == "joint"
+        )
+    storage_before = storage.clone() if storage is not None else None
+    _check(kwargs)
+    if storage is not None:
+        # Bytes outside the two views (padding between heads) are unchanged: mark the views'
+        # elements through a flat index map of the storage.
+        index = torch.arange(storage.numel(), device=storage.device).view(storage.shape)
+        inside = torch.zeros(storage.numel(), dtype=torch.bool, device=storage.device)
+        for cache in (kwargs["k_cache"], kwargs["v_cache"]):
+            offset = cache.storage_offset() - storage.storage_offset()
+            view = index.flatten()[offset:].as_strided(cache.shape, cache.stride())
+            inside[view.flatten()] = True
+        outside = ~inside.view(storage.shape)
+        assert torch.equal(_bytes(storage[outside]), _bytes(storage_before[outside]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiles: head chunks, padding lanes, every launch configuration
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=str)
+@pytest.mark.parametrize("heads,dim", [(5, 1024), (16, 512), (3, 40), (1, 1), (7, 3)])
+def test_head_chunks_and_padded_tiles(heads: int, dim: int, cache_dtype: torch.dtype) -> None:
+    # (5, 1024): two head chunks of 4, the second with 3 padding heads; (16, 512): two full chunks.
+    block_h, block_d = tile_shape(heads, dim)
+    assert math.ceil(heads / block_h) == (2 if dim >= 512 else 1)
+    make = spec_module._maker(5, heads, dim, 3, 4, cache_dtype=cache_dtype, padding=0.2,
+                              scales=(0.2, 0.9) if cache_dtype == FP8 else None, magnitude=40.0)
+    kwargs = make(torch.device("cpu"), torch.Generator().manual_seed(6))
+    _check({k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+
+LAUNCH_CONFIGS = [LaunchConfig(block_t=t, num_warps=w) for t in (1, 2, 4, 16) for w in (1, 4, 8)]
+
+
+@pytest.mark.parametrize("config", LAUNCH_CONFIGS, ids=lambda c: f"bt{c.block_t}w{c.num_warps}")
+@pytest.mark.parametrize("case_name", ["small_fp16_padding", "small_fp8_scales"])
+def test_each_launch_config(case_name: str, config: LaunchConfig) -> None:
+    # 37 and 23 tokens: partial last programs for every block_t > 1.
+    kwargs = SPEC.case(case_name).build(DEVICE, 7)
+    with override_launch_config(config):
+        _check(kwargs)
+
+
+@pytest.mark.skipif(
+    not ON_GPU,
+    reason="GPU only: caches of over 2**31 elements (2 GiB each in fp8) to reach the int64 offsets",
+)
+def test_offsets_past_2_to_the_31() -> None:
+    heads, dim, block_size = 8, 128, 16
+    per_block = block_size * heads * dim
+    num_blocks = 2**31 // per_block + 8
+    shape = (num_blocks, block_size, heads, dim)
+    k_cache = torch.zeros(shape, dtype=FP8, device=DEVICE)
+    v_cache = torch.zeros(shape, dtype=FP8, device=DEVICE)
+    last = num_blocks * block_size - 1
+    slots = torch.tensor([last, 3, last - 17, -1, (2**31 // (heads * dim)) + 1], device=DEVICE)
+    gen = torch.Generator().manual_seed(9)
+    key = torch.randn(slots.numel(), heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    value = torch.randn(slots.numel(), heads, dim, generator=gen).to(torch.bfloat16).to(DEVICE)
+    scale = torch.tensor(0.05, device=DEVICE)
+    kv_cache_write(key, value, k_cache, v_cache, slots, scale, None)
+    flat_k = k_cache.view(-1, heads, dim)
+    flat_v = v_cache.view(-1, heads, dim)
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        assert torch.equal(_bytes(flat_k[slot]), _bytes(quantize_to_cache_fp8(key[t], scale))), slot
+        assert torch.equal(_bytes(flat_v[slot]), _bytes(quantize_to_cache_fp8(value[t], None))), slot
+    # Nothing else was written: at most the 4 written rows hold non-zero codes.
+    assert int((k_cache.view(torch.uint8) != 0).sum()) <= 4 * heads * dim
+    assert int((v_cache.view(torch.uint8) != 0).sum()) <= 4 * heads * dim
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU only: reads the compiled kernel's PTX")
+@pytest.mark.parametrize("case_name", ["llama3_8b_decode_b256", "llama3_8b_fp8_prefill_t1024"])
+def test_row_accesses_are_16_byte_vectors(case_name: str) -> None:
+    # The perf goal of a memory-bound copy: K and V rows (8 x 128 bf16) read with ld.global.v4.b32
+    # (16 bytes) and written with st.global.v4.b32 (bf16) or st.global.v2.b32 (8 fp8 codes).
+    kwargs = SPEC.case(case_name).build(DEVICE, 0)
+    compiled = host._launch(**kwargs)
+    ptx = compiled.asm["ptx"]
+    loads = re.findall(r"ld\.global[.\w:]*", ptx)
+    stores = re.findall(r"st\.global[.\w:]*", ptx)
+    fp8 = kwargs["k_cache"].dtype == FP8
+    assert any(".v4.b32" in op for op in loads), loads
+    assert not any(op.endswith(".b16") for op in loads), loads  # no element-wise row loads
+    wide_stores = (".v2.b32", ".v4.b32") if fp8 else (".v4.b32",)  # fp8: 8 codes a thread at least
+    assert any(width in op for op in stores for width in wide_stores), stores
+    assert not any(op.endswith(".b16") or op.endswith(".b8") for op in stores), stores
+
+
+# ---------------------------------------------------------------------------------------------
+# Drawn shapes and layouts
+
+
+@st.composite
+def drawn_calls(draw):
+    block_size = draw(st.sampled_from([1, 2, 5, 16]))
+    tokens = draw(st.sampled_from([0, 1, 2, 3, 7, 16, 33, 48]))
+    num_blocks = max(1, -(-tokens // block_size)) + draw(st.integers(0, 3))
+    cache_fp8 = draw(st.booleans())
+    return dict(
+        maker=dict(
+            tokens=tokens,
+            num_kv_heads=draw(st.integers(1, 6)),
+            head_dim=draw(st.sampled_from([1, 3, 8, 40, 64, 96, 128, 136, 200])),
+            block_size=block_size,
+            num_blocks=num_blocks,
+            dtype=draw(st.sampled_from([torch.bfloat16, torch.float16])),
+            cache_dtype=FP8 if cache_fp8 else None,
+            padding=draw(st.sampled_from([0.0, 0.3, 1.0])),
+            scales=(
+                (draw(st.floats(2.0**-10, 10.0, width=32)), draw(st.floats(2.0**-10, 10.0, width=32)))
+                if cache_fp8 and draw(st.booleans()) else None
+            ),
+            magnitude=draw(st.sampled_from([1.0, 100.0])),
+        ),
+        key_layout=draw(st.sampled_from(KEY_LAYOUTS)),
+        cache_layout=draw(st.sampled_from(["plain"] + CACHE_LAYOUTS)),
+    )
+
+
+@given(call=drawn_calls(), seed=st.integers(0, 2**32 - 1))
+def test_drawn_shapes(call, seed: int) -> None:
+    kwargs = spec_module._maker(**call["maker"])(torch.device("cpu"), torch.Generator().manual_seed(seed))
+    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    kwargs["key"], kwargs["value"] = _key_views(kwargs["key"], kwargs["value"], call["key_layout"])
+    if call["cache_layout"] != "plain":
+        kwargs["k_cache"], kwargs["v_cache"], _ = _cache_views(
+            kwargs["k_cache"], kwargs["v_cache"], call["cache_layout"]
+        )
+    _check(kwargs, seed)
