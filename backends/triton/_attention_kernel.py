@@ -24,8 +24,9 @@ the query dtype for ``P @ V``, as FlashAttention does (the specs' tolerances cov
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
+# Module constants must be tl.constexpr instances (Triton 3.6 rejects annotated globals).
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -55,7 +56,6 @@ def _attend_step(
 ):
     """One online-softmax step over KV positions start .. start + BLOCK_N: gather the K (and V)
     rows through the block table, score, mask what the constexprs say, rescale, accumulate."""
-    LOG2E: tl.constexpr = 1.4426950408889634
     n = start + tl.arange(0, BLOCK_N)
     if MASK_RANGE:
         n_ok = n < hi
@@ -81,7 +81,7 @@ def _attend_step(
     if SOFT_CAP:
         # cap * tanh(x / cap), tanh from one exp2 of -2|x|: no overflow for any x.
         x = s * (scale / soft_cap)
-        e = tl.exp2(-2.0 * LOG2E * tl.abs(x))
+        e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
         t = (1.0 - e) / (1.0 + e)
         s = tl.where(x < 0, -t, t) * (soft_cap * LOG2E)
     else:

@@ -10,7 +10,10 @@ import triton.language as tl
 # The reference is quantize_to_cache_fp8: fp32 x / scale (a correctly rounded division), clamped
 # to +-448 (NaN stays NaN), cast with round-to-nearest-even. c10's cast writes a NaN as 0x7F with
 # the NaN's sign bit (0xFF for a negative NaN), and check_close compares bytes, so that is the code
-# both routes write for NaN.
+# both routes write for NaN. Which sign: the fp32 value's the reference casts. Without a scale that
+# is the input's own sign (torch widens bf16/fp16 by shifting bits), but the GPU's cvt.f32.bf16
+# returns the canonical (positive) NaN, so the kernel takes the sign from the 16-bit input; with a
+# scale it is whatever the device's division gives a NaN, in the kernel as in the reference.
 #
 # * NATIVE_FP8 (the host sets it for CUDA devices of compute capability >= 8.9): Triton's
 #   fp32 -> fp8e4nv cast, which Triton 3.9 lowers to cvt.rn.satfinite.e4m3x2.f32 (seen in
@@ -44,9 +47,9 @@ _REBIAS = tl.constexpr(960)
 
 
 @triton.jit
-def _e4m3fn_codes(x, NATIVE_FP8: tl.constexpr):
+def _e4m3fn_codes(x, nan_sign, NATIVE_FP8: tl.constexpr):
     """fp32 (already divided by the scale) -> float8_e4m3fn codes (uint8): saturated to +-448,
-    rounded to nearest even; NaN -> 0x7F with the NaN's sign bit."""
+    rounded to nearest even; NaN -> 0x7F | nan_sign (int32, 0 or 0x80 per element)."""
     # Comparisons with NaN are false, so NaN passes this clamp; tl.minimum / tl.maximum would not
     # do on the GPU (max.f32 returns the operand that is not NaN).
     x = tl.where(x > FP8_MAX, FP8_MAX, x)
@@ -68,7 +71,7 @@ def _e4m3fn_codes(x, NATIVE_FP8: tl.constexpr):
         scaled = mag.to(tl.float32, bitcast=True) * 512.0 + 8388608.0
         subnormal = scaled.to(tl.int32, bitcast=True) - _MAGIC_BITS
         code = sign | tl.where(mag < _MIN_NORMAL_BITS, subnormal, normal)
-    code = tl.where(mag > _INF_BITS, sign | 0x7F, code)
+    code = tl.where(mag > _INF_BITS, nan_sign | 0x7F, code)
     return code.to(tl.uint8)
 
 
@@ -103,7 +106,10 @@ def _write_rows(
             # host sync and a CUDA graph replays with the scale's current value.
             scale = tl.load(scale_ptr)
             x = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
-        tl.store(dst_ptr + dst, _e4m3fn_codes(x, NATIVE_FP8), mask=mask)
+            nan_sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
+        else:
+            nan_sign = tl.where(rows.to(tl.int16, bitcast=True) < 0, 0x80, 0)
+        tl.store(dst_ptr + dst, _e4m3fn_codes(x, nan_sign, NATIVE_FP8), mask=mask)
     else:
         # Same dtype (the host passes int16 views): a bit copy, NaN payloads included.
         tl.store(dst_ptr + dst, rows, mask=mask)
