@@ -9,8 +9,9 @@
 #   sweep        grouped_topk launch-configuration sweep              -> grouped_topk_gpu.{json,md}
 #   tests-attention  the attention and kv_cache_write kernel tests, and conformance for those ops
 #                                                                     -> pytest_attention.txt
-#   sweep-attention  perf/diag/attention_sweep.py over $SWEEP_KINDS (decode prefill mla), starting
-#                no case after $SWEEP_BUDGET_S seconds                -> attention_sweep_*.json, .txt
+#   sweep-attention  perf/diag/attention_sweep.py over $SWEEP_KINDS (decode prefill mla) and
+#                $SWEEP_CASES (default all), starting no case after $SWEEP_BUDGET_S seconds
+#                                                                     -> attention_sweep_*.json, .txt
 # A device command may run 10 minutes: tests-core + bench fit one call, tests-slow + compare
 # another. Set KERNELMUX_COMMIT (the tree travels without .git).
 #   bash perf/run_gpu.sh tests-core bench
@@ -40,13 +41,16 @@ for step in "$@"; do
     sweep)
         python3 -m kernelmux.perf.grouped_topk_gpu --out "$out" --sweep 2>&1 | tail -5 ;;
     tests-attention)
+        # Eight workers: the time goes to Triton compilations (one per constexpr set), on the CPU.
+        # -v names every test as it finishes, so a run cut off by the timeout still says which failed.
         (cd /tmp && timeout 300 python3 -m pytest "$repo/tests/backends/triton/test_attention_kernel.py" \
             "$repo/tests/backends/triton/test_kv_cache_write_kernel.py" "$repo/tests/backends/test_conformance.py" \
-            -k "attention or mla or kv_cache" -q -p no:cacheprovider -rfE --durations=10 2>&1) \
-            | tee "$out/pytest_attention.txt" | tail -25 ;;
+            -k "attention or mla or kv_cache" -n 8 -v -p no:cacheprovider -rfE --durations=10 2>&1) \
+            > "$out/pytest_attention.txt"; grep -E "FAILED|ERROR|passed|failed" "$out/pytest_attention.txt" | tail -40 ;;
     sweep-attention)
         kinds=${SWEEP_KINDS:-decode prefill mla}
-        python3 perf/diag/attention_sweep.py --out "$out" --kinds $kinds --budget-s "${SWEEP_BUDGET_S:-400}" 2>&1 \
+        python3 perf/diag/attention_sweep.py --out "$out" --kinds $kinds --budget-s "${SWEEP_BUDGET_S:-400}" \
+            --cases ${SWEEP_CASES:-} 2>&1 \
             | tee "$out/attention_sweep_${kinds// /_}.txt" ;;
     *)
         echo "unknown step $step" >&2; exit 2 ;;

@@ -159,6 +159,7 @@ def paged_attention_kernel(
     RETURN_LSE: tl.constexpr,
     SPLIT_KV: tl.constexpr,  # write partials for merge_splits_kernel
     DOT_FP32: tl.constexpr,  # upcast dot operands (the interpreter's bf16 dot is wrong)
+    DOT_FP16: tl.constexpr,  # fp8 cache with bf16 queries: dots in fp16 (one cvt from e4m3)
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     HEAD_TILES: tl.constexpr = (GROUP + HEADS_PER_TILE - 1) // HEADS_PER_TILE
@@ -220,6 +221,12 @@ def paged_attention_kernel(
         q = q.to(tl.float32)
         if D_ROPE > 0:
             q_rope = q_rope.to(tl.float32)
+    elif DOT_FP16:
+        # e4m3 -> fp16 is one cvt per two elements, e4m3 -> bf16 several; fp16 holds every bf16
+        # query of magnitude 2**-14 .. 65504 exactly (more mantissa bits), and P in [0, 1] better.
+        q = q.to(tl.float16)
+        if D_ROPE > 0:
+            q_rope = q_rope.to(tl.float16)
     dot_dtype = q.dtype
 
     if HAS_K_SCALE:

@@ -10,10 +10,12 @@ import triton.language as tl
 # The reference is quantize_to_cache_fp8: fp32 x / scale (a correctly rounded division), clamped
 # to +-448 (NaN stays NaN), cast with round-to-nearest-even. c10's cast writes a NaN as 0x7F with
 # the NaN's sign bit (0xFF for a negative NaN), and check_close compares bytes, so that is the code
-# both routes write for NaN. Which sign: the fp32 value's the reference casts. Without a scale that
-# is the input's own sign (torch widens bf16/fp16 by shifting bits), but the GPU's cvt.f32.bf16
-# returns the canonical (positive) NaN, so the kernel takes the sign from the 16-bit input; with a
-# scale it is whatever the device's division gives a NaN, in the kernel as in the reference.
+# both routes write for NaN. Which sign: that of the fp32 value the reference casts, which depends
+# on how the device widens and divides. torch widens bf16 by shifting bits (the sign survives
+# everywhere) but the GPU's cvt.f32.bf16, which Triton emits, returns the canonical positive NaN:
+# for bf16 without a scale the kernel takes the sign from the input's bits. fp16 torch widens with
+# the same hardware conversion Triton uses (on the GPU both give the canonical NaN), and with a
+# scale the sign is whatever the device's division gives a NaN, in the kernel as in the reference.
 #
 # * NATIVE_FP8 (the host sets it for CUDA devices of compute capability >= 8.9): Triton's
 #   fp32 -> fp8e4nv cast, which Triton 3.9 lowers to cvt.rn.satfinite.e4m3x2.f32 (seen in
@@ -106,6 +108,7 @@ def _write_rows(
             # host sync and a CUDA graph replays with the scale's current value.
             scale = tl.load(scale_ptr)
             x = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
+        if HAS_SCALE or rows.dtype != tl.bfloat16:
             nan_sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
         else:
             nan_sign = tl.where(rows.to(tl.int16, bitcast=True) < 0, 0x80, 0)

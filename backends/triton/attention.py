@@ -45,17 +45,26 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+def _dot_width(n: int) -> int:
+    # A reduction dim of tl.dot must be a power of two >= 16 on the GPU (the interpreter takes
+    # any): narrower head or rope dims are zero-padded by masked loads.
+    return max(_next_pow2(n), 16)
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     """One launch: ``block_m`` rows (tokens x query heads of one KV head) per program,
     ``block_n`` KV positions per step, ``num_splits`` shares of each tile's KV range (merged by a
-    second kernel when > 1), and Triton's ``num_warps`` and ``num_stages``."""
+    second kernel when > 1), and Triton's ``num_warps`` and ``num_stages``. With an fp8 cache and
+    bf16 queries, ``fp16_dots_for_fp8`` runs both dots in fp16: one conversion instruction per two
+    cache elements instead of several (a query beyond fp16's 65504 would overflow; no model's does)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     num_splits: int = 1
+    fp16_dots_for_fp8: bool = True  # fp8 cache, bf16 queries: dots in fp16 (cheaper conversion)
 
 
 # Set only through override_plan (sweeps, tests); not thread-safe by design.
@@ -89,7 +98,7 @@ def _sm_count(device: torch.device) -> int:
 # head packed as rows; "prefill": varlen tiles of tokens x heads; "mla": 576-wide latent rows,
 # heads as rows. Measured on an H100 (perf/results/, see perf/README.md): TODO fill from sweep.
 _TABLE = {
-    "decode": AttentionPlan(block_m=16, block_n=64, num_warps=4, num_stages=3),
+    "decode": AttentionPlan(block_m=16, block_n=128, num_warps=4, num_stages=2),
     "prefill": AttentionPlan(block_m=128, block_n=64, num_warps=8, num_stages=2),
     "mla": AttentionPlan(block_m=64, block_n=32, num_warps=8, num_stages=2),
 }
@@ -184,8 +193,8 @@ def _launch(
             BLOCK_N=plan.block_n,
             D_MAIN=d_main,
             D_ROPE=d_rope,
-            BLOCK_D=_next_pow2(d_main),
-            BLOCK_R=_next_pow2(d_rope) if d_rope else 1,
+            BLOCK_D=_dot_width(d_main),
+            BLOCK_R=_dot_width(d_rope) if d_rope else 1,
             BLOCK_SIZE=k.shape[1],
             ONE_QUERY_PER_SEQ=_one_query_per_seq(num_seqs, num_tokens, max_query_len),
             CAUSAL=causal,
@@ -198,6 +207,7 @@ def _launch(
             RETURN_LSE=want_lse,
             SPLIT_KV=splits > 1,
             DOT_FP32=_INTERPRETED,
+            DOT_FP16=plan.fp16_dots_for_fp8 and k.dtype == FP8 and q.dtype == torch.bfloat16,
             num_warps=plan.num_warps,
             num_stages=plan.num_stages,
         )
@@ -208,7 +218,7 @@ def _launch(
                 num_tokens, splits, out.stride(0), out.stride(1),
                 NUM_Q_HEADS=num_q_heads,
                 D_MAIN=d_main,
-                BLOCK_D=_next_pow2(d_main),
+                BLOCK_D=_dot_width(d_main),
                 SPLITS_PAD=_next_pow2(splits),
                 HAS_SINKS=sinks is not None,
                 RETURN_LSE=want_lse,

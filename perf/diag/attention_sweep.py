@@ -7,7 +7,7 @@ of the device-copy bandwidth measured in the same run; prefill is FLOP/s over th
 matmul rate. The table in attention.py (_TABLE) is chosen from these numbers.
 
     python perf/diag/attention_sweep.py --out DIR [--ops paged_attention mla_decode] [--kinds decode]
-        [--quick] [--budget-s 400]
+        [--cases NAME ...] [--quick] [--budget-s 400]
 
 The record is rewritten after every case, so a run cut off by a time limit keeps what it measured.
 """
@@ -39,13 +39,16 @@ MLA_CASES = [
     "deepseek_v3_h128_fp8_decode_b64_ctx4096", "deepseek_v3_h128_fp8_decode_b128_ctx4096",
 ]
 # (block_m, block_n, num_warps, num_stages); splits from the heuristic unless a variant names them.
-DECODE_PLANS = [(16, n, w, s) for n, w, s in ((32, 4, 2), (64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2),
-                                             (128, 4, 3), (128, 8, 3), (64, 8, 3), (32, 2, 3))]
+# The first plan of a list is also run with each forced split count in SPLITS. Round 1 (ec2bf33,
+# perf/results/attention_sweep_h100_ec2bf33_decode.json) swept nine decode plans; these are its
+# finalists, plus wider steps for fp8 caches.
+DECODE_PLANS = [(16, n, w, s) for n, w, s in ((128, 4, 2), (128, 4, 3), (256, 4, 2), (256, 8, 2), (64, 4, 2),
+                                             (32, 4, 2))]
 PREFILL_PLANS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
                  (64, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 2)]
 MLA_PLANS = [(64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 3), (32, 32, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2),
              (128, 16, 8, 2), (32, 64, 4, 3)]
-SPLITS = [1, 2, 4, 8, 16, 32]
+SPLITS = [2, 4, 8, 16, 32, 64]
 
 
 def _plan_fields(plan) -> dict:
@@ -83,7 +86,8 @@ def _sdpa_peer(spec, kwargs) -> float | None:
     return _time(lambda: fn(), {})
 
 
-def run(out_dir: str, ops: list[str], kinds: list[str], quick: bool, budget_s: float) -> None:
+def run(out_dir: str, ops: list[str], kinds: list[str], cases: list[str], quick: bool,
+        budget_s: float) -> None:
     began = time.time()
     device = torch.device("cuda")
     ceilings = ceilings_module.measure("cuda")
@@ -94,7 +98,7 @@ def run(out_dir: str, ops: list[str], kinds: list[str], quick: bool, budget_s: f
         groups += [(pa_spec, attention.paged_attention, c, PREFILL_PLANS, "prefill") for c in PREFILL_CASES]
     if "mla_decode" in ops:
         groups += [(mla_spec, attention.mla_decode, c, MLA_PLANS, "mla") for c in MLA_CASES]
-    groups = [g for g in groups if g[4] in kinds]
+    groups = [g for g in groups if g[4] in kinds and (not cases or g[2] in cases)]
     rows = []
     record = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -117,6 +121,8 @@ def run(out_dir: str, ops: list[str], kinds: list[str], quick: bool, budget_s: f
               if kind != "mla" else (kwargs["q"].shape[1], 1)),
             kwargs["max_query_len"], kwargs["max_seq_len"])
         variants = [(_plan_fields(p), "") for p in (plans[:3] if quick else plans)]
+        if kwargs.get("k_cache", kwargs.get("kv_cache")).dtype == torch.float8_e4m3fn:
+            variants.append((dict(_plan_fields(plans[0]), fp16_dots_for_fp8=False), "bf16 dots"))
         if kind != "prefill" and not quick:
             best_guess = _plan_fields(plans[0])
             variants += [(dict(best_guess, num_splits=s), "splits") for s in SPLITS]
@@ -160,10 +166,11 @@ def main() -> None:
     parser.add_argument("--out", default="perf-out")
     parser.add_argument("--ops", nargs="*", default=["paged_attention", "mla_decode"])
     parser.add_argument("--kinds", nargs="*", default=["decode", "prefill", "mla"])
+    parser.add_argument("--cases", nargs="*", default=[], help="only these cases (default: all)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="start no case after this")
     args = parser.parse_args()
-    run(args.out, args.ops, args.kinds, args.quick, args.budget_s)
+    run(args.out, args.ops, args.kinds, args.cases, args.quick, args.budget_s)
 
 
 if __name__ == "__main__":
