@@ -94,17 +94,27 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter: a few splits still exercise the merge
 
 
-# Base configurations, by kind of call. "decode": one query per sequence, query heads of a KV
-# head packed as rows; "prefill": varlen tiles of tokens x heads; "mla": 576-wide latent rows,
-# heads as rows. Measured on an H100 (perf/results/, see perf/README.md): TODO fill from sweep.
+# Base configurations, by kind of call, chosen on an H100 by perf/diag/attention_sweep.py
+# (records: perf/results/attention_sweep_h100_*.json; summary in perf/README.md). "decode": one
+# query per sequence, the query heads of a KV head packed as rows. 128 positions per step won
+# for bf16 caches (99.8% of copy bandwidth on Llama-3-8B B64 x 4096 against 88% with 64; 8 warps
+# lost everywhere: the tile is 16 rows). "decode_fp8": the same tile with one more pipeline
+# stage (81.8% against 78.1% with 2; fp16 dots, see AttentionPlan). "prefill": 64 rows (16
+# tokens x 4 heads) by 64 positions, 4 warps: 46% of the bf16 matmul rate, the best of eight
+# (128-row tiles 39-43%). "mla": 64 heads by 64 positions, 8 warps: 31% of bandwidth with a bf16
+# cache, the best of seven; 128 heads ran out of shared memory.
 _TABLE = {
     "decode": AttentionPlan(block_m=16, block_n=128, num_warps=4, num_stages=2),
-    "prefill": AttentionPlan(block_m=128, block_n=64, num_warps=8, num_stages=2),
-    "mla": AttentionPlan(block_m=64, block_n=32, num_warps=8, num_stages=2),
+    "decode_fp8": AttentionPlan(block_m=16, block_n=128, num_warps=4, num_stages=3),
+    "prefill": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    "mla": AttentionPlan(block_m=64, block_n=64, num_warps=8, num_stages=2),
 }
-# Splitting stops once the grid has this many programs per SM, and never makes a share shorter
-# than _MIN_SPLIT_LEN positions (the merge then costs more than the parallelism gains).
-_PROGRAMS_PER_SM = 2
+# KV splits fill the GPU when the grid is small: up to this many programs per SM (one for MLA,
+# whose programs each fill an SM), never shares shorter than _MIN_SPLIT_LEN positions (the merge
+# then costs more than the parallelism gains), and a power of two, so the shares divide the
+# power-of-two lengths evenly: on Llama-3-70B TP8 B64 x 4096 with an fp8 cache, 5 splits (shares
+# of 896, 896, 896, 896, 512) ran at 51% of bandwidth, 4 at 58%, 8 at 55%.
+_PROGRAMS_PER_SM = {"decode": 2, "decode_fp8": 2, "prefill": 2, "mla": 1}
 _MIN_SPLIT_LEN = 512
 _MAX_SPLITS = 64
 
@@ -120,12 +130,11 @@ def plan_for(
         if "num_splits" in _override:
             return plan
     tiles, head_tiles = _grid_size(plan.block_m, group, num_seqs, num_tokens, max_query_len)
-    programs = tiles * head_tiles * num_kv_heads
-    target = _PROGRAMS_PER_SM * _sm_count(device)
-    splits = 1
-    if programs < target:
-        splits = min(-(-target // max(programs, 1)), max(max_seq_len // _MIN_SPLIT_LEN, 1), _MAX_SPLITS)
-    return replace(plan, num_splits=max(splits, 1))
+    programs = max(tiles * head_tiles * num_kv_heads, 1)
+    target = _PROGRAMS_PER_SM[kind] * _sm_count(device)
+    wanted = min(-(-target // programs), max_seq_len // _MIN_SPLIT_LEN, _MAX_SPLITS)
+    splits = 1 << (wanted.bit_length() - 1) if wanted > 1 else 1  # largest power of two <= wanted
+    return replace(plan, num_splits=splits)
 
 
 def _grid_size(block_m: int, group: int, num_seqs: int, num_tokens: int, max_query_len: int):
@@ -277,7 +286,7 @@ def paged_attention(
     if num_tokens == 0 or max_query_len == 0:
         return out.zero_()
     group = num_q_heads // k_cache.shape[2]
-    kind = "decode" if max_query_len <= 1 else "prefill"
+    kind = "prefill" if max_query_len > 1 else "decode_fp8" if k_cache.dtype == FP8 else "decode"
     plan = plan_for(kind, query.device, seq_lens.shape[0], num_tokens, group, k_cache.shape[2],
                     max_query_len, max_seq_len)
     _launch(

@@ -156,6 +156,20 @@ def test_plan_uses_host_ints_only_and_splits_small_grids():
             pass
 
 
+@pytest.mark.parametrize("kind, seqs, group, kv_heads, seq_len, splits", [
+    ("decode", 64, 4, 8, 4096, 1),  # Llama-3-8B B64: 512 programs already fill 132 SMs
+    ("decode", 64, 8, 1, 4096, 4),  # Llama-3-70B TP8 B64: 264 / 64 = 4.1 -> 4, not 5 (uneven)
+    ("decode_fp8", 8, 8, 1, 32768, 32),  # B8 x 32768: 33 -> 32
+    ("decode", 8, 8, 1, 1024, 2),  # bounded by the length: 1024 / 512
+    ("mla", 64, 128, 1, 4096, 2),  # 128 programs of 64 heads, one per SM: 132 / 128 -> 2
+    ("mla", 128, 128, 1, 4096, 1),
+])
+def test_split_counts_on_an_h100_grid(monkeypatch, kind, seqs, group, kv_heads, seq_len, splits):
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+    plan = attention.plan_for(kind, torch.device("cpu"), seqs, seqs, group, kv_heads, 1, seq_len)
+    assert plan.num_splits == splits
+
+
 def test_supports_names_what_it_refuses():
     kwargs = pa_spec.SPEC.case("single_token").build(DEVICE)
     assert attention.paged_attention_supports(**kwargs) is None
