@@ -11,7 +11,8 @@ whole row (``D_MAIN`` latent dims, then ``D_ROPE`` rope dims) and values its fir
 dims, taken from the key tile already in registers (``V_FROM_K``).
 
 Grid: axis 0 = (KV head, head tile), fastest, so the programs that share a KV head's rows (MLA's
-head tiles) run side by side and meet in L2; axis 1 = query tile; axis 2 = KV split. With
+head tiles) run side by side and meet in L2; axis 1 = query tile (in reverse with several queries
+per sequence: the heaviest causal tiles start first); axis 2 = KV split. With
 ``SPLIT_KV`` (``num_splits > 1``) each program covers one contiguous share of its tile's KV range
 and writes an unnormalized partial (acc, running max, running sum) that ``merge_splits_kernel``
 combines; with one split the program writes the final output itself. The split count is a runtime argument, so
@@ -165,13 +166,17 @@ def paged_attention_kernel(
     HEAD_TILES: tl.constexpr = (GROUP + HEADS_PER_TILE - 1) // HEADS_PER_TILE
     kv_head = tl.program_id(0) // HEAD_TILES
     head_tile = tl.program_id(0) % HEAD_TILES
-    tile = tl.program_id(1)
     split = tl.program_id(2)
 
     if ONE_QUERY_PER_SEQ:
+        tile = tl.program_id(1)
         seq = tile
         local_tile = 0
     else:
+        # Last tiles first: with causal masking a sequence's later tiles see the most keys, and
+        # the GPU starts programs in launch order, so the longest start first instead of forming
+        # the tail of the launch.
+        tile = tl.num_programs(1) - 1 - tl.program_id(1)
         seq = _find_sequence(cu_q_ptr, tile, num_seqs, TOKENS_PER_TILE)
         local_tile = tile - (tl.load(cu_q_ptr + seq) // TOKENS_PER_TILE + seq)
     q_start = tl.load(cu_q_ptr + seq)
