@@ -7,8 +7,11 @@ token count, the split count from the batch size, head counts, ``max_seq_len`` a
 A call therefore never syncs with the host, and a captured CUDA graph stays valid when the
 sequence lengths, block tables and queries change under it (``max_seq_len`` at capture bounds
 them). Configurations come from a table of measured choices (see ``_TABLE``), not from
-autotuning: the first call of a new shape costs one Triton compilation (about a second, cached
-on disk by Triton for later processes) and nothing else.
+autotuning. The first call with a new constexpr set (dtypes, head geometry, cache block size,
+options, decode/prefill/MLA plan, split or not; not the batch size, lengths or split count)
+costs one Triton compilation, plus one of the merge kernel when it splits: 1.6-4 s each for
+sm_90 on a 2-core VM (perf/diag/attention_compile_cost.py), then Triton's on-disk cache serves
+later processes. Nothing else is done on a first call: no autotuning, no benchmark.
 
 Triton itself is imported on the first launch, so the backend registers (and reports "missing
 package triton") on machines without it."""
@@ -100,21 +103,23 @@ def _sm_count(device: torch.device) -> int:
 # for bf16 caches (99.8% of copy bandwidth on Llama-3-8B B64 x 4096 against 88% with 64; 8 warps
 # lost everywhere: the tile is 16 rows). "decode_fp8": the same tile with one more pipeline
 # stage (81.8% against 78.1% with 2; fp16 dots, see AttentionPlan). "prefill": 64 rows (16
-# tokens x 4 heads) by 64 positions, 4 warps: 46% of the bf16 matmul rate, the best of eight
-# (128-row tiles 39-43%). "mla": 64 heads by 64 positions, 8 warps: 31% of bandwidth with a bf16
-# cache, the best of seven; 128 heads ran out of shared memory.
+# tokens x 4 heads) by 64 positions, 4 warps, 3 stages: 47% of the bf16 matmul rate on Llama-3-8B
+# at 8192 tokens, the best of eight (128-row tiles 39-44%). "mla": 64 heads by 64 positions, 8
+# warps: 32% of bandwidth with a bf16 cache, the best of ten (128 heads ran out of shared
+# memory); "mla_fp8": 128 positions in one stage, 393 us against 467 us for the bf16 plan.
 _TABLE = {
     "decode": AttentionPlan(block_m=16, block_n=128, num_warps=4, num_stages=2),
     "decode_fp8": AttentionPlan(block_m=16, block_n=128, num_warps=4, num_stages=3),
-    "prefill": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    "prefill": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=3),
     "mla": AttentionPlan(block_m=64, block_n=64, num_warps=8, num_stages=2),
+    "mla_fp8": AttentionPlan(block_m=64, block_n=128, num_warps=8, num_stages=1),
 }
 # KV splits fill the GPU when the grid is small: up to this many programs per SM (one for MLA,
 # whose programs each fill an SM), never shares shorter than _MIN_SPLIT_LEN positions (the merge
 # then costs more than the parallelism gains), and a power of two, so the shares divide the
 # power-of-two lengths evenly: on Llama-3-70B TP8 B64 x 4096 with an fp8 cache, 5 splits (shares
 # of 896, 896, 896, 896, 512) ran at 51% of bandwidth, 4 at 58%, 8 at 55%.
-_PROGRAMS_PER_SM = {"decode": 2, "decode_fp8": 2, "prefill": 2, "mla": 1}
+_PROGRAMS_PER_SM = {"decode": 2, "decode_fp8": 2, "prefill": 2, "mla": 1, "mla_fp8": 1}
 _MIN_SPLIT_LEN = 512
 _MAX_SPLITS = 64
 
@@ -341,7 +346,8 @@ def mla_decode(
     lse = torch.empty((num_tokens, num_heads) if return_lse else (0,), dtype=torch.float32, device=device)
     if num_tokens == 0 or max_query_len == 0:
         return out.zero_(), lse.zero_()
-    plan = plan_for("mla", device, seq_lens.shape[0], num_tokens, num_heads, 1, max_query_len, max_seq_len)
+    kind = "mla_fp8" if kv_cache.dtype == FP8 else "mla"
+    plan = plan_for(kind, device, seq_lens.shape[0], num_tokens, num_heads, 1, max_query_len, max_seq_len)
     _launch(
         q=q, k=kv_cache, v=kv_cache, out=out, lse=lse if return_lse else None, cu_seqlens_q=cu_seqlens_q,
         block_table=block_table, seq_lens=seq_lens, sinks=None, k_scale=kv_scale, v_scale=kv_scale,
