@@ -44,7 +44,7 @@ def kernelmux_implementations() -> list[Implementation]:
                 "tiled flash attention over the paged cache: GQA heads x tokens as rows, split-KV "
                 "with a merge kernel when the grid is small"),
         _triton(kv_cache_write_spec, kv_cache_write.kv_cache_write, kv_cache_write.supports,
-                "one scatter kernel: a token's K and V rows per program, fp8 quantized in flight"),
+                "one scatter kernel: a few tokens' K and V rows per program, fp8 quantized in flight"),
         _triton(mla_decode_spec, attention.mla_decode, attention.mla_decode_supports,
                 "the paged-attention kernel with one latent head: heads as rows, values from the "
                 "key tile, split-KV with a merge kernel"),

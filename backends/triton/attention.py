@@ -142,6 +142,28 @@ def plan_for(
     return replace(plan, num_splits=splits)
 
 
+def _kind(max_query_len: int, cache_dtype: torch.dtype, mla: bool) -> str:
+    """The _TABLE row for a call."""
+    if mla:
+        return "mla_fp8" if cache_dtype == FP8 else "mla"
+    if max_query_len > 1:
+        return "prefill"
+    return "decode_fp8" if cache_dtype == FP8 else "decode"
+
+
+# CUDA caps grid axes 1 and 2 at 65535 programs; query tiles run along axis 1.
+_MAX_GRID_Y = 65535
+
+
+def _grid_limit(kind: str, group: int, num_seqs: int, num_tokens: int, max_query_len: int) -> Optional[str]:
+    """Why the call's grid would not launch, or None."""
+    plan = _TABLE[kind] if _override is None else replace(_TABLE[kind], **_override)
+    tiles, _ = _grid_size(plan.block_m, group, num_seqs, num_tokens, max_query_len)
+    if tiles > _MAX_GRID_Y:
+        return f"{tiles} query tiles > {_MAX_GRID_Y}, CUDA's limit on grid axis 1 (split the batch)"
+    return None
+
+
 def _grid_size(block_m: int, group: int, num_seqs: int, num_tokens: int, max_query_len: int):
     """(query tiles, head tiles per KV head) of the kernel's grid. One query per sequence: tile b
     is sequence b. Otherwise a bound the kernel's tile-to-sequence search relies on: sequence b's
@@ -264,7 +286,9 @@ def paged_attention_supports(
     for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             return f"{name} has a non-unit stride {t.stride(-1)} along the head dim"
-    return None
+    group = query.shape[1] // k_cache.shape[2]
+    kind = _kind(max_query_len, k_cache.dtype, mla=False)
+    return _grid_limit(kind, group, seq_lens.shape[0], query.shape[0], max_query_len)
 
 
 def paged_attention(
@@ -291,7 +315,7 @@ def paged_attention(
     if num_tokens == 0 or max_query_len == 0:
         return out.zero_()
     group = num_q_heads // k_cache.shape[2]
-    kind = "prefill" if max_query_len > 1 else "decode_fp8" if k_cache.dtype == FP8 else "decode"
+    kind = _kind(max_query_len, k_cache.dtype, mla=False)
     plan = plan_for(kind, query.device, seq_lens.shape[0], num_tokens, group, k_cache.shape[2],
                     max_query_len, max_seq_len)
     _launch(
@@ -322,7 +346,8 @@ def mla_decode_supports(
     for name, t in (("q", q), ("kv_cache", kv_cache)):
         if t.stride(-1) != 1:
             return f"{name} has a non-unit stride {t.stride(-1)} along the row"
-    return None
+    kind = _kind(max_query_len, kv_cache.dtype, mla=True)
+    return _grid_limit(kind, q.shape[1], seq_lens.shape[0], q.shape[0], max_query_len)
 
 
 def mla_decode(
@@ -346,7 +371,7 @@ def mla_decode(
     lse = torch.empty((num_tokens, num_heads) if return_lse else (0,), dtype=torch.float32, device=device)
     if num_tokens == 0 or max_query_len == 0:
         return out.zero_(), lse.zero_()
-    kind = "mla_fp8" if kv_cache.dtype == FP8 else "mla"
+    kind = _kind(max_query_len, kv_cache.dtype, mla=True)
     plan = plan_for(kind, device, seq_lens.shape[0], num_tokens, num_heads, 1, max_query_len, max_seq_len)
     _launch(
         q=q, k=kv_cache, v=kv_cache, out=out, lse=lse if return_lse else None, cu_seqlens_q=cu_seqlens_q,

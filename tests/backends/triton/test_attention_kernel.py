@@ -179,6 +179,19 @@ def test_supports_names_what_it_refuses():
     assert "non-unit stride" in attention.paged_attention_supports(**strided)
 
 
+@pytest.mark.parametrize("num_seqs, refused", [(65535, False), (65536, True)])
+def test_supports_refuses_grids_past_cudas_axis_limit(num_seqs, refused):
+    # supports reads shapes only: meta tensors stand in for a 65536-sequence MLA decode batch.
+    def meta(*shape, dtype=torch.bfloat16):
+        return torch.empty(shape, dtype=dtype, device="meta")
+    reason = attention.mla_decode_supports(
+        meta(num_seqs, 16, 576), meta(8, 64, 576), meta(num_seqs + 1, dtype=torch.int32),
+        meta(num_seqs, 1, dtype=torch.int32), meta(num_seqs, dtype=torch.int32), 1, 64, 0.1)
+    assert (reason is not None) == refused
+    if refused:
+        assert "65536 query tiles > 65535" in reason
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA graphs: the plan depends on host ints only, so a captured decode replays correctly on
 # new lengths, block tables and queries (within the max_seq_len of the capture).
