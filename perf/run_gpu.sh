@@ -41,11 +41,12 @@ for step in "$@"; do
     sweep)
         python3 -m kernelmux.perf.grouped_topk_gpu --out "$out" --sweep 2>&1 | tail -5 ;;
     tests-attention)
-        # Eight workers: the time goes to Triton compilations (one per constexpr set), on the CPU.
+        # Eight workers: the time goes to Triton compilations (one per constexpr set), on the CPU;
+        # the GB-sized conformance cases run in one of them (their xdist group), one at a time.
         # -v names every test as it finishes, so a run cut off by the timeout still says which failed.
         (cd /tmp && timeout 300 python3 -m pytest "$repo/tests/backends/triton/test_attention_kernel.py" \
             "$repo/tests/backends/triton/test_kv_cache_write_kernel.py" "$repo/tests/backends/test_conformance.py" \
-            -k "attention or mla or kv_cache" -n 8 -v -p no:cacheprovider -rfE --durations=10 2>&1) \
+            -k "attention or mla or kv_cache" -n 8 --dist loadgroup -v -p no:cacheprovider -rfE --durations=10 2>&1) \
             > "$out/pytest_attention.txt"; grep -E "FAILED|ERROR|passed|failed" "$out/pytest_attention.txt" | tail -40 ;;
     sweep-attention)
         kinds=${SWEEP_KINDS:-decode prefill mla}
