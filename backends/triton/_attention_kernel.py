@@ -48,6 +48,13 @@ def _find_sequence(cu_q_ptr, tile, num_seqs, TOKENS_PER_TILE: tl.constexpr):
 
 
 @triton.jit
+def _finite_abs(x):
+    """|x| where finite, else 0 (NaN compares false)."""
+    a = tl.abs(x)
+    return tl.where(a < float("inf"), a, 0.0)
+
+
+@triton.jit
 def _attend_step(
     acc, l_i, m_i, q, q_rope, start, hi, row_pos, window, scale, soft_cap, table_row, k_head, v_head,
     stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
@@ -160,7 +167,7 @@ def paged_attention_kernel(
     RETURN_LSE: tl.constexpr,
     SPLIT_KV: tl.constexpr,  # write partials for merge_splits_kernel
     DOT_FP32: tl.constexpr,  # upcast dot operands (the interpreter's bf16 dot is wrong)
-    DOT_FP16: tl.constexpr,  # fp8 cache with bf16 queries: dots in fp16 (one cvt from e4m3)
+    DOT_FP16: tl.constexpr,  # fp8 cache, bf16 queries: dots in fp16 (one cvt from e4m3); before DOT_FP32
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     HEAD_TILES: tl.constexpr = (GROUP + HEADS_PER_TILE - 1) // HEADS_PER_TILE
@@ -222,16 +229,26 @@ def paged_attention_kernel(
                          other=0.0)
     else:
         q_rope = q  # never read
-    if DOT_FP32:
+    if DOT_FP16:
+        # e4m3 -> fp16 is one cvt per two elements, e4m3 -> bf16 several; fp16 holds every bf16
+        # query of magnitude 2**-14 .. 65504 exactly (more mantissa bits), and P in [0, 1] better.
+        # Past 65504 it overflows: a tile whose largest finite element reaches 2**15 is scaled
+        # down by a power of two (exact), and the softmax scale up by the same power.
+        q32 = q.to(tl.float32)
+        largest = tl.max(tl.max(_finite_abs(q32), 1), 0)
+        if D_ROPE > 0:
+            q_rope32 = q_rope.to(tl.float32)
+            largest = tl.maximum(largest, tl.max(tl.max(_finite_abs(q_rope32), 1), 0))
+        # floor(log2(largest)) from the fp32 exponent field; 0 when nothing needs scaling.
+        shift = tl.maximum(((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - (127 + 14), 0)
+        q = (q32 * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)  # x 2**-shift
+        if D_ROPE > 0:
+            q_rope = (q_rope32 * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+        scale = scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)  # x 2**shift
+    elif DOT_FP32:
         q = q.to(tl.float32)
         if D_ROPE > 0:
             q_rope = q_rope.to(tl.float32)
-    elif DOT_FP16:
-        # e4m3 -> fp16 is one cvt per two elements, e4m3 -> bf16 several; fp16 holds every bf16
-        # query of magnitude 2**-14 .. 65504 exactly (more mantissa bits), and P in [0, 1] better.
-        q = q.to(tl.float16)
-        if D_ROPE > 0:
-            q_rope = q_rope.to(tl.float16)
     dot_dtype = q.dtype
 
     if HAS_K_SCALE:

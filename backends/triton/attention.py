@@ -60,7 +60,8 @@ class AttentionPlan:
     ``block_n`` KV positions per step, ``num_splits`` shares of each tile's KV range (merged by a
     second kernel when > 1), and Triton's ``num_warps`` and ``num_stages``. With an fp8 cache and
     bf16 queries, ``fp16_dots_for_fp8`` runs both dots in fp16: one conversion instruction per two
-    cache elements instead of several (a query beyond fp16's 65504 would overflow; no model's does)."""
+    cache elements instead of several (a tile of queries reaching past fp16's range is scaled by
+    a power of two, exactly, with the softmax scale compensating)."""
 
     block_m: int
     block_n: int
@@ -242,7 +243,7 @@ def _launch(
             V_FROM_K=v_from_k,
             RETURN_LSE=want_lse,
             SPLIT_KV=splits > 1,
-            DOT_FP32=_INTERPRETED,
+            DOT_FP32=_INTERPRETED,  # the interpreter's fp16 dots are right: DOT_FP16 runs there too
             DOT_FP16=plan.fp16_dots_for_fp8 and k.dtype == FP8 and q.dtype == torch.bfloat16,
             num_warps=plan.num_warps,
             num_stages=plan.num_stages,

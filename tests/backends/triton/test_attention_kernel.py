@@ -113,6 +113,26 @@ def test_paged_attention_random_batches(shape, fp8, splits, seed):
         _check_paged(kwargs, seed)
 
 
+@pytest.mark.parametrize("op", ["paged_attention", "mla_decode"])
+def test_fp8_cache_queries_past_fp16_range(op):
+    # fp8 caches run the dots in fp16 (max 65504): bf16 queries up to 3e5 must still match the
+    # reference, so the kernel scales such a tile by a power of two. The softmax scale shrinks by
+    # the same factor so the scores stay in the usual range.
+    if op == "paged_attention":
+        kwargs = _build(pa_spec._maker((1, 4), (9, 30), 8, 2, 32, block_size=8, cache_dtype=FP8,
+                                       scales=(0.3, 0.07), scale=1e-5), 11)
+        name, check = "query", _check_paged
+    else:
+        kwargs = mla_spec.SPEC.case("small_fp8").build(DEVICE, 11)
+        kwargs["scale"] = kwargs["scale"] * 1e-5
+        name, check = "q", _check_mla
+    kwargs[name] = (kwargs[name].float() * 1e5).to(kwargs[name].dtype)
+    assert kwargs[name].abs().max() > 65504
+    for splits in (1, 2):
+        with attention.override_plan(num_splits=splits):
+            check(kwargs, 11)
+
+
 def test_paged_attention_ignores_nan_in_unread_slots():
     kwargs = _build(pa_spec._maker((1, 3), (13, 21), 4, 2, 16, block_size=8, spare_blocks=4), 7)
     expected = pa_spec.paged_attention(**kwargs)
