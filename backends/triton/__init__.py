@@ -3,8 +3,7 @@ TRITON_INTERPRET=1, as a correctness tool ranked below the cpu backend)."""
 
 from __future__ import annotations
 
-import os
-
+from kernelmux.backends.triton._host import INTERPRETED as _INTERPRETED
 from kernelmux.engine.platform import PlatformKind
 from kernelmux.ops.specs import grouped_topk as grouped_topk_spec
 from kernelmux.ops.specs import kv_cache_write as kv_cache_write_spec
@@ -12,9 +11,8 @@ from kernelmux.ops.specs import mla_decode as mla_decode_spec
 from kernelmux.ops.specs import paged_attention as paged_attention_spec
 from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
 
-# Triton reads TRITON_INTERPRET when a kernel is decorated; the interpreter runs kernels on CPU
-# tensors, far slower than the cpu backend, so there it is viable but ranked last.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
+# Under TRITON_INTERPRET=1 the interpreter runs kernels on CPU tensors, far slower than the cpu
+# backend, so there it is viable but ranked last.
 _GPU_KINDS = frozenset({PlatformKind.CUDA, PlatformKind.ROCM, PlatformKind.XPU})
 
 

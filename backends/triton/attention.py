@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
+
+from kernelmux.backends.triton._host import INTERPRETED, next_pow2
 
 __all__ = [
     "AttentionPlan",
@@ -41,17 +42,11 @@ FP8 = torch.float8_e4m3fn
 # Past these widths the tiles spill; no model in the specs' cases comes near.
 MAX_HEAD_DIM = 256
 MAX_MLA_WIDTH = 1024
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 1 else 1
-
 
 def _dot_width(n: int) -> int:
     # A reduction dim of tl.dot must be a power of two >= 16 on the GPU (the interpreter takes
     # any): narrower head or rope dims are zero-padded by masked loads.
-    return max(_next_pow2(n), 16)
+    return max(next_pow2(n), 16)
 
 
 @dataclass(frozen=True)
@@ -130,17 +125,20 @@ def plan_for(
     max_query_len: int, max_seq_len: int,
 ) -> AttentionPlan:
     """The plan for a call, from host ints only (no device data: CUDA-graph safe)."""
-    plan = _TABLE[kind]
-    if _override is not None:
-        plan = replace(plan, **_override)
-        if "num_splits" in _override:
-            return plan
+    plan = _base_plan(kind)
+    if _override is not None and "num_splits" in _override:
+        return plan
     tiles, head_tiles = _grid_size(plan.block_m, group, num_seqs, num_tokens, max_query_len)
     programs = max(tiles * head_tiles * num_kv_heads, 1)
     target = _PROGRAMS_PER_SM[kind] * _sm_count(device)
     wanted = min(-(-target // programs), max_seq_len // _MIN_SPLIT_LEN, _MAX_SPLITS)
     splits = 1 << (wanted.bit_length() - 1) if wanted > 1 else 1  # largest power of two <= wanted
     return replace(plan, num_splits=splits)
+
+
+def _base_plan(kind: str) -> AttentionPlan:
+    """The table's plan for ``kind`` with the active override applied (splits not yet chosen)."""
+    return _TABLE[kind] if _override is None else replace(_TABLE[kind], **_override)
 
 
 def _kind(max_query_len: int, cache_dtype: torch.dtype, mla: bool) -> str:
@@ -158,8 +156,7 @@ _MAX_GRID_Y = 65535
 
 def _grid_limit(kind: str, group: int, num_seqs: int, num_tokens: int, max_query_len: int) -> Optional[str]:
     """Why the call's grid would not launch, or None."""
-    plan = _TABLE[kind] if _override is None else replace(_TABLE[kind], **_override)
-    tiles, _ = _grid_size(plan.block_m, group, num_seqs, num_tokens, max_query_len)
+    tiles, _ = _grid_size(_base_plan(kind).block_m, group, num_seqs, num_tokens, max_query_len)
     if tiles > _MAX_GRID_Y:
         return f"{tiles} query tiles > {_MAX_GRID_Y}, CUDA's limit on grid axis 1 (split the batch)"
     return None
@@ -243,7 +240,7 @@ def _launch(
             V_FROM_K=v_from_k,
             RETURN_LSE=want_lse,
             SPLIT_KV=splits > 1,
-            DOT_FP32=_INTERPRETED,  # the interpreter's fp16 dots are right: DOT_FP16 runs there too
+            DOT_FP32=INTERPRETED,  # the interpreter's fp16 dots are right: DOT_FP16 runs there too
             DOT_FP16=plan.fp16_dots_for_fp8 and k.dtype == FP8 and q.dtype == torch.bfloat16,
             num_warps=plan.num_warps,
             num_stages=plan.num_stages,
@@ -256,7 +253,7 @@ def _launch(
                 NUM_Q_HEADS=num_q_heads,
                 D_MAIN=d_main,
                 BLOCK_D=_dot_width(d_main),
-                SPLITS_PAD=_next_pow2(splits),
+                SPLITS_PAD=next_pow2(splits),
                 HAS_SINKS=sinks is not None,
                 RETURN_LSE=want_lse,
                 num_warps=4 if d_main >= 256 else 2,

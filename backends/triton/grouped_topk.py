@@ -11,6 +11,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from kernelmux.backends.triton._host import next_pow2
+
 __all__ = [
     "LaunchConfig",
     "KNOWN_BAD_CONFIGS",
@@ -34,10 +36,6 @@ MAX_PADDED_EXPERTS = 1024
 # Group and expert selection are unrolled loops (one full-row scan per pick): code size and
 # compile time grow linearly with the count, and no known router picks more than a few dozen.
 MAX_UNROLLED_PICKS = 32
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 _INT32_LIMIT = 2**31
@@ -171,7 +169,7 @@ def launch_config(num_tokens: int, num_experts: int) -> LaunchConfig:
     """The launch configuration for a batch: the active override if any, else the table's."""
     if _override is not None:
         return _override
-    padded = _next_pow2(num_experts)
+    padded = next_pow2(num_experts)
     for max_tokens, max_padded, config in _CONFIG_TABLE:
         if num_tokens <= max_tokens and padded <= max_padded:
             return config
@@ -209,7 +207,7 @@ def supports(
     engine checks the tensors' device against the record's ``devices`` before asking."""
     num_experts = gating_output.shape[1]
     group_size = num_experts // num_expert_group
-    padded = _next_pow2(num_expert_group) * _next_pow2(group_size)
+    padded = next_pow2(num_expert_group) * next_pow2(group_size)
     if padded > MAX_PADDED_EXPERTS:
         return (
             f"E = {num_experts} in {num_expert_group} groups pads to {padded} > "
@@ -271,10 +269,10 @@ def grouped_topk(
             float(routed_scaling_factor),
             NUM_GROUPS=num_expert_group,
             GROUP_SIZE=group_size,
-            G_PAD=_next_pow2(num_expert_group),
-            GS_PAD=_next_pow2(group_size),
+            G_PAD=next_pow2(num_expert_group),
+            GS_PAD=next_pow2(group_size),
             TOPK=topk,
-            TOPK_PAD=_next_pow2(topk),
+            TOPK_PAD=next_pow2(topk),
             TOPK_GROUP=topk_group,
             SIGMOID=scoring_func == "sigmoid",
             HAS_BIAS=has_bias,

@@ -6,12 +6,12 @@ package triton") on machines without it."""
 
 import contextlib
 import functools
-import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
 
+from kernelmux.backends.triton._host import INTERPRETED, next_pow2
 from kernelmux.engine import probes
 
 __all__ = [
@@ -43,15 +43,11 @@ _MAX_BLOCK_T = 16
 _MAX_WARPS = 8
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length() if n > 1 else 1
-
-
 def tile_shape(num_kv_heads: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK_H, BLOCK_D): the padded head dim, and as many heads (a power of two, at most all of
     them) as fit MAX_TILE elements."""
-    block_d = _next_pow2(head_dim)
-    block_h = min(_next_pow2(num_kv_heads), max(1, MAX_TILE // block_d))
+    block_d = next_pow2(head_dim)
+    block_h = min(next_pow2(num_kv_heads), max(1, MAX_TILE // block_d))
     return block_h, block_d
 
 
@@ -131,7 +127,7 @@ def native_fp8_cast(device: torch.device) -> bool:
     capability >= 8.9, not under the interpreter, not forced off); else the integer route."""
     if _force_software_fp8 or device.type != "cuda" or probes.is_rocm():
         return False
-    if os.environ.get("TRITON_INTERPRET", "") == "1":
+    if INTERPRETED:
         return False
     index = device.index if device.index is not None else probes.current_index("cuda")
     return _has_native_e4m3_cast(index)
@@ -156,9 +152,9 @@ def supports(
     """None when the kernel handles this (already validated) call, else why not. The engine
     checks the tensors' device against the record's ``devices`` before asking."""
     head_dim = key.shape[2]
-    if _next_pow2(head_dim) > MAX_PADDED_HEAD_DIM:
+    if next_pow2(head_dim) > MAX_PADDED_HEAD_DIM:
         return (
-            f"head dim D = {head_dim} pads to {_next_pow2(head_dim)} > {MAX_PADDED_HEAD_DIM} lanes: "
+            f"head dim D = {head_dim} pads to {next_pow2(head_dim)} > {MAX_PADDED_HEAD_DIM} lanes: "
             "one head does not fit the kernel's register tile"
         )
     return None

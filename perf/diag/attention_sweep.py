@@ -116,13 +116,14 @@ def run(out_dir: str, ops: list[str], kinds: list[str], cases: list[str], quick:
         cost = spec.cost(kwargs)
         expected = spec.reference(**kwargs)
         torch.cuda.synchronize()
+        mla = kind == "mla"
+        q, cache = (kwargs["q"], kwargs["kv_cache"]) if mla else (kwargs["query"], kwargs["k_cache"])
+        kv_heads = 1 if mla else cache.shape[2]
         default = attention.plan_for(
-            kind, device, kwargs["seq_lens"].shape[0], next(iter(kwargs.values())).shape[0],
-            *((kwargs["query"].shape[1] // kwargs["k_cache"].shape[2], kwargs["k_cache"].shape[2])
-              if kind != "mla" else (kwargs["q"].shape[1], 1)),
-            kwargs["max_query_len"], kwargs["max_seq_len"])
+            attention._kind(kwargs["max_query_len"], cache.dtype, mla), device, kwargs["seq_lens"].shape[0],
+            q.shape[0], q.shape[1] // kv_heads, kv_heads, kwargs["max_query_len"], kwargs["max_seq_len"])
         variants = [(_plan_fields(p), "") for p in (plans[:3] if quick else plans)]
-        if kwargs.get("k_cache", kwargs.get("kv_cache")).dtype == torch.float8_e4m3fn:
+        if cache.dtype == torch.float8_e4m3fn:
             variants.append((dict(_plan_fields(plans[0]), fp16_dots_for_fp8=False), "bf16 dots"))
         if kind != "prefill" and not quick:
             best_guess = _plan_fields(plans[0])

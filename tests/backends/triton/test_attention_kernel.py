@@ -29,22 +29,22 @@ def _build(make, seed: int) -> dict:
     return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
 
-def _check_paged(kwargs, seed):
-    expected = pa_spec.paged_attention(**kwargs)
-    actual = attention.paged_attention(**kwargs)
+def _check(spec_module, fn, kwargs, seed):
+    """fn against the spec's reference, the seed named on a mismatch."""
+    expected = spec_module.SPEC.reference(**kwargs)
+    actual = fn(**kwargs)
     try:
-        pa_spec.check_close(actual, expected, kwargs)
+        spec_module.SPEC.check_close(actual, expected, kwargs)
     except AssertionError as error:
         raise AssertionError(f"seed {seed}: {error}") from None
+
+
+def _check_paged(kwargs, seed):
+    _check(pa_spec, attention.paged_attention, kwargs, seed)
 
 
 def _check_mla(kwargs, seed):
-    expected = mla_spec.mla_decode(**kwargs)
-    actual = attention.mla_decode(**kwargs)
-    try:
-        mla_spec.check_close(actual, expected, kwargs)
-    except AssertionError as error:
-        raise AssertionError(f"seed {seed}: {error}") from None
+    _check(mla_spec, attention.mla_decode, kwargs, seed)
 
 
 # A chunked prefill, a decode, a full prefill and a sequence without queries, with every option.
