@@ -5,6 +5,8 @@
 #   tests-core   pytest on everything but the two slow files below   -> pytest_core.txt
 #   tests-slow   opcheck/compile tests and Triton launch configs      -> pytest_slow.txt
 #   bench        kernelmux bench over every op's model cases          -> bench.json, bench.md, bench.log
+#   bench-attention  the same for paged_attention, mla_decode and kv_cache_write only (0.25 s
+#                budget per row)                                     -> bench.json, bench.md, bench.log
 #   compare      perf/diag/compare_demo.py on triton grouped_topk     -> compare.txt, compare_demo_*.json
 #   sweep        grouped_topk launch-configuration sweep              -> grouped_topk_gpu.{json,md}
 #   tests-attention  the attention and kv_cache_write kernel tests, and conformance for those ops
@@ -35,6 +37,9 @@ for step in "$@"; do
     bench)
         timeout 300 python3 -m kernelmux bench --json "$out/bench.json" --md "$out/bench.md" \
             2> "$out/bench.log" | tail -5 ;;
+    bench-attention)
+        timeout 400 python3 -m kernelmux bench paged_attention mla_decode kv_cache_write --budget 0.25 \
+            --json "$out/bench.json" --md "$out/bench.md" 2> "$out/bench.log" | tail -5 ;;
     compare)
         timeout 200 python3 perf/diag/compare_demo.py --backend triton --delay-us 2 --out "$out" 2>&1 \
             | tee "$out/compare.txt" | tail -8 ;;
