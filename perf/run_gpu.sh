@@ -11,6 +11,9 @@
 #   sweep        grouped_topk launch-configuration sweep              -> grouped_topk_gpu.{json,md}
 #   tests-attention  the attention and kv_cache_write kernel tests, and conformance for those ops
 #                                                                     -> pytest_attention.txt
+#   profile-attention  Nsight Compute over one call per case of perf/diag/attention_profile.py
+#                ($PROFILE_CASES, default its list): speed of light, occupancy, warp states,
+#                memory and compute workload, launch stats      -> attention_profile.txt
 #   sweep-attention  perf/diag/attention_sweep.py over $SWEEP_KINDS (decode prefill mla) and
 #                $SWEEP_CASES (default all), starting no case after $SWEEP_BUDGET_S seconds
 #                                                                     -> attention_sweep_*.json, .txt
@@ -53,6 +56,12 @@ for step in "$@"; do
             "$repo/tests/backends/triton/test_kv_cache_write_kernel.py" "$repo/tests/backends/test_conformance.py" \
             -k "attention or mla or kv_cache" -n 8 --dist loadgroup -v -p no:cacheprovider -rfE --durations=10 2>&1) \
             > "$out/pytest_attention.txt"; grep -E "FAILED|ERROR|passed|failed" "$out/pytest_attention.txt" | tail -40 ;;
+    profile-attention)
+        timeout 400 ncu --profile-from-start off --clock-control none --nvtx --print-nvtx-rename kernel \
+            --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+            --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
+            python3 perf/diag/attention_profile.py ${PROFILE_CASES:+--cases $PROFILE_CASES} \
+            > "$out/attention_profile.txt" 2>&1; tail -5 "$out/attention_profile.txt" ;;
     sweep-attention)
         kinds=${SWEEP_KINDS:-decode prefill mla}
         python3 perf/diag/attention_sweep.py --out "$out" --kinds $kinds --budget-s "${SWEEP_BUDGET_S:-400}" \

@@ -55,25 +55,29 @@ def _finite_abs(x):
 
 
 @triton.jit
+def _load_pages(table_row, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The cache block of each KV position start .. start + BLOCK_N (0 past ``hi``)."""
+    n = start + tl.arange(0, BLOCK_N)
+    return tl.load(table_row + n // BLOCK_SIZE, mask=n < hi, other=0).to(tl.int64)
+
+
+@triton.jit
 def _attend_step(
-    acc, l_i, m_i, q, q_rope, start, hi, row_pos, window, scale, soft_cap, table_row, k_head, v_head,
+    acc, l_i, m_i, q, q_rope, start, hi, page, row_pos, window, scale, soft_cap, k_head, v_head,
     stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
     BLOCK_N: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, MASK_RANGE: tl.constexpr, MASK_CAUSAL: tl.constexpr,
     MASK_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, V_FROM_K: tl.constexpr,
 ):
-    """One online-softmax step over KV positions start .. start + BLOCK_N: gather the K (and V)
-    rows through the block table, score, mask what the constexprs say, rescale, accumulate."""
+    """One online-softmax step over KV positions start .. start + BLOCK_N, whose cache blocks
+    are ``page`` (_load_pages): gather the K (and V) rows, score, mask what the constexprs say,
+    rescale, accumulate."""
     n = start + tl.arange(0, BLOCK_N)
     if MASK_RANGE:
         n_ok = n < hi
     else:
         n_ok = tl.full([BLOCK_N], True, tl.int1)
     d_ok = d < D_MAIN
-    if MASK_RANGE:
-        page = tl.load(table_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-    else:
-        page = tl.load(table_row + n // BLOCK_SIZE).to(tl.int64)
     slot = (n % BLOCK_SIZE).to(tl.int64)
     k_rows = k_head + page * stride_kb + slot * stride_ks
     if MASK_RANGE or BLOCK_D != D_MAIN:
@@ -273,17 +277,26 @@ def paged_attention_kernel(
         clean_hi = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
     else:
         clean_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    # The block-table entries of each step are loaded one step ahead: the K/V gathers then
+    # depend on no load of their own iteration, so Triton's pipeliner issues them num_stages - 1
+    # steps early instead of waiting on the table load first (two exposed memory round trips per
+    # step otherwise).
+    page = _load_pages(table_row, lo, hi, BLOCK_N, BLOCK_SIZE)
     for start in range(lo, clean_hi, BLOCK_N):
+        next_page = _load_pages(table_row, start + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
         acc, l_i, m_i = _attend_step(
-            acc, l_i, m_i, q, q_rope, start, hi, row_pos, window, scale, soft_cap, table_row, k_head, v_head,
+            acc, l_i, m_i, q, q_rope, start, hi, page, row_pos, window, scale, soft_cap, k_head, v_head,
             stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
             BLOCK_N, D_MAIN, D_ROPE, BLOCK_D, BLOCK_SIZE, False, False, False, SOFT_CAP, V_FROM_K)
+        page = next_page
     for start in range(clean_hi, hi, BLOCK_N):
+        next_page = _load_pages(table_row, start + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
         acc, l_i, m_i = _attend_step(
-            acc, l_i, m_i, q, q_rope, start, hi, row_pos, window, scale, soft_cap, table_row, k_head, v_head,
+            acc, l_i, m_i, q, q_rope, start, hi, page, row_pos, window, scale, soft_cap, k_head, v_head,
             stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
             BLOCK_N, D_MAIN, D_ROPE, BLOCK_D, BLOCK_SIZE, True, CAUSAL and TOKENS_PER_TILE > 1,
             WINDOW and TOKENS_PER_TILE > 1, SOFT_CAP, V_FROM_K)
+        page = next_page
 
     if HAS_V_SCALE:
         acc = acc * tl.load(v_scale_ptr)

@@ -39,16 +39,18 @@ MLA_CASES = [
     "deepseek_v3_h128_fp8_decode_b64_ctx4096", "deepseek_v3_h128_fp8_decode_b128_ctx4096",
 ]
 # (block_m, block_n, num_warps, num_stages); splits from the heuristic unless a variant names them.
-# The first plan of a list is also run with each forced split count in SPLITS. Round 1 (ec2bf33,
-# perf/results/attention_sweep_h100_ec2bf33_decode.json) swept nine decode plans; these are its
-# finalists, plus wider steps for fp8 caches.
-DECODE_PLANS = [(16, n, w, s) for n, w, s in ((128, 4, 2), (128, 4, 3), (256, 4, 2), (256, 8, 2), (64, 4, 2),
-                                             (32, 4, 2))]
-# Round 2 (37dc0a4) ran all of these; --quick runs the first three of each list, the finalists.
-PREFILL_PLANS = [(64, 64, 4, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2),
-                 (128, 32, 4, 3), (64, 128, 8, 2), (128, 64, 4, 3)]
-MLA_PLANS = [(64, 64, 8, 2), (64, 64, 8, 1), (64, 128, 8, 1), (64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 3),
-             (32, 32, 4, 2), (16, 64, 4, 2), (128, 16, 8, 2), (32, 64, 4, 3)]
+# The first plan of a list is also run with each forced split count in SPLITS; --quick runs the
+# first three of each list. Round 1 (ec2bf33) swept nine decode plans, round 2 (37dc0a4) the
+# prefill and MLA ones. Round 4: since the kernel loads block-table entries a step ahead, a plan
+# with num_stages = s keeps s - 1 KV tiles in flight (before, the table load took one stage), so
+# deeper pipelines are worth a new look; the shared-memory fits were checked by compiling for
+# sm_90 (Triton 3.6): bf16 MLA with 64 positions takes 2 stages at most, 32 positions 4.
+DECODE_PLANS = [(16, 128, 4, 3), (16, 128, 4, 2), (16, 64, 4, 4), (16, 64, 4, 3), (16, 128, 4, 4),
+                (16, 32, 4, 4)]
+PREFILL_PLANS = [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3),
+                 (64, 128, 4, 3), (64, 64, 4, 2), (128, 64, 8, 2)]
+MLA_PLANS = [(64, 32, 8, 3), (64, 32, 8, 4), (64, 64, 8, 2), (64, 16, 8, 4), (64, 64, 8, 3), (64, 128, 8, 1),
+             (64, 32, 8, 2)]
 SPLITS = [2, 4, 8, 16, 32, 64]
 
 

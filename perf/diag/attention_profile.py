@@ -1,0 +1,52 @@
+"""One call of the triton backend's paged_attention / mla_decode per named case, for Nsight
+Compute: every case is built and run once outside the profiled range (Triton compiles there),
+then run once between cudaProfilerStart and cudaProfilerStop.
+
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight ... \\
+        python perf/diag/attention_profile.py --cases llama3_8b_prefill_t8192 ...
+
+(perf/run_gpu.sh's profile-attention step runs it this way.) Without ncu it only runs the calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kernelmux.backends.triton import attention
+from kernelmux.ops.specs import mla_decode as mla_spec
+from kernelmux.ops.specs import paged_attention as pa_spec
+
+DEFAULT_CASES = [
+    "llama3_8b_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_8b_prefill_t8192",
+    "deepseek_v3_h128_decode_b64_ctx4096", "deepseek_v3_h128_fp8_decode_b64_ctx4096",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    calls = []
+    for name in args.cases:
+        mla = name.startswith("deepseek")
+        spec = (mla_spec if mla else pa_spec).SPEC
+        fn = attention.mla_decode if mla else attention.paged_attention
+        kwargs = spec.case(name).build(device, 0)
+        fn(**kwargs)  # compile outside the profiled range
+        calls.append((name, fn, kwargs))
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for name, fn, kwargs in calls:
+        torch.cuda.nvtx.range_push(name)
+        fn(**kwargs)
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("profiled:", ", ".join(name for name, _, _ in calls))
+
+
+if __name__ == "__main__":
+    main()
