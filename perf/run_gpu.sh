@@ -60,6 +60,7 @@ for step in "$@"; do
         timeout 400 ncu --profile-from-start off --clock-control none --nvtx --print-nvtx-rename kernel \
             --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
             --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --section SchedulerStats \
+            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__pipe_tensor_op_.*cycles_active\.avg\.pct_of_peak_sustained_active" \
             python3 perf/diag/attention_profile.py ${PROFILE_CASES:+--cases $PROFILE_CASES} \
             > "$out/attention_profile.txt" 2>&1; tail -5 "$out/attention_profile.txt" ;;
     sweep-attention)

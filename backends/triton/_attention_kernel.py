@@ -55,10 +55,12 @@ def _finite_abs(x):
 
 
 @triton.jit
-def _load_pages(table_row, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """The cache block of each KV position start .. start + BLOCK_N (0 past ``hi``)."""
+def _load_pages(table_row, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr):
+    """The cache block of each KV position start .. start + BLOCK_N (0 past ``hi`` with MASK)."""
     n = start + tl.arange(0, BLOCK_N)
-    return tl.load(table_row + n // BLOCK_SIZE, mask=n < hi, other=0).to(tl.int64)
+    if MASK:
+        return tl.load(table_row + n // BLOCK_SIZE, mask=n < hi, other=0).to(tl.int64)
+    return tl.load(table_row + n // BLOCK_SIZE).to(tl.int64)
 
 
 @triton.jit
@@ -172,6 +174,7 @@ def paged_attention_kernel(
     SPLIT_KV: tl.constexpr,  # write partials for merge_splits_kernel
     DOT_FP32: tl.constexpr,  # upcast dot operands (the interpreter's bf16 dot is wrong)
     DOT_FP16: tl.constexpr,  # fp8 cache, bf16 queries: dots in fp16 (one cvt from e4m3); before DOT_FP32
+    PREFETCH_PAGES: tl.constexpr,  # load each step's block-table entries a step ahead
 ):
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // HEADS_PER_TILE
     HEAD_TILES: tl.constexpr = (GROUP + HEADS_PER_TILE - 1) // HEADS_PER_TILE
@@ -277,26 +280,35 @@ def paged_attention_kernel(
         clean_hi = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
     else:
         clean_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
-    # The block-table entries of each step are loaded one step ahead: the K/V gathers then
-    # depend on no load of their own iteration, so Triton's pipeliner issues them num_stages - 1
-    # steps early instead of waiting on the table load first (two exposed memory round trips per
-    # step otherwise).
-    page = _load_pages(table_row, lo, hi, BLOCK_N, BLOCK_SIZE)
+    # With PREFETCH_PAGES the block-table entries of each step are loaded one step ahead: the
+    # K/V gathers then depend on no load of their own iteration, and Triton's pipeliner keeps
+    # num_stages - 1 KV tiles in flight instead of spending a stage on the table load. It costs
+    # registers (the next step's entries), which the decode and MLA plans cannot spare.
+    if PREFETCH_PAGES:
+        page = _load_pages(table_row, lo, hi, BLOCK_N, BLOCK_SIZE, True)
     for start in range(lo, clean_hi, BLOCK_N):
-        next_page = _load_pages(table_row, start + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
+        if PREFETCH_PAGES:
+            next_page = _load_pages(table_row, start + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE, True)
+        else:
+            page = _load_pages(table_row, start, hi, BLOCK_N, BLOCK_SIZE, False)
         acc, l_i, m_i = _attend_step(
             acc, l_i, m_i, q, q_rope, start, hi, page, row_pos, window, scale, soft_cap, k_head, v_head,
             stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
             BLOCK_N, D_MAIN, D_ROPE, BLOCK_D, BLOCK_SIZE, False, False, False, SOFT_CAP, V_FROM_K)
-        page = next_page
+        if PREFETCH_PAGES:
+            page = next_page
     for start in range(clean_hi, hi, BLOCK_N):
-        next_page = _load_pages(table_row, start + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE)
+        if PREFETCH_PAGES:
+            next_page = _load_pages(table_row, start + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE, True)
+        else:
+            page = _load_pages(table_row, start, hi, BLOCK_N, BLOCK_SIZE, True)
         acc, l_i, m_i = _attend_step(
             acc, l_i, m_i, q, q_rope, start, hi, page, row_pos, window, scale, soft_cap, k_head, v_head,
             stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
             BLOCK_N, D_MAIN, D_ROPE, BLOCK_D, BLOCK_SIZE, True, CAUSAL and TOKENS_PER_TILE > 1,
             WINDOW and TOKENS_PER_TILE > 1, SOFT_CAP, V_FROM_K)
-        page = next_page
+        if PREFETCH_PAGES:
+            page = next_page
 
     if HAS_V_SCALE:
         acc = acc * tl.load(v_scale_ptr)

@@ -56,7 +56,10 @@ class AttentionPlan:
     second kernel when > 1), and Triton's ``num_warps`` and ``num_stages``. With an fp8 cache and
     bf16 queries, ``fp16_dots_for_fp8`` runs both dots in fp16: one conversion instruction per two
     cache elements instead of several (a tile of queries reaching past fp16's range is scaled by
-    a power of two, exactly, with the softmax scale compensating)."""
+    a power of two, exactly, with the softmax scale compensating). ``prefetch_pages`` loads each
+    step's block-table entries one step ahead, so that ``num_stages - 1`` KV tiles are in flight
+    rather than ``num_stages - 2`` (Triton's pipeliner otherwise spends a stage on the table
+    load), at the cost of the registers holding the next step's entries."""
 
     block_m: int
     block_n: int
@@ -64,6 +67,7 @@ class AttentionPlan:
     num_stages: int
     num_splits: int = 1
     fp16_dots_for_fp8: bool = True  # fp8 cache, bf16 queries: dots in fp16 (cheaper conversion)
+    prefetch_pages: bool = False
 
 
 # Set only through override_plan (sweeps, tests); not thread-safe by design.
@@ -98,24 +102,41 @@ def _sm_count(device: torch.device) -> int:
 # query per sequence, the query heads of a KV head packed as rows. 128 positions per step won
 # for bf16 caches (99.8% of copy bandwidth on Llama-3-8B B64 x 4096 against 88% with 64; 8 warps
 # lost everywhere: the tile is 16 rows). "decode_fp8": the same tile with one more pipeline
-# stage (81.8% against 78.1% with 2; fp16 dots, see AttentionPlan). "prefill": 64 rows (16
-# tokens x 4 heads) by 64 positions, 4 warps, 3 stages: 47% of the bf16 matmul rate on Llama-3-8B
-# at 8192 tokens, the best of eight (128-row tiles 39-44%). "mla": 64 heads by 64 positions, 8
-# warps: 32% of bandwidth with a bf16 cache, the best of ten (128 heads ran out of shared
-# memory); "mla_fp8": 128 positions in one stage, 393 us against 467 us for the bf16 plan.
+# stage (81.8% against 78.1% with 2; fp16 dots, see AttentionPlan). "prefill": 128 rows (32
+# tokens x 4 heads) by 128 positions, 8 warps, 3 stages with the table prefetched: 49.0% of the
+# bf16 matmul rate on Llama-3-8B at 8192 tokens, the best of eight (round 4, 61deb5e; without
+# the prefetch the best was 64 x 64, 4 warps, 3 stages: 46%). It takes 225 KB of shared memory:
+# Hopper's opt-in limit is 227 KB. The decode and MLA plans lost 1-10% with the prefetch (more
+# registers), so they go without. "mla": 64 heads by 64 positions, 8 warps: 32% of bandwidth
+# with a bf16 cache, the best of ten (128 heads ran out of shared memory); "mla_fp8": 128
+# positions in one stage, 393 us against 467 us for the bf16 plan.
 _TABLE = {
     "decode": AttentionPlan(block_m=16, block_n=128, num_warps=4, num_stages=2),
     "decode_fp8": AttentionPlan(block_m=16, block_n=128, num_warps=4, num_stages=3),
-    "prefill": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    "prefill": AttentionPlan(block_m=128, block_n=128, num_warps=8, num_stages=3, prefetch_pages=True),
     "mla": AttentionPlan(block_m=64, block_n=64, num_warps=8, num_stages=2),
     "mla_fp8": AttentionPlan(block_m=64, block_n=128, num_warps=8, num_stages=1),
 }
-# KV splits fill the GPU when the grid is small: up to this many programs per SM (one for MLA,
-# whose programs each fill an SM), never shares shorter than _MIN_SPLIT_LEN positions (the merge
-# then costs more than the parallelism gains), and a power of two, so the shares divide the
-# power-of-two lengths evenly: on Llama-3-70B TP8 B64 x 4096 with an fp8 cache, 5 splits (shares
-# of 896, 896, 896, 896, 512) ran at 51% of bandwidth, 4 at 58%, 8 at 55%.
-_PROGRAMS_PER_SM = {"decode": 2, "decode_fp8": 2, "prefill": 2, "mla": 1, "mla_fp8": 1}
+# _TABLE's prefill and MLA plans take 216-225 KB of shared memory: Hopper and datacenter
+# Blackwell (sm_90, sm_100/103) allow 227 KB per program. Other GPUs (A100: 163 KB; sm_86, sm_89
+# and sm_120: 99 KB) get plans that fit 99 KB (shared memory per plan from compiling for sm_80,
+# sm_89 and sm_90 with Triton 3.6: 41-74 KB). Not measured on such a GPU: none was at hand.
+_COMPACT_TABLE = {
+    "decode": _TABLE["decode"],  # 72 KB
+    "decode_fp8": _TABLE["decode_fp8"],  # 41 KB
+    "prefill": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=2),  # 56-80 KB
+    "mla": AttentionPlan(block_m=32, block_n=16, num_warps=4, num_stages=2),  # 55 KB
+    "mla_fp8": AttentionPlan(block_m=32, block_n=32, num_warps=4, num_stages=2),  # 70 KB
+}
+_LARGE_SHARED_MEMORY_MAJORS = (9, 10)
+
+# KV splits fill the GPU when the grid is small: up to this many programs per SM (one for MLA
+# and prefill, whose programs each fill an SM's shared memory), never shares shorter than
+# _MIN_SPLIT_LEN positions (the merge then costs more than the parallelism gains), and a power
+# of two, so the shares divide the power-of-two lengths evenly: on Llama-3-70B TP8 B64 x 4096
+# with an fp8 cache, 5 splits (shares of 896, 896, 896, 896, 512) ran at 51% of bandwidth, 4 at
+# 58%, 8 at 55%.
+_PROGRAMS_PER_SM = {"decode": 2, "decode_fp8": 2, "prefill": 1, "mla": 1, "mla_fp8": 1}
 _MIN_SPLIT_LEN = 512
 _MAX_SPLITS = 64
 
@@ -125,7 +146,7 @@ def plan_for(
     max_query_len: int, max_seq_len: int,
 ) -> AttentionPlan:
     """The plan for a call, from host ints only (no device data: CUDA-graph safe)."""
-    plan = _base_plan(kind)
+    plan = _base_plan(kind, device)
     if _override is not None and "num_splits" in _override:
         return plan
     tiles, head_tiles = _grid_size(plan.block_m, group, num_seqs, num_tokens, max_query_len)
@@ -136,9 +157,22 @@ def plan_for(
     return replace(plan, num_splits=splits)
 
 
-def _base_plan(kind: str) -> AttentionPlan:
-    """The table's plan for ``kind`` with the active override applied (splits not yet chosen)."""
-    return _TABLE[kind] if _override is None else replace(_TABLE[kind], **_override)
+def _base_plan(kind: str, device: torch.device) -> AttentionPlan:
+    """The device's table's plan for ``kind`` with the active override applied (splits not yet
+    chosen)."""
+    plan = _table_for(device)[kind]
+    return plan if _override is None else replace(plan, **_override)
+
+
+def _table_for(device: torch.device) -> dict:
+    if device.type == "cuda" and _capability(device)[0] not in _LARGE_SHARED_MEMORY_MAJORS:
+        return _COMPACT_TABLE
+    return _TABLE  # also the interpreter's
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def _kind(max_query_len: int, cache_dtype: torch.dtype, mla: bool) -> str:
@@ -154,9 +188,13 @@ def _kind(max_query_len: int, cache_dtype: torch.dtype, mla: bool) -> str:
 _MAX_GRID_Y = 65535
 
 
-def _grid_limit(kind: str, group: int, num_seqs: int, num_tokens: int, max_query_len: int) -> Optional[str]:
-    """Why the call's grid would not launch, or None."""
-    tiles, _ = _grid_size(_base_plan(kind).block_m, group, num_seqs, num_tokens, max_query_len)
+def _launch_limit(kind: str, device: torch.device, cache_dtype: torch.dtype, group: int, num_seqs: int,
+                  num_tokens: int, max_query_len: int) -> Optional[str]:
+    """Why the call would not compile or launch on ``device``, or None."""
+    if cache_dtype == FP8 and device.type == "cuda" and _capability(device) < (8, 9):
+        major, minor = _capability(device)
+        return f"fp8 e4m3 caches need sm_89 or newer in Triton; this GPU is sm_{major}{minor}"
+    tiles, _ = _grid_size(_base_plan(kind, device).block_m, group, num_seqs, num_tokens, max_query_len)
     if tiles > _MAX_GRID_Y:
         return f"{tiles} query tiles > {_MAX_GRID_Y}, CUDA's limit on grid axis 1 (split the batch)"
     return None
@@ -242,6 +280,7 @@ def _launch(
             SPLIT_KV=splits > 1,
             DOT_FP32=INTERPRETED,  # the interpreter's fp16 dots are right: DOT_FP16 runs there too
             DOT_FP16=plan.fp16_dots_for_fp8 and k.dtype == FP8 and q.dtype == torch.bfloat16,
+            PREFETCH_PAGES=plan.prefetch_pages,
             num_warps=plan.num_warps,
             num_stages=plan.num_stages,
         )
@@ -286,7 +325,8 @@ def paged_attention_supports(
             return f"{name} has a non-unit stride {t.stride(-1)} along the head dim"
     group = query.shape[1] // k_cache.shape[2]
     kind = _kind(max_query_len, k_cache.dtype, mla=False)
-    return _grid_limit(kind, group, seq_lens.shape[0], query.shape[0], max_query_len)
+    return _launch_limit(kind, query.device, k_cache.dtype, group, seq_lens.shape[0], query.shape[0],
+                         max_query_len)
 
 
 def paged_attention(
@@ -345,7 +385,8 @@ def mla_decode_supports(
         if t.stride(-1) != 1:
             return f"{name} has a non-unit stride {t.stride(-1)} along the row"
     kind = _kind(max_query_len, kv_cache.dtype, mla=True)
-    return _grid_limit(kind, q.shape[1], seq_lens.shape[0], q.shape[0], max_query_len)
+    return _launch_limit(kind, q.device, kv_cache.dtype, q.shape[1], seq_lens.shape[0], q.shape[0],
+                         max_query_len)
 
 
 def mla_decode(

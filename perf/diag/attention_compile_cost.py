@@ -52,10 +52,11 @@ def main() -> None:
         NUM_Q_HEADS=32, GROUP=4, HEADS_PER_TILE=4, BLOCK_M=16, BLOCK_N=128, D_MAIN=128, D_ROPE=0,
         BLOCK_D=128, BLOCK_R=1, BLOCK_SIZE=16, ONE_QUERY_PER_SEQ=True, CAUSAL=True, WINDOW=False,
         SOFT_CAP=False, HAS_SINKS=False, HAS_K_SCALE=False, HAS_V_SCALE=False, V_FROM_K=False,
-        RETURN_LSE=False, SPLIT_KV=False, DOT_FP32=False, DOT_FP16=False,
+        RETURN_LSE=False, SPLIT_KV=False, DOT_FP32=False, DOT_FP16=False, PREFETCH_PAGES=False,
     )
     run("decode bf16 (Llama-3-8B)", "bf16", "bf16", base, 4, 2)
-    run("prefill bf16", "bf16", "bf16", dict(base, BLOCK_M=64, BLOCK_N=64, ONE_QUERY_PER_SEQ=False), 4, 3)
+    run("prefill bf16", "bf16", "bf16",
+        dict(base, BLOCK_M=128, BLOCK_N=128, ONE_QUERY_PER_SEQ=False, PREFETCH_PAGES=True), 8, 3)
     mla = dict(
         base, NUM_Q_HEADS=128, GROUP=128, HEADS_PER_TILE=64, BLOCK_M=64, BLOCK_N=64, D_MAIN=512, D_ROPE=64,
         BLOCK_D=512, BLOCK_R=64, BLOCK_SIZE=64, V_FROM_K=True, RETURN_LSE=True, SPLIT_KV=True,

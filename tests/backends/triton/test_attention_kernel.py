@@ -5,6 +5,7 @@ replays with changed inputs (GPU only)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -62,11 +63,53 @@ OPTIONS = {
 @pytest.mark.parametrize("options", OPTIONS, ids=str)
 @pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 32), (64, 16), (16, 64)])
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
-def test_paged_attention_every_plan_shape(options, block_m, block_n, num_splits):
+@pytest.mark.parametrize("prefetch_pages", [False, True], ids=["table_in_step", "table_prefetched"])
+def test_paged_attention_every_plan_shape(options, block_m, block_n, num_splits, prefetch_pages):
     seed = 1000 * block_m + block_n + num_splits
     kwargs = _build(pa_spec._maker(**MIXED, **OPTIONS[options]), seed)
-    with attention.override_plan(block_m=block_m, block_n=block_n, num_splits=num_splits):
+    with attention.override_plan(block_m=block_m, block_n=block_n, num_splits=num_splits,
+                                 prefetch_pages=prefetch_pages):
         _check_paged(kwargs, seed)
+
+
+@pytest.mark.parametrize("kind", sorted(attention._COMPACT_TABLE))
+def test_compact_table_plans(kind):
+    # The plans for GPUs with 99 KB of shared memory, on the mixed batch (MLA: an MTP batch).
+    plan = dataclasses.asdict(attention._COMPACT_TABLE[kind])
+    if kind.startswith("mla"):
+        case = "small_fp8" if kind == "mla_fp8" else "small_mtp_fp16"
+        kwargs = mla_spec.SPEC.case(case).build(DEVICE, 7)
+        with attention.override_plan(**plan):
+            _check_mla(kwargs, 7)
+    else:
+        options = OPTIONS["fp8"] if kind == "decode_fp8" else {}
+        shape = dict(MIXED, q_lens=(1,) * 4) if kind.startswith("decode") else MIXED
+        kwargs = _build(pa_spec._maker(**shape, **options), 7)
+        with attention.override_plan(**plan):
+            _check_paged(kwargs, 7)
+
+
+@pytest.mark.parametrize("capability, table", [
+    ((9, 0), "_TABLE"), ((10, 0), "_TABLE"), ((8, 0), "_COMPACT_TABLE"), ((8, 9), "_COMPACT_TABLE"),
+    ((12, 0), "_COMPACT_TABLE"),
+])
+def test_plan_table_follows_shared_memory(monkeypatch, capability, table):
+    monkeypatch.setattr(attention, "_capability", lambda device: capability)
+    for kind, plan in getattr(attention, table).items():
+        assert attention._base_plan(kind, torch.device("cuda")) == plan
+    assert attention._base_plan("prefill", torch.device("cpu")) == attention._TABLE["prefill"]
+
+
+@pytest.mark.parametrize("capability, refused", [
+    ((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False),
+])
+def test_fp8_caches_need_sm89(monkeypatch, capability, refused):
+    monkeypatch.setattr(attention, "_capability", lambda device: capability)
+    reason = attention._launch_limit("decode_fp8", torch.device("cuda"), FP8, 8, 1, 1, 1)
+    assert (reason is not None) == refused
+    if refused:
+        assert f"this GPU is sm_{capability[0]}{capability[1]}" in reason
+    assert attention._launch_limit("decode", torch.device("cuda"), torch.bfloat16, 8, 1, 1, 1) is None
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 16, 32, 64, 128])
