@@ -102,18 +102,22 @@ def _sm_count(device: torch.device) -> int:
 # query per sequence, the query heads of a KV head packed as rows. 128 positions per step won
 # for bf16 caches (99.8% of copy bandwidth on Llama-3-8B B64 x 4096 against 88% with 64; 8 warps
 # lost everywhere: the tile is 16 rows). "decode_fp8": the same tile with one more pipeline
-# stage (81.8% against 78.1% with 2; fp16 dots, see AttentionPlan). "prefill": 128 rows (32
-# tokens x 4 heads) by 128 positions, 8 warps, 3 stages with the table prefetched: 49.0% of the
-# bf16 matmul rate on Llama-3-8B at 8192 tokens, the best of eight (round 4, 61deb5e; without
-# the prefetch the best was 64 x 64, 4 warps, 3 stages: 46%). It takes 225 KB of shared memory:
-# Hopper's opt-in limit is 227 KB. The decode and MLA plans lost 1-10% with the prefetch (more
-# registers), so they go without. "mla": 64 heads by 64 positions, 8 warps: 32% of bandwidth
-# with a bf16 cache, the best of ten (128 heads ran out of shared memory); "mla_fp8": 128
-# positions in one stage, 393 us against 467 us for the bf16 plan.
+# stage (81.8% against 78.1% with 2; fp16 dots, see AttentionPlan). "prefill": 64 rows (16
+# tokens x 4 heads) by 64 positions, 4 warps, 3 stages: 46% of the bf16 matmul rate on Llama-3-8B
+# at 8192 tokens, the best of eight in round 2. "prefill_large" (round 4, 61deb5e): 128 rows by
+# 128 positions, 8 warps, 3 stages with the block table prefetched: 49.0% there (51.1% in the
+# bench at cad439b), but 9-24% slower than "prefill" on 1024-token and chunked prefills (one
+# program per SM, fewer of them), so plan_for takes it only for grids of several waves and head
+# dims up to 128 (it takes 225 KB of shared memory at 128; Hopper's limit is 227 KB). The decode
+# and MLA plans lost 1-10% with the prefetch (more registers), so they go without. "mla": 64
+# heads by 64 positions, 8 warps: 32% of bandwidth with a bf16 cache, the best of ten (128 heads
+# ran out of shared memory); "mla_fp8": 128 positions in one stage, 393 us against 467 us for
+# the bf16 plan.
 _TABLE = {
     "decode": AttentionPlan(block_m=16, block_n=128, num_warps=4, num_stages=2),
     "decode_fp8": AttentionPlan(block_m=16, block_n=128, num_warps=4, num_stages=3),
-    "prefill": AttentionPlan(block_m=128, block_n=128, num_warps=8, num_stages=3, prefetch_pages=True),
+    "prefill": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    "prefill_large": AttentionPlan(block_m=128, block_n=128, num_warps=8, num_stages=3, prefetch_pages=True),
     "mla": AttentionPlan(block_m=64, block_n=64, num_warps=8, num_stages=2),
     "mla_fp8": AttentionPlan(block_m=64, block_n=128, num_warps=8, num_stages=1),
 }
@@ -125,6 +129,7 @@ _COMPACT_TABLE = {
     "decode": _TABLE["decode"],  # 72 KB
     "decode_fp8": _TABLE["decode_fp8"],  # 41 KB
     "prefill": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=2),  # 56-80 KB
+    "prefill_large": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=2),
     "mla": AttentionPlan(block_m=32, block_n=16, num_warps=4, num_stages=2),  # 55 KB
     "mla_fp8": AttentionPlan(block_m=32, block_n=32, num_warps=4, num_stages=2),  # 70 KB
 }
@@ -136,16 +141,27 @@ _LARGE_SHARED_MEMORY_MAJORS = (9, 10)
 # of two, so the shares divide the power-of-two lengths evenly: on Llama-3-70B TP8 B64 x 4096
 # with an fp8 cache, 5 splits (shares of 896, 896, 896, 896, 512) ran at 51% of bandwidth, 4 at
 # 58%, 8 at 55%.
-_PROGRAMS_PER_SM = {"decode": 2, "decode_fp8": 2, "prefill": 1, "mla": 1, "mla_fp8": 1}
+_PROGRAMS_PER_SM = {"decode": 2, "decode_fp8": 2, "prefill": 2, "prefill_large": 1, "mla": 1, "mla_fp8": 1}
 _MIN_SPLIT_LEN = 512
 _MAX_SPLITS = 64
+# "prefill_large" needs at least this many waves of its programs (8192 tokens of Llama-3-8B: 15.6
+# on an H100, where it won; 1024 tokens: 1.9, where it lost; the threshold between is a guess).
+_LARGE_PREFILL_MIN_WAVES = 4
+_LARGE_PREFILL_MAX_HEAD_DIM = 128
 
 
 def plan_for(
     kind: str, device: torch.device, num_seqs: int, num_tokens: int, group: int, num_kv_heads: int,
-    max_query_len: int, max_seq_len: int,
+    max_query_len: int, max_seq_len: int, *, head_dim: int,
 ) -> AttentionPlan:
-    """The plan for a call, from host ints only (no device data: CUDA-graph safe)."""
+    """The plan for a call, from host ints only (no device data: CUDA-graph safe). ``kind`` is
+    _kind's; a prefill with a grid of several waves of large tiles gets "prefill_large"."""
+    if kind == "prefill" and head_dim <= _LARGE_PREFILL_MAX_HEAD_DIM:
+        large = _base_plan("prefill_large", device)
+        tiles, head_tiles = _grid_size(large.block_m, group, num_seqs, num_tokens, max_query_len)
+        waves = tiles * head_tiles * num_kv_heads / (_PROGRAMS_PER_SM["prefill_large"] * _sm_count(device))
+        if waves >= _LARGE_PREFILL_MIN_WAVES:
+            kind = "prefill_large"
     plan = _base_plan(kind, device)
     if _override is not None and "num_splits" in _override:
         return plan
@@ -223,6 +239,46 @@ def _device_guard(device: torch.device):
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
+
+
+# Plans a GPU could not run (Triton's OutOfResources when a compiled kernel is first loaded:
+# too much shared memory, e.g. head dim 256 on a GPU with 99 KB), by what shapes their shared
+# memory, and the smaller plan that ran instead.
+_FITTED: dict = {}
+
+
+def _smaller(plan: AttentionPlan) -> Optional[AttentionPlan]:
+    """The next plan to try when ``plan`` does not fit: shorter KV steps first (down to 32),
+    then fewer stages, then steps of 16, then fewer rows; None when nothing is left."""
+    if plan.block_n > 32:
+        return replace(plan, block_n=plan.block_n // 2)
+    if plan.num_stages > 1:
+        return replace(plan, num_stages=plan.num_stages - 1)
+    if plan.block_n > 16:
+        return replace(plan, block_n=16)
+    if plan.block_m > 16:
+        return replace(plan, block_m=plan.block_m // 2)
+    return None
+
+
+def _launch_fitting(*, plan: AttentionPlan, **args) -> None:
+    """_launch with ``plan``, or with the first _smaller plan the GPU has the resources for
+    (remembered, so the search runs once per process)."""
+    from triton.runtime.errors import OutOfResources
+
+    q, k = args["q"], args["k"]
+    key = (q.device, q.dtype, k.dtype, k.shape[1], args["d_main"], args["d_rope"], args["v_from_k"], plan)
+    fitted = _FITTED.get(key, plan)
+    while True:
+        try:
+            _launch(plan=fitted, **args)
+        except OutOfResources:
+            fitted = _smaller(fitted)
+            if fitted is None:
+                raise
+            continue
+        _FITTED[key] = fitted
+        return
 
 
 def _launch(
@@ -355,8 +411,8 @@ def paged_attention(
     group = num_q_heads // k_cache.shape[2]
     kind = _kind(max_query_len, k_cache.dtype, mla=False)
     plan = plan_for(kind, query.device, seq_lens.shape[0], num_tokens, group, k_cache.shape[2],
-                    max_query_len, max_seq_len)
-    _launch(
+                    max_query_len, max_seq_len, head_dim=head_dim)
+    _launch_fitting(
         q=query, k=k_cache, v=v_cache, out=out, lse=None, cu_seqlens_q=cu_seqlens_q,
         block_table=block_table, seq_lens=seq_lens, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
         max_query_len=max_query_len, scale=scale, causal=causal, window=sliding_window,
@@ -411,8 +467,9 @@ def mla_decode(
     if num_tokens == 0 or max_query_len == 0:
         return out.zero_(), lse.zero_()
     kind = _kind(max_query_len, kv_cache.dtype, mla=True)
-    plan = plan_for(kind, device, seq_lens.shape[0], num_tokens, num_heads, 1, max_query_len, max_seq_len)
-    _launch(
+    plan = plan_for(kind, device, seq_lens.shape[0], num_tokens, num_heads, 1, max_query_len, max_seq_len,
+                    head_dim=width)
+    _launch_fitting(
         q=q, k=kv_cache, v=kv_cache, out=out, lse=lse if return_lse else None, cu_seqlens_q=cu_seqlens_q,
         block_table=block_table, seq_lens=seq_lens, sinks=None, k_scale=kv_scale, v_scale=kv_scale,
         max_query_len=max_query_len, scale=scale, causal=True, window=0, soft_cap=0.0, group=num_heads,

@@ -123,7 +123,8 @@ def run(out_dir: str, ops: list[str], kinds: list[str], cases: list[str], quick:
         kv_heads = 1 if mla else cache.shape[2]
         default = attention.plan_for(
             attention._kind(kwargs["max_query_len"], cache.dtype, mla), device, kwargs["seq_lens"].shape[0],
-            q.shape[0], q.shape[1] // kv_heads, kv_heads, kwargs["max_query_len"], kwargs["max_seq_len"])
+            q.shape[0], q.shape[1] // kv_heads, kv_heads, kwargs["max_query_len"], kwargs["max_seq_len"],
+            head_dim=q.shape[2])
         variants = [(_plan_fields(p), "") for p in (plans[:3] if quick else plans)]
         if cache.dtype == torch.float8_e4m3fn:
             variants.append((dict(_plan_fields(plans[0]), fp16_dots_for_fp8=False), "bf16 dots"))

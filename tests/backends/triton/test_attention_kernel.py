@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -204,15 +205,15 @@ def test_plan_uses_host_ints_only_and_splits_small_grids():
     device = torch.device(DEVICE)
     sms = attention._sm_count(device)
     # Many sequences: the grid already fills the device, no split.
-    many = attention.plan_for("decode", device, 64 * sms, 64 * sms, 4, 8, 1, 4096)
+    many = attention.plan_for("decode", device, 64 * sms, 64 * sms, 4, 8, 1, 4096, head_dim=128)
     assert many.num_splits == 1
     # One long sequence, one KV head: split up to the per-SM target, bounded by the length.
-    one = attention.plan_for("decode", device, 1, 1, 8, 1, 1, 32768)
+    one = attention.plan_for("decode", device, 1, 1, 8, 1, 1, 32768, head_dim=128)
     assert 1 < one.num_splits <= attention._MAX_SPLITS
-    short = attention.plan_for("decode", device, 1, 1, 8, 1, 1, attention._MIN_SPLIT_LEN)
+    short = attention.plan_for("decode", device, 1, 1, 8, 1, 1, attention._MIN_SPLIT_LEN, head_dim=128)
     assert short.num_splits == 1
     with attention.override_plan(num_splits=3, block_n=16):
-        forced = attention.plan_for("decode", device, 1, 1, 8, 1, 1, 100)
+        forced = attention.plan_for("decode", device, 1, 1, 8, 1, 1, 100, head_dim=128)
     assert (forced.num_splits, forced.block_n) == (3, 16)
     with pytest.raises(ValueError, match="unknown AttentionPlan fields"):
         with attention.override_plan(block_k=3):
@@ -229,8 +230,50 @@ def test_plan_uses_host_ints_only_and_splits_small_grids():
 ])
 def test_split_counts_on_an_h100_grid(monkeypatch, kind, seqs, group, kv_heads, seq_len, splits):
     monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
-    plan = attention.plan_for(kind, torch.device("cpu"), seqs, seqs, group, kv_heads, 1, seq_len)
+    plan = attention.plan_for(kind, torch.device("cpu"), seqs, seqs, group, kv_heads, 1, seq_len,
+                              head_dim=128)
     assert plan.num_splits == splits
+
+
+@pytest.mark.parametrize("tokens, head_dim, large", [
+    (8192, 128, True),  # 257 tiles x 8 KV heads = 15.6 waves of one program per SM
+    (1024, 128, False),  # 2 waves
+    (8192, 256, False),  # the large tile does not fit shared memory at head dim 256
+])
+def test_large_prefill_plan_for_long_prefills(monkeypatch, tokens, head_dim, large):
+    monkeypatch.setattr(attention, "_sm_count", lambda device: 132)
+    plan = attention.plan_for("prefill", torch.device("cpu"), 1, tokens, 4, 8, tokens, tokens,
+                              head_dim=head_dim)
+    kind = "prefill_large" if large else "prefill"
+    assert replace(plan, num_splits=1) == attention._TABLE[kind]
+
+
+def test_plans_that_do_not_fit_step_down(monkeypatch):
+    # A GPU that cannot hold KV steps past 32 positions (Triton raises OutOfResources when the
+    # kernel is loaded): the call still matches the reference, on the first smaller plan that
+    # runs, and later calls go to that plan directly.
+    from triton.runtime.errors import OutOfResources
+
+    real_launch = attention._launch
+    tried = []
+
+    def small_gpu_launch(*, plan, **args):
+        tried.append(plan)
+        if plan.block_n > 32:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        real_launch(plan=plan, **args)
+
+    monkeypatch.setattr(attention, "_launch", small_gpu_launch)
+    monkeypatch.setattr(attention, "_FITTED", {})
+    kwargs = _build(pa_spec._maker(**MIXED), 11)
+    with attention.override_plan(block_n=128, num_splits=1):
+        _check_paged(kwargs, 11)
+        assert [p.block_n for p in tried] == [128, 64, 32]
+        tried.clear()
+        _check_paged(kwargs, 11)
+        assert [p.block_n for p in tried] == [32]
+    smallest = attention.AttentionPlan(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    assert attention._smaller(smallest) is None
 
 
 def test_supports_names_what_it_refuses():
