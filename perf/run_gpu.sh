@@ -15,7 +15,8 @@
 #                ($PROFILE_CASES, default its list): speed of light, occupancy, warp states,
 #                memory and compute workload, launch stats      -> attention_profile.txt
 #   sweep-attention  perf/diag/attention_sweep.py over $SWEEP_KINDS (decode prefill mla) and
-#                $SWEEP_CASES (default all), starting no case after $SWEEP_BUDGET_S seconds
+#                $SWEEP_CASES (default all), starting no case after $SWEEP_BUDGET_S seconds;
+#                $SWEEP_PLANS (BMxBNxWxS[:SPLITS] ...) replaces the script's plan lists
 #                                                                     -> attention_sweep_*.json, .txt
 # A device command may run 10 minutes: tests-core + bench fit one call, tests-slow + compare
 # another. Set KERNELMUX_COMMIT (the tree travels without .git).
@@ -66,7 +67,7 @@ for step in "$@"; do
     sweep-attention)
         kinds=${SWEEP_KINDS:-decode prefill mla}
         python3 perf/diag/attention_sweep.py --out "$out" --kinds $kinds --budget-s "${SWEEP_BUDGET_S:-400}" \
-            --cases ${SWEEP_CASES:-} 2>&1 \
+            --cases ${SWEEP_CASES:-} --plans ${SWEEP_PLANS:-} 2>&1 \
             | tee "$out/attention_sweep_${kinds// /_}.txt" ;;
     *)
         echo "unknown step $step" >&2; exit 2 ;;

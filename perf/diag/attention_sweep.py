@@ -7,7 +7,7 @@ of the device-copy bandwidth measured in the same run; prefill is FLOP/s over th
 matmul rate. The table in attention.py (_TABLE) is chosen from these numbers.
 
     python perf/diag/attention_sweep.py --out DIR [--ops paged_attention mla_decode] [--kinds decode]
-        [--cases NAME ...] [--quick] [--budget-s 400]
+        [--cases NAME ...] [--quick] [--budget-s 400] [--plans 16x64x4x3:8 ...]
 
 The record is rewritten after every case, so a run cut off by a time limit keeps what it measured.
 """
@@ -89,8 +89,17 @@ def _sdpa_peer(spec, kwargs) -> float | None:
     return _time(lambda: fn(), {})
 
 
+def parse_plan(text: str) -> dict:
+    """``BMxBNxWxS`` or ``BMxBNxWxS:SPLITS`` (e.g. ``64x64x8x2:1``) as AttentionPlan fields."""
+    shape, _, splits = text.partition(":")
+    fields = _plan_fields(tuple(int(x) for x in shape.split("x")))
+    if splits:
+        fields["num_splits"] = int(splits)
+    return fields
+
+
 def run(out_dir: str, ops: list[str], kinds: list[str], cases: list[str], quick: bool,
-        budget_s: float) -> None:
+        budget_s: float, explicit_plans: list[dict] | None = None) -> None:
     began = time.time()
     device = torch.device("cuda")
     ceilings = ceilings_module.measure("cuda")
@@ -125,10 +134,13 @@ def run(out_dir: str, ops: list[str], kinds: list[str], cases: list[str], quick:
             attention._kind(kwargs["max_query_len"], cache.dtype, mla), device, kwargs["seq_lens"].shape[0],
             q.shape[0], q.shape[1] // kv_heads, kv_heads, kwargs["max_query_len"], kwargs["max_seq_len"],
             head_dim=q.shape[2])
-        variants = [(_plan_fields(p), "") for p in (plans[:3] if quick else plans)]
-        if cache.dtype == torch.float8_e4m3fn:
+        if explicit_plans:
+            variants = [(fields, "named") for fields in explicit_plans]
+        else:
+            variants = [(_plan_fields(p), "") for p in (plans[:3] if quick else plans)]
+        if cache.dtype == torch.float8_e4m3fn and not explicit_plans:
             variants.append((dict(_plan_fields(plans[0]), fp16_dots_for_fp8=False), "bf16 dots"))
-        if kind != "prefill" and not quick:
+        if kind != "prefill" and not quick and not explicit_plans:
             best_guess = _plan_fields(plans[0])
             variants += [(dict(best_guess, num_splits=s), "splits") for s in SPLITS]
         peer = _sdpa_peer(spec, kwargs)
@@ -174,8 +186,11 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=[], help="only these cases (default: all)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="start no case after this")
+    parser.add_argument("--plans", nargs="*", default=[],
+                        help="only these plans, BMxBNxWxS[:SPLITS] (e.g. 64x64x8x2:1), for every case")
     args = parser.parse_args()
-    run(args.out, args.ops, args.kinds, args.cases, args.quick, args.budget_s)
+    run(args.out, args.ops, args.kinds, args.cases, args.quick, args.budget_s,
+        [parse_plan(p) for p in args.plans] or None)
 
 
 if __name__ == "__main__":
