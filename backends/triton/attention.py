@@ -9,9 +9,11 @@ sequence lengths, block tables and queries change under it (``max_seq_len`` at c
 them). Configurations come from a table of measured choices (see ``_TABLE``), not from
 autotuning. The first call with a new constexpr set (dtypes, head geometry, cache block size,
 options, decode/prefill/MLA plan, split or not; not the batch size, lengths or split count)
-costs one Triton compilation, plus one of the merge kernel when it splits: 1.6-4 s each for
-sm_90 on a 2-core VM (perf/diag/attention_compile_cost.py), then Triton's on-disk cache serves
-later processes. Nothing else is done on a first call: no autotuning, no benchmark.
+costs one Triton compilation, plus one of the merge kernel when it splits: 0.6-2.8 s each for
+sm_90 with Triton 3.6 on a 2-core VM (perf/diag/attention_compile_cost.py; record in
+perf/results/attention_compile_cost_*), then Triton's on-disk cache serves later processes. A
+plan the GPU cannot hold costs one more compilation per smaller plan tried, once per process
+(_launch_fitting). Nothing else is done on a first call: no autotuning, no benchmark.
 
 Triton itself is imported on the first launch, so the backend registers (and reports "missing
 package triton") on machines without it."""
