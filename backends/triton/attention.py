@@ -125,12 +125,13 @@ _TABLE = {
 }
 # _TABLE's prefill and MLA plans take 216-225 KB of shared memory: Hopper and datacenter
 # Blackwell (sm_90, sm_100/103) allow 227 KB per program. Other GPUs (A100: 163 KB; sm_86, sm_89
-# and sm_120: 99 KB) get plans that fit 99 KB (shared memory per plan from compiling for sm_80,
-# sm_89 and sm_90 with Triton 3.6: 41-74 KB). Not measured on such a GPU: none was at hand.
+# and sm_120: 99 KB) get plans that fit 99 KB (40-72 KB compiled for sm_80 and sm_89 with Triton
+# 3.6: perf/results/attention_compile_cost_sm90_triton36_aeee6aa.txt). Not timed on such a GPU:
+# none was at hand. A plan that still does not fit steps down (_launch_fitting).
 _COMPACT_TABLE = {
     "decode": _TABLE["decode"],  # 72 KB
     "decode_fp8": _TABLE["decode_fp8"],  # 41 KB
-    "prefill": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=2),  # 56-80 KB
+    "prefill": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=2),  # 56 KB
     "prefill_large": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=2),
     "mla": AttentionPlan(block_m=32, block_n=16, num_warps=4, num_stages=2),  # 55 KB
     "mla_fp8": AttentionPlan(block_m=32, block_n=32, num_warps=4, num_stages=2),  # 70 KB
