@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import replace
 
 import pytest
 import torch
@@ -245,7 +244,7 @@ def test_large_prefill_plan_for_long_prefills(monkeypatch, tokens, head_dim, lar
     plan = attention.plan_for("prefill", torch.device("cpu"), 1, tokens, 4, 8, tokens, tokens,
                               head_dim=head_dim)
     kind = "prefill_large" if large else "prefill"
-    assert replace(plan, num_splits=1) == attention._TABLE[kind]
+    assert dataclasses.replace(plan, num_splits=1) == attention._TABLE[kind]
 
 
 def test_plans_that_do_not_fit_step_down(monkeypatch):
