@@ -147,8 +147,9 @@ _LARGE_SHARED_MEMORY_MAJORS = (9, 10)
 _PROGRAMS_PER_SM = {"decode": 2, "decode_fp8": 2, "prefill": 2, "prefill_large": 1, "mla": 1, "mla_fp8": 1}
 _MIN_SPLIT_LEN = 512
 _MAX_SPLITS = 64
-# "prefill_large" needs at least this many waves of its programs (8192 tokens of Llama-3-8B: 15.6
-# on an H100, where it won; 1024 tokens: 1.9, where it lost; the threshold between is a guess).
+# "prefill_large" needs at least this many waves of its programs. On an H100 it won at 15.6 waves
+# (Llama-3-8B, 8192 tokens) and lost at 0.2-2.2 (the 1024-token, 4-prompt, chunked and gpt-oss
+# sinks prefills of the bench at cad439b); 4 sits between, unmeasured.
 _LARGE_PREFILL_MIN_WAVES = 4
 _LARGE_PREFILL_MAX_HEAD_DIM = 128
 
