@@ -127,7 +127,8 @@ _TABLE = {
 # Blackwell (sm_90, sm_100/103) allow 227 KB per program. Other GPUs (A100: 163 KB; sm_86, sm_89
 # and sm_120: 99 KB) get plans that fit 99 KB (40-72 KB compiled for sm_80 and sm_89 with Triton
 # 3.6: perf/results/attention_compile_cost_sm90_triton36_aeee6aa.txt). Not timed on such a GPU:
-# none was at hand. A plan that still does not fit steps down (_launch_fitting).
+# none was at hand. ROCm GPUs get them too. A plan that still does not fit steps down
+# (_launch_fitting).
 _COMPACT_TABLE = {
     "decode": _TABLE["decode"],  # 72 KB
     "decode_fp8": _TABLE["decode_fp8"],  # 41 KB
@@ -185,9 +186,12 @@ def _base_plan(kind: str, device: torch.device) -> AttentionPlan:
 
 
 def _table_for(device: torch.device) -> dict:
-    if device.type == "cuda" and _capability(device)[0] not in _LARGE_SHARED_MEMORY_MAJORS:
+    if device.type != "cuda":
+        return _TABLE  # the interpreter's
+    if torch.version.hip or _capability(device)[0] not in _LARGE_SHARED_MEMORY_MAJORS:
+        # ROCm reports gfx9 parts as major 9, but their LDS is 64-160 KB.
         return _COMPACT_TABLE
-    return _TABLE  # also the interpreter's
+    return _TABLE
 
 
 @functools.cache

@@ -95,9 +95,13 @@ def test_compact_table_plans(kind):
 ])
 def test_plan_table_follows_shared_memory(monkeypatch, capability, table):
     monkeypatch.setattr(attention, "_capability", lambda device: capability)
+    monkeypatch.setattr(torch.version, "hip", None)
     for kind, plan in getattr(attention, table).items():
         assert attention._base_plan(kind, torch.device("cuda")) == plan
     assert attention._base_plan("prefill", torch.device("cpu")) == attention._TABLE["prefill"]
+    # ROCm: gfx942 reports (9, 4) but has 64 KB of LDS.
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert attention._base_plan("mla", torch.device("cuda")) == attention._COMPACT_TABLE["mla"]
 
 
 @pytest.mark.parametrize("capability, refused", [
