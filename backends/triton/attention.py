@@ -94,8 +94,11 @@ def override_plan(**fields) -> Iterator[None]:
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
+    """Units a program runs on: SMs (NVIDIA), CUs (ROCm), Xe-cores (Intel)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "xpu":
+        return torch.xpu.get_device_properties(device).gpu_subslice_count
     return 4  # the interpreter: a few splits still exercise the merge
 
 
@@ -127,7 +130,7 @@ _TABLE = {
 # Blackwell (sm_90, sm_100/103) allow 227 KB per program. Other GPUs (A100: 163 KB; sm_86, sm_89
 # and sm_120: 99 KB) get plans that fit 99 KB (40-72 KB compiled for sm_80 and sm_89 with Triton
 # 3.6: perf/results/attention_compile_cost_sm90_triton36_aeee6aa.txt). Not timed on such a GPU:
-# none was at hand. ROCm GPUs get them too. A plan that still does not fit steps down
+# none was at hand. ROCm and Intel GPUs get them too. A plan that still does not fit steps down
 # (_launch_fitting).
 _COMPACT_TABLE = {
     "decode": _TABLE["decode"],  # 72 KB
@@ -186,10 +189,13 @@ def _base_plan(kind: str, device: torch.device) -> AttentionPlan:
 
 
 def _table_for(device: torch.device) -> dict:
-    if device.type != "cuda":
+    if device.type == "cpu":
         return _TABLE  # the interpreter's
-    if torch.version.hip or _capability(device)[0] not in _LARGE_SHARED_MEMORY_MAJORS:
-        # ROCm reports gfx9 parts as major 9, but their LDS is 64-160 KB.
+    if device.type != "cuda" or torch.version.hip:
+        # Intel's shared local memory is 64-128 KB; ROCm reports gfx9 parts as major 9, but their
+        # LDS is 64-160 KB.
+        return _COMPACT_TABLE
+    if _capability(device)[0] not in _LARGE_SHARED_MEMORY_MAJORS:
         return _COMPACT_TABLE
     return _TABLE
 
@@ -243,9 +249,10 @@ def _one_query_per_seq(num_seqs: int, num_tokens: int, max_query_len: int) -> bo
 
 
 def _device_guard(device: torch.device):
-    # Triton launches on the current CUDA device; switch only when the tensors live elsewhere.
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
+    # Triton launches on the current device; switch only when the tensors live elsewhere.
+    for kind, module in (("cuda", torch.cuda), ("xpu", torch.xpu)):
+        if device.type == kind and device.index != module.current_device():
+            return module.device(device)
     return contextlib.nullcontext()
 
 

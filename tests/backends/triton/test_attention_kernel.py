@@ -99,7 +99,8 @@ def test_plan_table_follows_shared_memory(monkeypatch, capability, table):
     for kind, plan in getattr(attention, table).items():
         assert attention._base_plan(kind, torch.device("cuda")) == plan
     assert attention._base_plan("prefill", torch.device("cpu")) == attention._TABLE["prefill"]
-    # ROCm: gfx942 reports (9, 4) but has 64 KB of LDS.
+    # ROCm: gfx942 reports (9, 4) but has 64 KB of LDS; Intel GPUs: 64-128 KB.
+    assert attention._base_plan("mla", torch.device("xpu")) == attention._COMPACT_TABLE["mla"]
     monkeypatch.setattr(torch.version, "hip", "6.4")
     assert attention._base_plan("mla", torch.device("cuda")) == attention._COMPACT_TABLE["mla"]
 
