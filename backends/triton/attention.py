@@ -189,8 +189,8 @@ def _base_plan(kind: str, device: torch.device) -> AttentionPlan:
 
 
 def _table_for(device: torch.device) -> dict:
-    if device.type == "cpu":
-        return _TABLE  # the interpreter's
+    if device.type in ("cpu", "meta"):
+        return _TABLE  # the interpreter's; meta tensors stand in for a GPU's in supports checks
     if device.type != "cuda" or torch.version.hip:
         # Intel's shared local memory is 64-128 KB; ROCm reports gfx9 parts as major 9, but their
         # LDS is 64-160 KB.
