@@ -127,6 +127,35 @@ def _attend_step(
 
 
 @triton.jit
+def _attend_range(
+    acc, l_i, m_i, page, first, last, q, q_rope, hi, row_pos, window, scale, soft_cap, table_row,
+    k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
+    BLOCK_N: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, MASK_RANGE: tl.constexpr, MASK_CAUSAL: tl.constexpr,
+    MASK_WINDOW: tl.constexpr, SOFT_CAP: tl.constexpr, V_FROM_K: tl.constexpr,
+    PREFETCH_PAGES: tl.constexpr,
+):
+    """_attend_step over KV positions first .. last in steps of BLOCK_N. With PREFETCH_PAGES,
+    ``page`` holds the first step's block-table entries and each step loads the next one's: the
+    K/V gathers then depend on no load of their own iteration, and Triton's pipeliner keeps
+    num_stages - 1 KV tiles in flight instead of spending a stage on the table load (it costs
+    the registers of the next step's entries, which the decode and MLA plans cannot spare).
+    Returns the accumulators and, with PREFETCH_PAGES, the entries of the step after ``last``."""
+    for start in range(first, last, BLOCK_N):
+        if PREFETCH_PAGES:
+            step_page = page
+            page = _load_pages(table_row, start + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE, True)
+        else:
+            step_page = _load_pages(table_row, start, hi, BLOCK_N, BLOCK_SIZE, MASK_RANGE)
+        acc, l_i, m_i = _attend_step(
+            acc, l_i, m_i, q, q_rope, start, hi, step_page, row_pos, window, scale, soft_cap, k_head, v_head,
+            stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
+            BLOCK_N, D_MAIN, D_ROPE, BLOCK_D, BLOCK_SIZE, MASK_RANGE, MASK_CAUSAL, MASK_WINDOW, SOFT_CAP,
+            V_FROM_K)
+    return acc, l_i, m_i, page
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr,  # [T, Hq, D_MAIN + D_ROPE], any strides but the last (unit)
     k_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D_MAIN + D_ROPE]
@@ -280,35 +309,18 @@ def paged_attention_kernel(
         clean_hi = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
     else:
         clean_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
-    # With PREFETCH_PAGES the block-table entries of each step are loaded one step ahead: the
-    # K/V gathers then depend on no load of their own iteration, and Triton's pipeliner keeps
-    # num_stages - 1 KV tiles in flight instead of spending a stage on the table load. It costs
-    # registers (the next step's entries), which the decode and MLA plans cannot spare.
-    if PREFETCH_PAGES:
-        page = _load_pages(table_row, lo, hi, BLOCK_N, BLOCK_SIZE, True)
-    for start in range(lo, clean_hi, BLOCK_N):
-        if PREFETCH_PAGES:
-            next_page = _load_pages(table_row, start + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE, True)
-        else:
-            page = _load_pages(table_row, start, hi, BLOCK_N, BLOCK_SIZE, False)
-        acc, l_i, m_i = _attend_step(
-            acc, l_i, m_i, q, q_rope, start, hi, page, row_pos, window, scale, soft_cap, k_head, v_head,
-            stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
-            BLOCK_N, D_MAIN, D_ROPE, BLOCK_D, BLOCK_SIZE, False, False, False, SOFT_CAP, V_FROM_K)
-        if PREFETCH_PAGES:
-            page = next_page
-    for start in range(clean_hi, hi, BLOCK_N):
-        if PREFETCH_PAGES:
-            next_page = _load_pages(table_row, start + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE, True)
-        else:
-            page = _load_pages(table_row, start, hi, BLOCK_N, BLOCK_SIZE, True)
-        acc, l_i, m_i = _attend_step(
-            acc, l_i, m_i, q, q_rope, start, hi, page, row_pos, window, scale, soft_cap, k_head, v_head,
-            stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
-            BLOCK_N, D_MAIN, D_ROPE, BLOCK_D, BLOCK_SIZE, True, CAUSAL and TOKENS_PER_TILE > 1,
-            WINDOW and TOKENS_PER_TILE > 1, SOFT_CAP, V_FROM_K)
-        if PREFETCH_PAGES:
-            page = next_page
+    # With PREFETCH_PAGES the block-table entries of each step are loaded one step ahead (see
+    # _attend_range); the unmasked steps hand the next step's entries to the masked ones.
+    page = _load_pages(table_row, lo, hi, BLOCK_N, BLOCK_SIZE, True) if PREFETCH_PAGES else 0
+    acc, l_i, m_i, page = _attend_range(
+        acc, l_i, m_i, page, lo, clean_hi, q, q_rope, hi, row_pos, window, scale, soft_cap, table_row,
+        k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
+        BLOCK_N, D_MAIN, D_ROPE, BLOCK_D, BLOCK_SIZE, False, False, False, SOFT_CAP, V_FROM_K, PREFETCH_PAGES)
+    acc, l_i, m_i, page = _attend_range(
+        acc, l_i, m_i, page, clean_hi, hi, q, q_rope, hi, row_pos, window, scale, soft_cap, table_row,
+        k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
+        BLOCK_N, D_MAIN, D_ROPE, BLOCK_D, BLOCK_SIZE, True, CAUSAL and TOKENS_PER_TILE > 1,
+        WINDOW and TOKENS_PER_TILE > 1, SOFT_CAP, V_FROM_K, PREFETCH_PAGES)
 
     if HAS_V_SCALE:
         acc = acc * tl.load(v_scale_ptr)

@@ -323,10 +323,22 @@ def _capture(fn, kwargs):
     return graph, result
 
 
-def _refill(static: dict, fresh: dict) -> None:
-    for name, value in fresh.items():
-        if isinstance(value, torch.Tensor):
-            static[name].copy_(value)
+def _replay_on_new_inputs(spec_module, make, static: dict, graph, result, batch: int, max_len: int):
+    """Refill the captured inputs with fresh draws and new lengths (1 .. max_len: a new block
+    table, queries and caches of the same shapes), poison the captured ``result``, replay, and
+    check it against the spec's reference."""
+    for seed in (1, 2):
+        fresh = _build(make, seed)
+        lens = torch.randint(1, max_len + 1, (batch,), generator=torch.Generator().manual_seed(seed))
+        fresh["seq_lens"] = lens.to(torch.int32).to(DEVICE)
+        for name, value in fresh.items():
+            if isinstance(value, torch.Tensor):
+                static[name].copy_(value)
+        for out in result if isinstance(result, tuple) else (result,):
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        spec_module.SPEC.check_close(result, spec_module.SPEC.reference(**static), static)
 
 
 @needs_cuda
@@ -340,16 +352,7 @@ def test_paged_attention_decode_graph_replays_new_inputs(num_splits, fp8):
     plan = {} if num_splits is None else {"num_splits": num_splits}
     with attention.override_plan(**plan):
         graph, out = _capture(attention.paged_attention, static)
-        for seed in (1, 2):
-            fresh = _build(make, seed)
-            # New lengths (1 .. max_len), a new table (same shapes), new queries and caches.
-            lens = torch.randint(1, max_len + 1, (batch,), generator=torch.Generator().manual_seed(seed))
-            fresh["seq_lens"] = lens.to(torch.int32).to(DEVICE)
-            _refill(static, fresh)
-            out.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            pa_spec.check_close(out, pa_spec.paged_attention(**static), static)
+        _replay_on_new_inputs(pa_spec, make, static, graph, out, batch, max_len)
 
 
 @needs_cuda
@@ -362,13 +365,4 @@ def test_mla_decode_graph_replays_new_inputs(num_splits):
     plan = {} if num_splits is None else {"num_splits": num_splits}
     with attention.override_plan(**plan):
         graph, (out, lse) = _capture(attention.mla_decode, static)
-        for seed in (1, 2):
-            fresh = _build(make, seed)
-            lens = torch.randint(1, max_len + 1, (batch,), generator=torch.Generator().manual_seed(seed))
-            fresh["seq_lens"] = lens.to(torch.int32).to(DEVICE)
-            _refill(static, fresh)
-            out.fill_(float("nan"))
-            lse.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            mla_spec.check_close((out, lse), mla_spec.mla_decode(**static), static)
+        _replay_on_new_inputs(mla_spec, make, static, graph, (out, lse), batch, max_len)

@@ -3,7 +3,7 @@ CUDA tensors where a GPU is present, else under the Triton interpreter (TRITON_I
 tensors."""
 
 import contextlib
-import importlib.util
+import importlib
 import inspect
 import math
 import os
@@ -14,15 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-# The interpreter flag is read when @triton.jit decorates, i.e. when the kernel module is first
-# imported, so it must be set before that import (conftest sets it too; this file may run alone).
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-if importlib.util.find_spec("triton") is None:
-    pytest.skip(
-        "needs triton (pip install kernelmux[test] on Linux x86_64)", allow_module_level=True
-    )
+# conftest sets TRITON_INTERPRET=1 on machines without a GPU before any kernel module is imported.
+pytest.importorskip("triton", reason="needs triton (pip install kernelmux[test] on Linux x86_64)")
 
 from conftest import DEVICE  # noqa: E402
 from kernelmux.backends.triton import kv_cache_write as host  # noqa: E402
