@@ -16,7 +16,7 @@
 #                memory and compute workload, launch stats      -> attention_profile.txt
 #   sweep-attention  perf/diag/attention_sweep.py over $SWEEP_KINDS (decode prefill mla) and
 #                $SWEEP_CASES (default all), starting no case after $SWEEP_BUDGET_S seconds;
-#                $SWEEP_PLANS (BMxBNxWxS[:SPLITS] ...) replaces the script's plan lists
+#                $SWEEP_PLANS (BMxBNxWxS[p][:SPLITS] ...; p: table prefetch) replaces the plan lists
 #                                                                     -> attention_sweep_*.json, .txt
 # A device command may run 10 minutes: tests-core + bench fit one call, tests-slow + compare
 # another. Set KERNELMUX_COMMIT (the tree travels without .git).

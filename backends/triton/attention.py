@@ -142,12 +142,14 @@ _COMPACT_TABLE = {
 }
 _LARGE_SHARED_MEMORY_MAJORS = (9, 10)
 
-# KV splits fill the GPU when the grid is small: up to this many programs per SM (one for MLA
-# and prefill, whose programs each fill an SM's shared memory), never shares shorter than
-# _MIN_SPLIT_LEN positions (the merge then costs more than the parallelism gains), and a power
-# of two, so the shares divide the power-of-two lengths evenly: on Llama-3-70B TP8 B64 x 4096
-# with an fp8 cache, 5 splits (shares of 896, 896, 896, 896, 512) ran at 51% of bandwidth, 4 at
-# 58%, 8 at 55%.
+# KV splits fill the GPU when the grid is short of one wave, this many programs per SM (one for
+# MLA and the large prefill, whose programs each fill an SM's shared memory). plan_for takes the
+# split count that finishes in the fewest waves' time and, of equals, the fewest splits: on
+# DeepSeek-V3 MLA B64 x 4096 (128 programs, 132 SMs) no split ran in 271 us, two (256 programs,
+# two waves of half-length ones) in 325 (dc24d47). Never shares shorter than _MIN_SPLIT_LEN
+# positions (the merge then costs more than the parallelism gains), and a power of two, so the
+# shares divide the power-of-two lengths evenly: on Llama-3-70B TP8 B64 x 4096 with an fp8 cache,
+# 5 splits (shares of 896, 896, 896, 896, 512) ran at 51% of bandwidth, 4 at 58%, 8 at 55%.
 _PROGRAMS_PER_SM = {"decode": 2, "decode_fp8": 2, "prefill": 2, "prefill_large": 1, "mla": 1, "mla_fp8": 1}
 _MIN_SPLIT_LEN = 512
 _MAX_SPLITS = 64
@@ -175,9 +177,15 @@ def plan_for(
         return plan
     tiles, head_tiles = _grid_size(plan.block_m, group, num_seqs, num_tokens, max_query_len)
     programs = max(tiles * head_tiles * num_kv_heads, 1)
-    target = _PROGRAMS_PER_SM[kind] * _sm_count(device)
-    wanted = min(-(-target // programs), max_seq_len // _MIN_SPLIT_LEN, _MAX_SPLITS)
-    splits = 1 << (wanted.bit_length() - 1) if wanted > 1 else 1  # largest power of two <= wanted
+    slots = _PROGRAMS_PER_SM[kind] * _sm_count(device)
+    most = min(max_seq_len // _MIN_SPLIT_LEN, _MAX_SPLITS)
+    if programs >= slots or most < 2:
+        return replace(plan, num_splits=1)
+    # A grid short of one wave: each candidate's time in waves of whole-range programs is
+    # ceil(programs * s / slots) waves of programs 1/s as long; of the fastest, the fewest splits
+    # (each adds partials to write and merge).
+    candidates = [1 << i for i in range(most.bit_length())]
+    splits = min(candidates, key=lambda s: (-(-programs * s // slots) / s, s))
     return replace(plan, num_splits=splits)
 
 

@@ -7,7 +7,7 @@ of the device-copy bandwidth measured in the same run; prefill is FLOP/s over th
 matmul rate. The table in attention.py (_TABLE) is chosen from these numbers.
 
     python perf/diag/attention_sweep.py --out DIR [--ops paged_attention mla_decode] [--kinds decode]
-        [--cases NAME ...] [--quick] [--budget-s 400] [--plans 16x64x4x3:8 ...]
+        [--cases NAME ...] [--quick] [--budget-s 400] [--plans 16x64x4x3:8 16x64x4x4p:4 ...]
 
 The record is rewritten after every case, so a run cut off by a time limit keeps what it measured.
 """
@@ -90,9 +90,13 @@ def _sdpa_peer(spec, kwargs) -> float | None:
 
 
 def parse_plan(text: str) -> dict:
-    """``BMxBNxWxS`` or ``BMxBNxWxS:SPLITS`` (e.g. ``64x64x8x2:1``) as AttentionPlan fields."""
+    """``BMxBNxWxS[p][:SPLITS]`` as AttentionPlan fields: ``64x64x8x2:1``, or ``16x64x4x4p:4``
+    with the block table prefetched (``prefetch_pages``)."""
     shape, _, splits = text.partition(":")
-    fields = _plan_fields(tuple(int(x) for x in shape.split("x")))
+    prefetch = shape.endswith("p")
+    fields = _plan_fields(tuple(int(x) for x in shape.removesuffix("p").split("x")))
+    if prefetch:
+        fields["prefetch_pages"] = True
     if splits:
         fields["num_splits"] = int(splits)
     return fields
@@ -187,7 +191,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--budget-s", type=float, default=float("inf"), help="start no case after this")
     parser.add_argument("--plans", nargs="*", default=[],
-                        help="only these plans, BMxBNxWxS[:SPLITS] (e.g. 64x64x8x2:1), for every case")
+                        help="only these plans, BMxBNxWxS[p][:SPLITS] (e.g. 64x64x8x2:1; p: prefetch the "
+                             "block table), for every case")
     args = parser.parse_args()
     run(args.out, args.ops, args.kinds, args.cases, args.quick, args.budget_s,
         [parse_plan(p) for p in args.plans] or None)
