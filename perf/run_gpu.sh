@@ -18,6 +18,8 @@
 #                $SWEEP_CASES (default all), starting no case after $SWEEP_BUDGET_S seconds;
 #                $SWEEP_PLANS (BMxBNxWxS[p][:SPLITS] ...; p: table prefetch) replaces the plan lists
 #                                                                     -> attention_sweep_*.json, .txt
+#   timeline-attention  perf/diag/attention_timeline.py over $TIMELINE_CASES (default its list):
+#                kernel durations and idle gaps per call in CUDA-graph replay -> attention_timeline.json
 # A device command may run 10 minutes: tests-core + bench fit one call, tests-slow + compare
 # another. Set KERNELMUX_COMMIT (the tree travels without .git).
 #   bash perf/run_gpu.sh tests-core bench
@@ -69,6 +71,9 @@ for step in "$@"; do
         python3 perf/diag/attention_sweep.py --out "$out" --kinds $kinds --budget-s "${SWEEP_BUDGET_S:-400}" \
             --cases ${SWEEP_CASES:-} --plans ${SWEEP_PLANS:-} 2>&1 \
             | tee "$out/attention_sweep_${kinds// /_}.txt" ;;
+    timeline-attention)
+        timeout 300 python3 perf/diag/attention_timeline.py --out "$out" ${TIMELINE_CASES:+--cases $TIMELINE_CASES} 2>&1 \
+            | tee "$out/attention_timeline.txt" | tail -12 ;;
     *)
         echo "unknown step $step" >&2; exit 2 ;;
     esac
