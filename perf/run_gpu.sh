@@ -18,6 +18,8 @@
 #                $SWEEP_CASES (default all), starting no case after $SWEEP_BUDGET_S seconds;
 #                $SWEEP_PLANS (BMxBNxWxS[p][:SPLITS] ...; p: table prefetch) replaces the plan lists
 #                                                                     -> attention_sweep_*.json, .txt
+#   hotspots-attention  Nsight Compute's stall samples per SASS instruction of the attention kernel
+#                on $HOTSPOT_CASE (default the 70B TP8 fp8 decode)  -> hotspots.txt, hotspots_sass.csv
 #   timeline-attention  perf/diag/attention_timeline.py over $TIMELINE_CASES (default its list):
 #                kernel durations and idle gaps per call in CUDA-graph replay -> attention_timeline.json
 # A device command may run 10 minutes: tests-core + bench fit one call, tests-slow + compare
@@ -71,6 +73,14 @@ for step in "$@"; do
         python3 perf/diag/attention_sweep.py --out "$out" --kinds $kinds --budget-s "${SWEEP_BUDGET_S:-400}" \
             --cases ${SWEEP_CASES:-} --plans ${SWEEP_PLANS:-} 2>&1 \
             | tee "$out/attention_sweep_${kinds// /_}.txt" ;;
+    hotspots-attention)
+        # One case ($HOTSPOT_CASE), the attention kernel only: stall samples per SASS instruction.
+        timeout 300 ncu --profile-from-start off --clock-control none --section SourceCounters \
+            -k regex:paged_attention_kernel -f -o "$out/hotspots" \
+            python3 perf/diag/attention_profile.py --cases "${HOTSPOT_CASE:-llama3_70b_tp8_fp8_decode_b64_ctx4096}" \
+            > "$out/hotspots_ncu.log" 2>&1
+        ncu -i "$out/hotspots.ncu-rep" --page source --print-source sass --csv > "$out/hotspots_sass.csv" 2>&1
+        python3 perf/diag/sass_hotspots.py "$out/hotspots_sass.csv" 2>&1 | tee "$out/hotspots.txt" | head -45 ;;
     timeline-attention)
         timeout 300 python3 perf/diag/attention_timeline.py --out "$out" ${TIMELINE_CASES:+--cases $TIMELINE_CASES} 2>&1 \
             | tee "$out/attention_timeline.txt" | tail -12 ;;
