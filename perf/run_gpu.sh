@@ -19,7 +19,8 @@
 #                $SWEEP_PLANS (BMxBNxWxS[p][:SPLITS] ...; p: table prefetch) replaces the plan lists
 #                                                                     -> attention_sweep_*.json, .txt
 #   hotspots-attention  Nsight Compute's stall samples per SASS instruction of the attention kernel
-#                on $HOTSPOT_CASE (default the 70B TP8 fp8 decode)  -> hotspots.txt, hotspots_sass.csv
+#                on $HOTSPOT_CASE (default the 70B TP8 fp8 decode), $HOTSPOT_PLAN (BMxBNxWxS[p][:SPLITS])
+#                instead of the table's plan if set                   -> hotspots.txt, hotspots_sass.csv
 #   timeline-attention  perf/diag/attention_timeline.py over $TIMELINE_CASES (default its list):
 #                kernel durations and idle gaps per call in CUDA-graph replay -> attention_timeline.json
 # A device command may run 10 minutes: tests-core + bench fit one call, tests-slow + compare
@@ -78,6 +79,7 @@ for step in "$@"; do
         timeout 300 ncu --profile-from-start off --clock-control none --section SourceCounters \
             -k regex:paged_attention_kernel -f -o "$out/hotspots" \
             python3 perf/diag/attention_profile.py --cases "${HOTSPOT_CASE:-llama3_70b_tp8_fp8_decode_b64_ctx4096}" \
+            ${HOTSPOT_PLAN:+--plan $HOTSPOT_PLAN} \
             > "$out/hotspots_ncu.log" 2>&1
         ncu -i "$out/hotspots.ncu-rep" --page source --print-source sass --csv > "$out/hotspots_sass.csv" 2>&1
         python3 perf/diag/sass_hotspots.py "$out/hotspots_sass.csv" 2>&1 | tee "$out/hotspots.txt" | head -45 ;;

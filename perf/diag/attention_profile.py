@@ -11,8 +11,10 @@ then run once between cudaProfilerStart and cudaProfilerStop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
+from attention_sweep import parse_plan  # this folder: on sys.path when run as a script
 
 from kernelmux.backends.triton import attention
 from kernelmux.ops.specs import mla_decode as mla_spec
@@ -27,10 +29,17 @@ DEFAULT_CASES = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
+    parser.add_argument("--plan", help="BMxBNxWxS[p][:SPLITS] for every case instead of the table's")
     args = parser.parse_args()
+    plan = attention.override_plan(**parse_plan(args.plan)) if args.plan else contextlib.nullcontext()
+    with plan:
+        _profile(args.cases)
+
+
+def _profile(cases: list[str]) -> None:
     device = torch.device("cuda")
     calls = []
-    for name in args.cases:
+    for name in cases:
         mla = name.startswith("deepseek")
         spec = (mla_spec if mla else pa_spec).SPEC
         fn = attention.mla_decode if mla else attention.paged_attention
