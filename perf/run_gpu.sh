@@ -82,7 +82,9 @@ for step in "$@"; do
             ${HOTSPOT_PLAN:+--plan $HOTSPOT_PLAN} \
             > "$out/hotspots_ncu.log" 2>&1
         ncu -i "$out/hotspots.ncu-rep" --page source --print-source sass --csv > "$out/hotspots_sass.csv" 2>&1
-        python3 perf/diag/sass_hotspots.py "$out/hotspots_sass.csv" 2>&1 | tee "$out/hotspots.txt" | head -45 ;;
+        { echo "# $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); commit ${KERNELMUX_COMMIT:-unknown};" \
+               "case ${HOTSPOT_CASE:-llama3_70b_tp8_fp8_decode_b64_ctx4096}, plan ${HOTSPOT_PLAN:-from the table}"
+          python3 perf/diag/sass_hotspots.py "$out/hotspots_sass.csv" 2>&1; } | tee "$out/hotspots.txt" | head -45 ;;
     timeline-attention)
         timeout 300 python3 perf/diag/attention_timeline.py --out "$out" ${TIMELINE_CASES:+--cases $TIMELINE_CASES} 2>&1 \
             | tee "$out/attention_timeline.txt" | tail -12 ;;
