@@ -226,10 +226,10 @@ def test_plan_uses_host_ints_only_and_splits_small_grids():
 
 @pytest.mark.parametrize("kind, seqs, group, kv_heads, seq_len, splits", [
     ("decode", 64, 4, 8, 4096, 1),  # Llama-3-8B B64: 512 programs already fill 132 SMs
-    ("decode", 64, 8, 1, 4096, 4),  # Llama-3-70B TP8 B64: 264 / 64 = 4.1 -> 4, not 5 (uneven)
-    ("decode_fp8", 8, 8, 1, 32768, 32),  # B8 x 32768: 33 -> 32
+    ("decode", 64, 8, 1, 4096, 4),  # Llama-3-70B TP8 B64: 256 of 264 slots, one wave (8: two, no faster)
+    ("decode_fp8", 8, 8, 1, 32768, 32),  # B8 x 32768: 8 programs x 32 splits, one wave
     ("decode", 8, 8, 1, 1024, 2),  # bounded by the length: 1024 / 512
-    ("mla", 64, 128, 1, 4096, 1),  # 128 programs of 64 heads fill 128 of 132 SMs: two splits take 2 waves
+    ("mla", 64, 128, 1, 4096, 1),  # 128 programs of 64 heads fill 128 of 132 SMs; 2 splits: 2 waves
     ("mla", 128, 128, 1, 4096, 1),
     ("mla", 8, 128, 1, 4096, 8),  # 16 programs: 8 splits fill one wave (16 would take two)
     ("decode", 40, 8, 1, 4096, 4),  # 40 programs: 4 splits (160 of 264 slots) as fast as 8 (two waves)
