@@ -21,13 +21,13 @@ import time
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas  # the ptxas Triton itself uses for the arch
 from triton.compiler import ASTSource
 
 from kernelmux.backends.triton import _attention_kernel as K
 from kernelmux.backends.triton import attention
 
 FN = K.paged_attention_kernel
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 # A shape per kind: Llama-3-8B (32 / 8 heads, D 128, block 16) for decode and prefill, Llama-3-70B
 # TP8 with a split fp8 cache for decode_fp8, DeepSeek-V3 (128 heads, 512 + 64, block 64) for MLA.
@@ -88,20 +88,37 @@ def resources(kernel, arch: int) -> dict:
         ptx = os.path.join(tmp, "k.ptx")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
-        report = subprocess.run([PTXAS, f"-arch=sm_{arch}a" if arch >= 90 else f"-arch=sm_{arch}", "-v",
-                                 ptx, "-o", os.path.join(tmp, "k.cubin")],
+        target = f"-arch=sm_{arch}a" if arch >= 90 else f"-arch=sm_{arch}"
+        report = subprocess.run([get_ptxas(arch).path, target, "-v", ptx, "-o", os.path.join(tmp, "k.cubin")],
                                 capture_output=True, text=True).stderr
-    registers = re.findall(r"Used (\d+) registers", report)  # none when ptxas fails
+    registers = re.findall(r"Used (\d+) registers", report)
     spills = re.findall(r"(\d+) bytes spill stores", report)
+    if not registers:
+        raise RuntimeError(f"ptxas for sm_{arch} reported no register count:\n{report[-2000:]}")
     buffers = [int(n) for n in re.findall(r"memdesc<(\d+)x\d+x\d+x", kernel.asm["ttgir"])]
-    return dict(shared_kb=kernel.metadata.shared / 1024, registers=int(registers[0]) if registers else None,
-                spill_bytes=int(spills[0]) if spills else None, kv_buffers=max(buffers, default=0))
+    return dict(shared_kb=kernel.metadata.shared / 1024, registers=int(registers[0]),
+                spill_bytes=int(spills[0]) if spills else 0, kv_buffers=max(buffers, default=0))
 
 
+
+
+# Per SM: 64K 32-bit registers (allocated per warp in units of 256) and this much shared memory
+# (KB; each program also takes 1 KB that the driver reserves).
+_REGISTERS_PER_SM = 65536
+_SHARED_KB_PER_SM = {80: 164, 86: 100, 89: 100, 90: 228, 100: 228, 120: 100}
+
+
+def programs_per_sm(registers: int, shared_kb: float, num_warps: int, arch: int) -> int:
+    """How many programs of a compiled plan an SM of ``arch`` holds at once."""
+    warp_registers = -(-registers * 32 // 256) * 256
+    by_registers = _REGISTERS_PER_SM // (warp_registers * num_warps)
+    by_shared = int(_SHARED_KB_PER_SM[arch] // (shared_kb + 1))
+    return min(by_registers, by_shared)
 
 
 def table_report(targets: list[tuple[int, str]]) -> list[dict]:
-    """resources() of every plan of each (arch, table name), fp8 plans skipped below sm_89 (no
+    """resources() of every plan of each (arch, table name) with the programs an SM holds
+    (``fits_per_sm``) and the plan's own ``programs_per_sm``, fp8 plans skipped below sm_89 (no
     e4m3 in Triton there), plus the pipeline buffers of the 64 x 64, 3-stage prefill plan with
     and without the table prefetch."""
     rows = []
@@ -110,7 +127,9 @@ def table_report(targets: list[tuple[int, str]]) -> list[dict]:
             if arch < 89 and kind.endswith("fp8"):
                 continue
             _, kernel = compile_plan(kind, plan, arch)
-            rows.append(dict(arch=arch, table=table, kind=kind, **resources(kernel, arch)))
+            row = dict(arch=arch, table=table, kind=kind, **resources(kernel, arch))
+            row["fits_per_sm"] = programs_per_sm(row["registers"], row["shared_kb"], plan.num_warps, arch)
+            rows.append(dict(row, programs_per_sm=plan.programs_per_sm))
     for prefetch in (True, False):
         plan = attention.AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=3,
                                        prefetch_pages=prefetch)

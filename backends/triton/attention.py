@@ -61,7 +61,10 @@ class AttentionPlan:
     a power of two, exactly, with the softmax scale compensating). ``prefetch_pages`` loads each
     step's block-table entries one step ahead, so that ``num_stages - 1`` KV tiles are in flight
     rather than ``num_stages - 2`` (Triton's pipeliner otherwise spends a stage on the table
-    load), at the cost of the registers holding the next step's entries."""
+    load), at the cost of the registers holding the next step's entries. ``programs_per_sm`` is
+    how many of the plan's programs an SM holds at once on its table's GPUs, from the registers
+    and shared memory Triton 3.6 compiles it to (a CPU test fails a plan that claims more than
+    the installed Triton's compile fits): the split heuristic's wave."""
 
     block_m: int
     block_n: int
@@ -70,6 +73,7 @@ class AttentionPlan:
     num_splits: int = 1
     fp16_dots_for_fp8: bool = True  # fp8 cache, bf16 queries: dots in fp16 (cheaper conversion)
     prefetch_pages: bool = False
+    programs_per_sm: int = 1
 
 
 # Set only through override_plan (sweeps, tests); not thread-safe by design.
@@ -118,10 +122,10 @@ def _sm_count(device: torch.device) -> int:
 # heads by 64 positions, 8 warps: 32% of bandwidth with a bf16 cache, the best of ten (128 heads
 # ran out of shared memory); "mla_fp8": 128 positions in one stage, 393 us against 467 us for
 # the bf16 plan.
-_TABLE = {
-    "decode": AttentionPlan(block_m=16, block_n=128, num_warps=4, num_stages=2),
-    "decode_fp8": AttentionPlan(block_m=16, block_n=128, num_warps=4, num_stages=3),
-    "prefill": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=3),
+_TABLE = {  # sm_90: 64K registers and 228 KB of shared memory per SM
+    "decode": AttentionPlan(block_m=16, block_n=128, num_warps=4, num_stages=2, programs_per_sm=2),
+    "decode_fp8": AttentionPlan(block_m=16, block_n=128, num_warps=4, num_stages=3, programs_per_sm=2),
+    "prefill": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2),
     "prefill_large": AttentionPlan(block_m=128, block_n=128, num_warps=8, num_stages=3, prefetch_pages=True),
     "mla": AttentionPlan(block_m=64, block_n=64, num_warps=8, num_stages=2),
     "mla_fp8": AttentionPlan(block_m=64, block_n=128, num_warps=8, num_stages=1),
@@ -132,8 +136,8 @@ _TABLE = {
 # 3.6: perf/results/attention_compile_cost_sm90_triton36_aeee6aa.txt). Not timed on such a GPU:
 # none was at hand. ROCm and Intel GPUs get them too. A plan that still does not fit steps down
 # (_launch_fitting).
-_COMPACT_TABLE = {
-    "decode": _TABLE["decode"],  # 72 KB
+_COMPACT_TABLE = {  # programs per SM for the tightest of these GPUs: 100 KB of shared memory per SM
+    "decode": replace(_TABLE["decode"], programs_per_sm=1),  # 72 KB
     "decode_fp8": _TABLE["decode_fp8"],  # 41 KB
     "prefill": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=2),  # 56 KB
     "prefill_large": AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=2),
@@ -142,15 +146,14 @@ _COMPACT_TABLE = {
 }
 _LARGE_SHARED_MEMORY_MAJORS = (9, 10)
 
-# KV splits fill the GPU when the grid is short of one wave, this many programs per SM (one for
-# MLA and the large prefill, whose programs each fill an SM's shared memory). plan_for takes the
-# split count that finishes in the fewest waves' time and, of equals, the fewest splits: on
-# DeepSeek-V3 MLA B64 x 4096 (128 programs, 132 SMs) no split ran in 271 us, two (256 programs,
-# two waves of half-length ones) in 325 (dc24d47). Never shares shorter than _MIN_SPLIT_LEN
-# positions (the merge then costs more than the parallelism gains), and a power of two, so the
-# shares divide the power-of-two lengths evenly: on Llama-3-70B TP8 B64 x 4096 with an fp8 cache,
-# 5 splits (shares of 896, 896, 896, 896, 512) ran at 51% of bandwidth, 4 at 58%, 8 at 55%.
-_PROGRAMS_PER_SM = {"decode": 2, "decode_fp8": 2, "prefill": 2, "prefill_large": 1, "mla": 1, "mla_fp8": 1}
+# KV splits fill the GPU when the grid is short of one wave (the plan's programs_per_sm on every
+# SM). plan_for takes the split count that finishes in the fewest waves' time and, of equals,
+# the fewest splits: on DeepSeek-V3 MLA B64 x 4096 (128 programs, 132 SMs) no split ran in 271
+# us, two (256 programs, two waves of half-length ones) in 325 (dc24d47). Never shares shorter
+# than _MIN_SPLIT_LEN positions (the merge then costs more than the parallelism gains), and a
+# power of two, so the shares divide the power-of-two lengths evenly: on Llama-3-70B TP8 B64 x
+# 4096 with an fp8 cache, 5 splits (shares of 896, 896, 896, 896, 512) ran at 51% of bandwidth,
+# 4 at 58%, 8 at 55%.
 _MIN_SPLIT_LEN = 512
 _MAX_SPLITS = 64
 # "prefill_large" needs at least this many waves of its programs. On an H100 it won at 15.6 waves
@@ -169,7 +172,7 @@ def plan_for(
     if kind == "prefill" and head_dim <= _LARGE_PREFILL_MAX_HEAD_DIM:
         large = _base_plan("prefill_large", device)
         tiles, head_tiles = _grid_size(large.block_m, group, num_seqs, num_tokens, max_query_len)
-        waves = tiles * head_tiles * num_kv_heads / (_PROGRAMS_PER_SM["prefill_large"] * _sm_count(device))
+        waves = tiles * head_tiles * num_kv_heads / (large.programs_per_sm * _sm_count(device))
         if waves >= _LARGE_PREFILL_MIN_WAVES:
             kind = "prefill_large"
     plan = _base_plan(kind, device)
@@ -177,7 +180,7 @@ def plan_for(
         return plan
     tiles, head_tiles = _grid_size(plan.block_m, group, num_seqs, num_tokens, max_query_len)
     programs = max(tiles * head_tiles * num_kv_heads, 1)
-    slots = _PROGRAMS_PER_SM[kind] * _sm_count(device)
+    slots = plan.programs_per_sm * _sm_count(device)
     most = min(max_seq_len // _MIN_SPLIT_LEN, _MAX_SPLITS)
     if programs >= slots or most < 2:
         return replace(plan, num_splits=1)

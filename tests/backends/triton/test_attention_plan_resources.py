@@ -52,3 +52,14 @@ def test_table_prefetch_gives_the_pipeline_its_depth(report):
     # load is out of the pipeline's way (loaded a step ahead).
     buffers = {r["table"]: r["kv_buffers"] for r in report if r["table"].startswith("prefill 64x64x4x3")}
     assert buffers == {"prefill 64x64x4x3 prefetch=True": 3, "prefill 64x64x4x3 prefetch=False": 2}
+
+
+def test_no_plan_claims_more_programs_per_sm_than_its_gpus_hold(report):
+    # The split heuristic's wave is programs_per_sm on every SM: a plan claiming more than its
+    # GPUs hold would under-split. The tables hold what Triton 3.6 (the device image) compiles
+    # to; a newer Triton may fit more (Triton 3.9's ptxas takes the bf16 decode plan to 128
+    # registers, three programs per SM), which only costs splits that were not needed.
+    over = [f"{r['table']}[{r['kind']!r}] on sm_{r['arch']}: declares {r['programs_per_sm']}, "
+            f"fits {r['fits_per_sm']} ({r['registers']} registers, {r['shared_kb']:.1f} KB)"
+            for r in report if r["table"] in LIMITS and r["programs_per_sm"] > r["fits_per_sm"]]
+    assert not over, "; ".join(over)
