@@ -277,9 +277,10 @@ def paged_attention_kernel(
             largest = tl.maximum(largest, tl.max(tl.max(_finite_abs(q_rope32), 1), 0))
         # floor(log2(largest)) from the fp32 exponent field; 0 when nothing needs scaling.
         shift = tl.maximum(((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - (127 + 14), 0)
-        q = (q32 * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)  # x 2**-shift
+        down = ((127 - shift) << 23).to(tl.float32, bitcast=True)  # 2**-shift
+        q = (q32 * down).to(tl.float16)
         if D_ROPE > 0:
-            q_rope = (q_rope32 * ((127 - shift) << 23).to(tl.float32, bitcast=True)).to(tl.float16)
+            q_rope = (q_rope32 * down).to(tl.float16)
         scale = scale * ((127 + shift) << 23).to(tl.float32, bitcast=True)  # x 2**shift
     elif DOT_FP32:
         q = q.to(tl.float32)

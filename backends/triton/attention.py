@@ -28,6 +28,7 @@ from typing import Iterator, Optional
 import torch
 
 from kernelmux.backends.triton._host import INTERPRETED, next_pow2
+from kernelmux.engine import probes
 
 __all__ = [
     "AttentionPlan",
@@ -202,7 +203,7 @@ def _base_plan(kind: str, device: torch.device) -> AttentionPlan:
 def _table_for(device: torch.device) -> dict:
     if device.type in ("cpu", "meta"):
         return _TABLE  # the interpreter's; meta tensors stand in for a GPU's in supports checks
-    if device.type != "cuda" or torch.version.hip:
+    if device.type != "cuda" or probes.is_rocm():
         # Intel's shared local memory is 64-128 KB; ROCm reports gfx9 parts as major 9, but their
         # LDS is 64-160 KB.
         return _COMPACT_TABLE
@@ -213,7 +214,7 @@ def _table_for(device: torch.device) -> dict:
 
 @functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    return probes.capability(device.index if device.index is not None else probes.current_index("cuda"))
 
 
 def _kind(max_query_len: int, cache_dtype: torch.dtype, mla: bool) -> str:

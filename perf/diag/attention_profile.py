@@ -36,14 +36,20 @@ def main() -> None:
         _profile(args.cases)
 
 
+def case_call(name: str, device: torch.device):
+    """(the triton backend's function, its kwargs) for a named paged_attention or mla_decode case
+    (the DeepSeek cases are MLA's)."""
+    mla = name.startswith("deepseek")
+    spec = (mla_spec if mla else pa_spec).SPEC
+    fn = attention.mla_decode if mla else attention.paged_attention
+    return fn, spec.case(name).build(device, 0)
+
+
 def _profile(cases: list[str]) -> None:
     device = torch.device("cuda")
     calls = []
     for name in cases:
-        mla = name.startswith("deepseek")
-        spec = (mla_spec if mla else pa_spec).SPEC
-        fn = attention.mla_decode if mla else attention.paged_attention
-        kwargs = spec.case(name).build(device, 0)
+        fn, kwargs = case_call(name, device)
         fn(**kwargs)  # compile outside the profiled range
         calls.append((name, fn, kwargs))
     torch.cuda.synchronize()

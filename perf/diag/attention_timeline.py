@@ -18,10 +18,7 @@ import statistics
 import tempfile
 
 import torch
-
-from kernelmux.backends.triton import attention
-from kernelmux.ops.specs import mla_decode as mla_spec
-from kernelmux.ops.specs import paged_attention as pa_spec
+from attention_profile import case_call  # this folder: on sys.path when run as a script
 
 DEFAULT_CASES = [
     "llama3_70b_tp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b64_ctx4096",
@@ -39,10 +36,7 @@ def _kernels(trace_path: str) -> list[dict]:
 
 
 def timeline(name: str, device: torch.device) -> dict:
-    mla = name.startswith("deepseek")
-    spec = (mla_spec if mla else pa_spec).SPEC
-    fn = attention.mla_decode if mla else attention.paged_attention
-    kwargs = spec.case(name).build(device, 0)
+    fn, kwargs = case_call(name, device)
     fn(**kwargs)  # compile
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
