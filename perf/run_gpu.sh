@@ -9,7 +9,8 @@
 #                budget per row)                                     -> bench.json, bench.md, bench.log
 #   compare      perf/diag/compare_demo.py on triton grouped_topk     -> compare.txt, compare_demo_*.json
 #   sweep        grouped_topk launch-configuration sweep              -> grouped_topk_gpu.{json,md}
-#   tests-attention  the attention and kv_cache_write kernel tests, and conformance for those ops
+#   tests-attention  the attention and kv_cache_write kernel tests (triton and cuda backends), and
+#                conformance for those ops
 #                                                                     -> pytest_attention.txt
 #   profile-attention  Nsight Compute over one call per case of perf/diag/attention_profile.py
 #                ($PROFILE_CASES, default its list): speed of light, occupancy, warp states,
@@ -21,8 +22,11 @@
 #   hotspots-attention  Nsight Compute's stall samples per SASS instruction of the attention kernel
 #                on $HOTSPOT_CASE (default the 70B TP8 fp8 decode), $HOTSPOT_PLAN (BMxBNxWxS[p][:SPLITS])
 #                instead of the table's plan if set                   -> hotspots.txt, hotspots_sass.csv
-#   timeline-attention  perf/diag/attention_timeline.py over $TIMELINE_CASES (default its list):
-#                kernel durations and idle gaps per call in CUDA-graph replay -> attention_timeline.json
+#   timeline-attention  perf/diag/attention_timeline.py over $TIMELINE_CASES (default its list) with
+#                $TIMELINE_BACKEND (triton or cuda; default triton): kernel durations and idle gaps per call
+#                in CUDA-graph replay                                -> attention_timeline.json
+#   sweep-cuda-decode  perf/diag/cuda_decode_sweep.py: the cuda backend's fp8 decode plans (splits
+#                $CUDA_SWEEP_SPLITS, read-ahead, 8 warps) and the triton kernel -> cuda_decode_sweep.{json,txt}
 # A device command may run 10 minutes: tests-core + bench fit one call, tests-slow + compare
 # another. Set KERNELMUX_COMMIT (the tree travels without .git).
 #   bash perf/run_gpu.sh tests-core bench
@@ -58,8 +62,9 @@ for step in "$@"; do
         # Eight workers: the time goes to Triton compilations (one per constexpr set), on the CPU;
         # the GB-sized conformance cases run in one of them (their xdist group), one at a time.
         # -v names every test as it finishes, so a run cut off by the timeout still says which failed.
-        (cd /tmp && timeout 300 python3 -m pytest "$repo/tests/backends/triton/test_attention_kernel.py" \
-            "$repo/tests/backends/triton/test_kv_cache_write_kernel.py" "$repo/tests/backends/test_conformance.py" \
+        (cd /tmp && timeout 400 python3 -m pytest "$repo/tests/backends/triton/test_attention_kernel.py" \
+            "$repo/tests/backends/triton/test_kv_cache_write_kernel.py" "$repo/tests/backends/cuda" \
+            "$repo/tests/backends/test_conformance.py" \
             -k "attention or mla or kv_cache" -n 8 --dist loadgroup -v -p no:cacheprovider -rfE --durations=10 2>&1) \
             > "$out/pytest_attention.txt"; grep -E "FAILED|ERROR|passed|failed" "$out/pytest_attention.txt" | tail -40 ;;
     profile-attention)
@@ -85,8 +90,12 @@ for step in "$@"; do
         { echo "# $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader); commit ${KERNELMUX_COMMIT:-unknown};" \
                "case ${HOTSPOT_CASE:-llama3_70b_tp8_fp8_decode_b64_ctx4096}, plan ${HOTSPOT_PLAN:-from the table}"
           python3 perf/diag/sass_hotspots.py "$out/hotspots_sass.csv" 2>&1; } | tee "$out/hotspots.txt" | head -45 ;;
+    sweep-cuda-decode)
+        timeout 300 python3 perf/diag/cuda_decode_sweep.py --out "$out" --splits ${CUDA_SWEEP_SPLITS:-4 8 16 32 64} 2>&1 \
+            | tee "$out/cuda_decode_sweep.txt" ;;
     timeline-attention)
-        timeout 300 python3 perf/diag/attention_timeline.py --out "$out" ${TIMELINE_CASES:+--cases $TIMELINE_CASES} 2>&1 \
+        timeout 300 python3 perf/diag/attention_timeline.py --out "$out" ${TIMELINE_CASES:+--cases $TIMELINE_CASES} \
+            --backend "${TIMELINE_BACKEND:-triton}" 2>&1 \
             | tee "$out/attention_timeline.txt" | tail -12 ;;
     *)
         echo "unknown step $step" >&2; exit 2 ;;

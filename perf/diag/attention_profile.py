@@ -36,12 +36,17 @@ def main() -> None:
         _profile(args.cases)
 
 
-def case_call(name: str, device: torch.device):
-    """(the triton backend's function, its kwargs) for a named paged_attention or mla_decode case
-    (the DeepSeek cases are MLA's)."""
+def case_call(name: str, device: torch.device, backend: str = "triton"):
+    """(the backend's function, its kwargs) for a named paged_attention or mla_decode case (the
+    DeepSeek cases are MLA's); ``backend`` "triton" or "cuda" (fp8 paged-attention decode)."""
     mla = name.startswith("deepseek")
     spec = (mla_spec if mla else pa_spec).SPEC
-    fn = attention.mla_decode if mla else attention.paged_attention
+    if backend == "cuda":
+        from kernelmux.backends.cuda import attention as cuda_attention
+
+        fn = cuda_attention.paged_attention
+    else:
+        fn = attention.mla_decode if mla else attention.paged_attention
     return fn, spec.case(name).build(device, 0)
 
 

@@ -35,8 +35,8 @@ def _kernels(trace_path: str) -> list[dict]:
     return sorted(kernels, key=lambda e: e["ts"])
 
 
-def timeline(name: str, device: torch.device) -> dict:
-    fn, kwargs = case_call(name, device)
+def timeline(name: str, device: torch.device, backend: str = "triton") -> dict:
+    fn, kwargs = case_call(name, device, backend)
     fn(**kwargs)  # compile
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -89,12 +89,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
     parser.add_argument("--out", default=".")
+    parser.add_argument("--backend", default="triton", choices=["triton", "cuda"])
     args = parser.parse_args()
     device = torch.device("cuda")
-    rows = [timeline(name, device) for name in args.cases]
+    rows = [timeline(name, device, args.backend) for name in args.cases]
     report = {
         "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-        "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"),
+        "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"), "backend": args.backend,
         "method": f"{CALLS} calls in one CUDA graph, {REPLAYS} replays under torch.profiler (CUPTI kernel "
                   "records); medians per call",
         "rows": rows,

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import DEVICE
+from graph_replay import capture, replay_on_new_inputs
 from kernelmux.backends.triton import attention
 from kernelmux.ops.specs import mla_decode as mla_spec
 from kernelmux.ops.specs import paged_attention as pa_spec
@@ -313,37 +314,6 @@ needs_cuda = pytest.mark.skipif(DEVICE != "cuda",
                                 reason="CUDA graphs need a CUDA device; runs in the GPU suite")
 
 
-def _capture(fn, kwargs):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):  # compile and warm up outside the capture
-            fn(**kwargs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        result = fn(**kwargs)
-    return graph, result
-
-
-def _replay_on_new_inputs(spec_module, make, static: dict, graph, result, batch: int, max_len: int):
-    """Refill the captured inputs with fresh draws and new lengths (1 .. max_len: a new block
-    table, queries and caches of the same shapes), poison the captured ``result``, replay, and
-    check it against the spec's reference."""
-    for seed in (1, 2):
-        fresh = _build(make, seed)
-        lens = torch.randint(1, max_len + 1, (batch,), generator=torch.Generator().manual_seed(seed))
-        fresh["seq_lens"] = lens.to(torch.int32).to(DEVICE)
-        for name, value in fresh.items():
-            if isinstance(value, torch.Tensor):
-                static[name].copy_(value)
-        for out in result if isinstance(result, tuple) else (result,):
-            out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        spec_module.SPEC.check_close(result, spec_module.SPEC.reference(**static), static)
-
-
 @needs_cuda
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
 @pytest.mark.parametrize("fp8", [False, True])
@@ -354,8 +324,8 @@ def test_paged_attention_decode_graph_replays_new_inputs(num_splits, fp8):
     static = _build(make, 0)
     plan = {} if num_splits is None else {"num_splits": num_splits}
     with attention.override_plan(**plan):
-        graph, out = _capture(attention.paged_attention, static)
-        _replay_on_new_inputs(pa_spec, make, static, graph, out, batch, max_len)
+        graph, out = capture(attention.paged_attention, static)
+        replay_on_new_inputs(pa_spec, make, static, graph, out, batch, max_len)
 
 
 @needs_cuda
@@ -367,5 +337,5 @@ def test_mla_decode_graph_replays_new_inputs(num_splits):
     static = _build(make, 0)
     plan = {} if num_splits is None else {"num_splits": num_splits}
     with attention.override_plan(**plan):
-        graph, (out, lse) = _capture(attention.mla_decode, static)
-        _replay_on_new_inputs(mla_spec, make, static, graph, (out, lse), batch, max_len)
+        graph, (out, lse) = capture(attention.mla_decode, static)
+        replay_on_new_inputs(mla_spec, make, static, graph, (out, lse), batch, max_len)

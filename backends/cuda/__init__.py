@@ -1,0 +1,31 @@
+"""The cuda backend: hand-written CUDA C++ kernels for NVIDIA GPUs, compiled at runtime by NVRTC
+and launched through the driver API (_nvrtc.py), for the cases where a Triton kernel leaves
+bandwidth on the table. Now: paged_attention decode over fp8 e4m3 caches (attention.py)."""
+
+from __future__ import annotations
+
+from kernelmux.engine.platform import PlatformKind
+from kernelmux.ops.specs import paged_attention as paged_attention_spec
+from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
+
+
+@hookimpl
+def kernelmux_implementations() -> list[Implementation]:
+    from kernelmux.backends.cuda import attention
+
+    return [
+        Implementation(
+            op=paged_attention_spec.NAME,
+            backend=Backend.CUDA,
+            fn=attention.paged_attention,
+            supports=attention.paged_attention_supports,
+            spec_version=paged_attention_spec.SPEC.version,
+            # Above the triton backend (20): it takes only the calls it was written for.
+            priority=30,
+            requirement=PlatformRequirement(kinds=frozenset({PlatformKind.CUDA}),
+                                            min_capability=attention.MIN_CAPABILITY),
+            devices=frozenset({"cuda"}),
+            description="fp8-cache decode, head dim 128: each warp streams its own KV steps with 16-byte "
+                        "loads straight into MMA fragments (positions as rows), warps combined once",
+        ),
+    ]

@@ -1,0 +1,279 @@
+"""Runtime compilation and launch of the cuda backend's CUDA C++ kernels, through ctypes.
+
+NVRTC compiles a kernel source (no headers: the sources use inline PTX) straight to a cubin for
+the GPU's arch; the driver API loads it and launches on torch's current stream, so launches
+order with torch's work and are captured by CUDA graphs. Nothing is built at install time and
+no Python package beyond torch is needed: NVRTC comes with torch's CUDA wheels
+(nvidia-cuda-nvrtc) or a CUDA toolkit, libcuda with the driver. On machines without NVRTC the
+backend reports why it is not viable; CPU-only machines with NVRTC installed can still compile
+(the tests do, for sm_90).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+__all__ = ["CompiledModule", "Kernel", "NvrtcError", "cache_dir", "compile_module", "compile_module_cached",
+           "find_nvrtc", "load_kernel"]
+
+
+class NvrtcError(RuntimeError):
+    """NVRTC or the driver refused: the message carries the compiler log or the CUDA error."""
+
+
+def _candidate_paths() -> list[str]:
+    paths = []
+    try:
+        import nvidia  # namespace package of NVIDIA's pip wheels (nvidia-cuda-nvrtc among them)
+
+        for root in nvidia.__path__:
+            # CUDA 13 wheels: nvidia/cu13/lib; CUDA 12 wheels: nvidia/cuda_nvrtc/lib.
+            paths += sorted(glob.glob(os.path.join(root, "cu*", "lib", "libnvrtc.so*")), reverse=True)
+            paths += sorted(glob.glob(os.path.join(root, "cuda_nvrtc", "lib", "libnvrtc.so*")), reverse=True)
+    except ImportError:
+        pass
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            paths += sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")), reverse=True)
+    # Whatever the loader finds (a library torch already loaded, LD_LIBRARY_PATH).
+    paths += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    paths = [p for p in paths if "builtins" not in os.path.basename(p) and "alt" not in os.path.basename(p)]
+    # The NVRTC of torch's CUDA major first: its cubins load under the driver torch runs on.
+    major = _torch_cuda_major()
+    return sorted(paths, key=lambda p: major is None or f".so.{major}" not in os.path.basename(p))
+
+
+def _torch_cuda_major() -> Optional[int]:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return int(torch.version.cuda.split(".")[0]) if torch.version.cuda else None
+
+
+@functools.lru_cache(maxsize=None)
+def find_nvrtc() -> Optional[ctypes.CDLL]:
+    """The NVRTC library, or None when none can be loaded."""
+    for path in _candidate_paths():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        return lib
+    return None
+
+
+def nvrtc_version() -> Optional[tuple[int, int]]:
+    lib = find_nvrtc()
+    if lib is None:
+        return None
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
+
+
+@dataclass(frozen=True)
+class CompiledModule:
+    """A cubin, the lowered (mangled) name of each requested kernel, and NVRTC's log (ptxas's
+    resource lines when compiled with ``verbose``)."""
+
+    cubin: bytes
+    names: dict
+    log: str
+
+    def registers(self, name: str) -> int:
+        """Registers per thread ptxas reported for kernel ``name`` (needs ``verbose``)."""
+        return self._ptxas_field(name, r"Used (\d+) registers")
+
+    def spill_bytes(self, name: str) -> int:
+        stores = self._ptxas_field(name, r"(\d+) bytes spill stores")
+        loads = self._ptxas_field(name, r"(\d+) bytes spill loads")
+        return stores + loads
+
+    def _ptxas_field(self, name: str, pattern: str) -> int:
+        lowered = self.names[name]
+        blocks = self.log.split("ptxas info    : Compiling entry function")
+        for block in blocks[1:]:
+            if block.strip().startswith(f"'{lowered}'"):
+                found = re.search(pattern, block)
+                if found:
+                    return int(found.group(1))
+                return 0
+        raise NvrtcError(f"no ptxas report for {name} ({lowered}) in the log:\n{self.log}")
+
+
+def _check(lib, result: int, what: str, program=None) -> None:
+    if result == 0:
+        return
+    message = f"{what}: {lib.nvrtcGetErrorString(result).decode()}"
+    if program is not None:
+        message += "\n" + _program_log(lib, program)
+    raise NvrtcError(message)
+
+
+def _program_log(lib, program) -> str:
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(program, log)
+    return log.value.decode(errors="replace")
+
+
+def compile_module(source: str, names: Sequence[str], arch: tuple[int, int], filename: str = "kernel.cu",
+                   verbose: bool = False) -> CompiledModule:
+    """Compile ``source`` for ``sm_<major><minor>``, instantiating the kernels ``names`` (C++
+    name expressions, e.g. ``"merge_splits<true>"``)."""
+    lib = find_nvrtc()
+    if lib is None:
+        raise NvrtcError("NVRTC not found: install nvidia-cuda-nvrtc (torch's CUDA wheels bring it) or a "
+                         "CUDA toolkit")
+    program = ctypes.c_void_p()
+    created = lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), filename.encode(), 0, None, None)
+    _check(lib, created,
+           "nvrtcCreateProgram")
+    try:
+        for name in names:
+            _check(lib, lib.nvrtcAddNameExpression(program, name.encode()), f"nvrtcAddNameExpression({name})")
+        options = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}", "--std=c++17", "-lineinfo"]
+        if verbose:
+            options.append("--ptxas-options=-v")
+        option_array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        _check(lib, lib.nvrtcCompileProgram(program, len(options), option_array),
+               f"compiling {filename} for sm_{arch[0]}{arch[1]}", program)
+        log = _program_log(lib, program)
+        size = ctypes.c_size_t()
+        _check(lib, lib.nvrtcGetCUBINSize(program, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        cubin = ctypes.create_string_buffer(size.value)
+        _check(lib, lib.nvrtcGetCUBIN(program, cubin), "nvrtcGetCUBIN")
+        lowered = {}
+        for name in names:
+            out = ctypes.c_char_p()
+            _check(lib, lib.nvrtcGetLoweredName(program, name.encode(), ctypes.byref(out)),
+                   f"nvrtcGetLoweredName({name})")
+            lowered[name] = out.value.decode()
+        return CompiledModule(cubin=cubin.raw, names=lowered, log=log)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def cache_dir() -> str:
+    """Where compiled cubins are kept between processes: $KERNELMUX_CACHE_DIR/cuda, else
+    ~/.cache/kernelmux/cuda."""
+    root = os.environ.get("KERNELMUX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                 "kernelmux")
+    return os.path.join(root, "cuda")
+
+
+def compile_module_cached(source: str, names: Sequence[str], arch: tuple[int, int],
+                          filename: str = "kernel.cu") -> CompiledModule:
+    """compile_module through an on-disk cache keyed by the source, the kernel names, the arch
+    and the NVRTC version, so a new process loads a cubin instead of compiling (0.3-1 s a
+    template set). An unreadable or unwritable cache only costs the compilation."""
+    key = hashlib.sha256(json.dumps([source, list(names), list(arch), nvrtc_version()]).encode()).hexdigest()
+    path = os.path.join(cache_dir(), f"{key}.json")
+    try:
+        with open(path) as f:
+            entry = json.load(f)
+        with open(path[: -len(".json")] + ".cubin", "rb") as f:
+            return CompiledModule(cubin=f.read(), names=entry["names"], log="")
+    except (OSError, ValueError, KeyError):
+        pass
+    module = compile_module(source, names, arch, filename)
+    try:
+        os.makedirs(cache_dir(), exist_ok=True)
+        # Cubin first, then the entry that points at it, each renamed into place whole: a
+        # concurrent reader sees either no entry or a complete one.
+        entry = json.dumps({"names": module.names}).encode()
+        for suffix, data in ((".cubin", module.cubin), (".json", entry)):
+            handle, tmp = tempfile.mkstemp(dir=cache_dir())
+            with os.fdopen(handle, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path[: -len(".json")] + suffix)
+    except OSError:
+        pass
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver API: load and launch.
+
+_PTR, _I32, _I64, _F32 = "p", "i", "q", "f"
+_CTYPES = {_PTR: ctypes.c_void_p, _I32: ctypes.c_int32, _I64: ctypes.c_int64, _F32: ctypes.c_float}
+_CU_OCCUPANCY = "cuOccupancyMaxActiveBlocksPerMultiprocessor"
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    return lib
+
+
+def _cu_check(result: int, what: str) -> None:
+    if result == 0:
+        return
+    text = ctypes.c_char_p()
+    _libcuda().cuGetErrorString(result, ctypes.byref(text))
+    raise NvrtcError(f"{what}: CUDA error {result} ({text.value.decode() if text.value else 'unknown'})")
+
+
+class Kernel:
+    """One kernel of a loaded module, launched on torch's current stream of its device.
+
+    ``signature`` gives each argument's kind: ``p`` pointer (a tensor, or None for a null
+    pointer), ``i`` int32, ``q`` int64, ``f`` float32."""
+
+    def __init__(self, function: ctypes.c_void_p, signature: str, block: int,
+                 module: ctypes.c_void_p) -> None:
+        self._function = function
+        self._signature = signature
+        self._block = block
+        self._module = module  # kept alive with the function
+
+    @functools.cached_property
+    def blocks_per_sm(self) -> int:
+        """CTAs of this kernel one SM holds at once (the driver's occupancy calculator)."""
+        count = ctypes.c_int()
+        _cu_check(getattr(_libcuda(), _CU_OCCUPANCY)(ctypes.byref(count), self._function, self._block, 0),
+                  _CU_OCCUPANCY)
+        return count.value
+
+    def __call__(self, grid: tuple[int, int, int], *args) -> None:
+        import torch
+
+        if len(args) != len(self._signature):
+            raise TypeError(f"kernel takes {len(self._signature)} arguments, got {len(args)}")
+        values = []
+        for kind, arg in zip(self._signature, args):
+            if kind == _PTR:
+                values.append(ctypes.c_void_p(arg.data_ptr() if arg is not None else 0))
+            else:
+                values.append(_CTYPES[kind](arg))
+        pointers = [ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values]
+        params = (ctypes.c_void_p * len(values))(*pointers)
+        stream = torch.cuda.current_stream().cuda_stream
+        _cu_check(_libcuda().cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1, 0,
+                                            ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+
+
+def load_kernel(module: CompiledModule, name: str, signature: str, block: int,
+                loaded: Optional[ctypes.c_void_p] = None) -> tuple[Kernel, ctypes.c_void_p]:
+    """Kernel ``name`` of ``module`` in the current CUDA context (torch's current device): the
+    module is loaded once per context by the caller, who passes it back as ``loaded``."""
+    lib = _libcuda()
+    if loaded is None:
+        loaded = ctypes.c_void_p()
+        _cu_check(lib.cuModuleLoadData(ctypes.byref(loaded), module.cubin), "cuModuleLoadData")
+    function = ctypes.c_void_p()
+    _cu_check(lib.cuModuleGetFunction(ctypes.byref(function), loaded, module.names[name].encode()),
+              f"cuModuleGetFunction({name})")
+    return Kernel(function, signature, block, loaded), loaded

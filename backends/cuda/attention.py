@@ -1,0 +1,271 @@
+"""Host side of the cuda backend's paged_attention: fp8 e4m3 decode, head dim 128 (kernel:
+paged_decode_fp8.cu, which says how it works).
+
+Scope: one query per sequence (``max_query_len <= 1``), e4m3 K and V caches with any
+power-of-two block size, GQA groups of up to 16 query heads per KV head, bf16 or fp16 queries,
+and every option of the spec (sliding window, soft cap, sinks, k/v scales; causal or not is the
+same at one query). Everything else (16-bit caches, prefill, other head dims) is the triton
+backend's: ``paged_attention_supports`` says why per call, and dispatch moves on.
+
+The launch plan comes from host ints only: one CTA per (KV head, sequence) and, when those are
+short of one wave of the GPU (the driver's occupancy for the compiled kernel times the SMs),
+KV splits merged by a second kernel; no device data is read, so CUDA graphs stay valid when
+lengths and tables change under them. First call per (GPU arch, template set): one NVRTC
+compilation, 0.3-0.8 s on a 2-core VM for sm_90, kept on disk (_nvrtc.compile_module_cached:
+later processes load the cubin), then one module load per device. No autotuning: the split count
+and plan come from perf/diag/cuda_decode_sweep.py's measurements (DEFAULT_PLAN, split_count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import pathlib
+import threading
+from dataclasses import dataclass, replace
+from typing import Iterator, Optional
+
+import torch
+
+from kernelmux.backends.cuda import _nvrtc
+from kernelmux.engine import probes
+
+__all__ = ["DecodePlan", "HEAD_DIM", "MAX_GROUP", "override_plan", "paged_attention",
+           "paged_attention_supports", "split_count"]
+
+FP8 = torch.float8_e4m3fn
+HEAD_DIM = 128  # the kernel's lane-to-dim maps are written for 128 dims
+MAX_GROUP = 16  # query heads per KV head: two 8-column MMA tiles
+MIN_CAPABILITY = (8, 9)  # cvt.rn.f16x2.e4m3x2 (sm_89+); movmatrix and mma.m16n8k16 are older
+# Splits: each share at least this many positions (two 32-position steps per warp of a 4-warp
+# CTA: shorter shares spend more on partials and the merge than they gain), at most _MAX_SPLITS.
+MIN_SPLIT_LEN = 256
+_MAX_SPLITS = 64  # the merge kernel's kMaxSplits
+_SOURCE = pathlib.Path(__file__).with_name("paged_decode_fp8.cu")
+# The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
+_DECODE_SIGNATURE = "pppppppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
+_MERGE_SIGNATURE = "pppp" + "iii" + "qq"
+
+
+def split_count(ctas: int, slots: int, max_seq_len: int) -> int:
+    """KV splits for ``ctas`` (KV heads x sequences) on a GPU holding ``slots`` CTAs at once.
+    A grid of at least one wave never splits; a shorter one takes the split count whose grid
+    finishes in the fewest waves' time (ceil(ctas * s / slots) waves of CTAs 1/s as long) and,
+    of equals, the fewest splits (each adds partials to write and merge)."""
+    most = min(max_seq_len // MIN_SPLIT_LEN, _MAX_SPLITS)
+    if ctas <= 0 or ctas >= slots or most < 2:
+        return 1
+    return min(range(1, most + 1), key=lambda s: (math.ceil(ctas * s / slots) / s, s))
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """A launch's choices: KV splits (None: split_count's), whether each warp reads the next
+    step's K while this step's softmax and values run (``read_ahead``: more registers, 12 warps
+    per SM instead of 16), and warps per CTA."""
+
+    num_splits: Optional[int] = None
+    read_ahead: bool = False
+    warps: int = 4  # per CTA; 8 only for groups of up to 8 heads (the combine's shared memory)
+
+
+DEFAULT_PLAN = DecodePlan()
+_override: Optional[DecodePlan] = None
+
+
+@contextlib.contextmanager
+def override_plan(**fields) -> Iterator[None]:
+    """Within the block, calls launch with DEFAULT_PLAN's fields replaced (tests, sweeps)."""
+    global _override
+    plan = replace(DEFAULT_PLAN, **fields)
+    splits = plan.num_splits
+    if splits is not None and (type(splits) is not int or not 1 <= splits <= _MAX_SPLITS):
+        raise ValueError(f"override_plan: num_splits must be an int in [1, {_MAX_SPLITS}] or None, "
+                         f"got {plan.num_splits!r}")
+    if plan.warps not in (4, 8):
+        raise ValueError(f"override_plan: warps must be 4 or 8, got {plan.warps!r}")
+    previous, _override = _override, plan
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def _page_shift(block_size: int) -> Optional[int]:
+    if block_size < 1 or block_size & (block_size - 1):
+        return None
+    return block_size.bit_length() - 1
+
+
+def shape_reason(query_dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                 head_dim: int, block_size: int, decode: bool) -> Optional[str]:
+    """Why the kernel does not take a call of this kind (None when it does); no device needed."""
+    if not decode:
+        return "decode only (max_query_len <= 1): prefill is the triton backend's"
+    if cache_dtype != FP8:
+        return f"fp8 e4m3 caches only, this cache is {cache_dtype} (16-bit caches: the triton backend)"
+    if query_dtype not in (torch.bfloat16, torch.float16):
+        return f"bf16 or fp16 queries only, got {query_dtype}"
+    if head_dim != HEAD_DIM:
+        return f"head dim {HEAD_DIM} only (the kernel's fragment maps are fixed), got {head_dim}"
+    group = num_heads // num_kv_heads
+    if group > MAX_GROUP:
+        return f"at most {MAX_GROUP} query heads per KV head, got {group}"
+    if _page_shift(block_size) is None:
+        return f"power-of-two cache block sizes only, got {block_size}"
+    return None
+
+
+def _alignment_problem(query, k_cache, v_cache) -> Optional[tuple[str, str, str]]:
+    """(argument, expected, actual) when a tensor breaks the kernel's 16-byte vector loads."""
+    for name, tensor, strides in (("query", query, query.stride()[:2]),
+                                  ("k_cache", k_cache, k_cache.stride()[:3]),
+                                  ("v_cache", v_cache, v_cache.stride()[:3])):
+        if tensor.stride(-1) != 1:
+            return name, "a unit stride along the head dim", f"stride {tensor.stride(-1)}"
+        size = tensor.element_size()
+        if tensor.data_ptr() % 16 or any(s * size % 16 for s in strides):
+            return (name, "16-byte aligned data and row strides",
+                    f"address {tensor.data_ptr():#x}, byte strides {[s * size for s in strides]}")
+    return None
+
+
+def paged_attention_supports(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> Optional[str]:
+    """None when the kernel handles this (already validated) call, else why not."""
+    reason = shape_reason(query.dtype, k_cache.dtype, query.shape[1], k_cache.shape[2], query.shape[2],
+                          k_cache.shape[1], max_query_len <= 1)
+    if reason is not None:
+        return reason
+    if query.device.type != "cuda" or probes.is_rocm():
+        return f"needs an NVIDIA GPU, the tensors are on {query.device}"
+    capability = _capability(query.device)
+    if capability < MIN_CAPABILITY:
+        return f"needs sm_89 or newer (e4m3 conversions), this GPU is sm_{capability[0]}{capability[1]}"
+    if _nvrtc.find_nvrtc() is None:
+        return ("NVRTC not found (pip install nvidia-cuda-nvrtc, which torch's CUDA wheels bring, or a CUDA "
+                "toolkit)")
+    if seq_lens.shape[0] > 65535:
+        return f"{seq_lens.shape[0]} sequences > 65535, CUDA's limit on grid axis 1 (split the batch)"
+    problem = _alignment_problem(query, k_cache, v_cache)
+    if problem is not None:
+        return f"{problem[0]} needs {problem[1]}, got {problem[2]}"
+    return None
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return probes.capability(device.index if device.index is not None else probes.current_index("cuda"))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _compiled(arch: tuple[int, int], *template: bool | int) -> tuple[_nvrtc.CompiledModule, str, str]:
+    """One NVRTC compilation per template set (head tiles, bf16 query, log2 block size, soft cap,
+    split, read ahead, warps) and arch: (module, decode kernel name, merge kernel name)."""
+    args = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in template)
+    decode = f"paged_decode_fp8<{args}>"
+    merge = f"merge_splits<{str(template[1]).lower()}>"
+    module = _nvrtc.compile_module_cached(_SOURCE.read_text(), [decode, merge], arch, filename=_SOURCE.name)
+    return module, decode, merge
+
+
+_LOADED: dict = {}
+_LOCK = threading.Lock()
+
+
+def _kernels(device: torch.device, *template: bool | int) -> tuple[_nvrtc.Kernel, _nvrtc.Kernel]:
+    """The decode and merge kernels for ``template`` loaded on ``device`` (cached per device)."""
+    key = (device, template)
+    kernels = _LOADED.get(key)
+    if kernels is None:
+        with _LOCK:
+            module, decode_name, merge_name = _compiled(_capability(device), *template)
+            decode, handle = _nvrtc.load_kernel(module, decode_name, _DECODE_SIGNATURE, template[-1] * 32)
+            merge, _ = _nvrtc.load_kernel(module, merge_name, _MERGE_SIGNATURE, 2 * HEAD_DIM, loaded=handle)
+            kernels = _LOADED[key] = (decode, merge)
+    return kernels
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The spec's paged_attention for fp8 decode: one kernel, plus a merge when it splits;
+    arguments are validated by the caller and accepted by paged_attention_supports."""
+    problem = _alignment_problem(query, k_cache, v_cache)
+    if problem is not None:  # supports' answer is cached per dispatch key, which strides are not
+        raise ValueError(f"paged_attention (cuda): {problem[0]} needs {problem[1]}, got {problem[2]}")
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    num_tokens, num_q_heads, _ = query.shape
+    num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    if num_tokens == 0 or max_query_len == 0:
+        return out.zero_()
+    group = num_q_heads // num_kv_heads
+    device = query.device
+    plan = _override or DEFAULT_PLAN
+    template = (-(-group // 8), query.dtype == torch.bfloat16, _page_shift(k_cache.shape[1]),
+                logits_soft_cap > 0)
+    warps = plan.warps if template[0] == 1 else 4  # two head tiles: the combine fits 4 warps' smem
+    with torch.cuda.device(device):
+        splits = plan.num_splits
+        if splits is None:
+            unsplit, _ = _kernels(device, *template, False, plan.read_ahead, warps)
+            slots = unsplit.blocks_per_sm * _sm_count(device)
+            splits = split_count(num_kv_heads * num_seqs, slots, max_seq_len)
+        decode, merge = _kernels(device, *template, splits > 1, plan.read_ahead, warps)
+        if splits > 1:
+            part_acc = torch.empty((splits, num_tokens, num_q_heads, HEAD_DIM), dtype=torch.float32,
+                                   device=device)
+            part_ml = torch.empty((2, splits, num_tokens, num_q_heads), dtype=torch.float32, device=device)
+        else:
+            part_acc = part_ml = None
+        decode(
+            (num_kv_heads, num_seqs, splits),
+            query, k_cache, v_cache, out, part_acc, part_ml, cu_seqlens_q, block_table, seq_lens,
+            sinks, k_scale, v_scale,
+            num_tokens, num_q_heads, group, splits, int(sliding_window),
+            float(scale), float(logits_soft_cap),
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_table.stride(0),
+        )
+        if splits > 1:
+            merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, num_tokens, num_q_heads,
+                  splits,
+                  out.stride(0), out.stride(1))
+    return out

@@ -1,0 +1,72 @@
+"""Plan sweep for the cuda backend's fp8 paged-attention decode on the perf goals' fp8 shapes:
+split counts and read-ahead, each checked against the spec's reference before it is timed
+(CUDA-graph replay), with the triton backend's kernel on the same inputs for comparison.
+Bandwidth is the spec's byte count over the median time, as a percent of the device-copy
+bandwidth measured in the same run. DEFAULT_PLAN and split_count in
+backends/cuda/attention.py are chosen from these numbers.
+
+    python perf/diag/cuda_decode_sweep.py --out DIR [--cases NAME ...] [--splits 1 4 8 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from kernelmux.backends.cuda import attention as cuda_attention
+from kernelmux.backends.triton import attention as triton_attention
+from kernelmux.engine.report import distribution_version
+from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.perf import ceilings as ceilings_module
+from kernelmux.perf.timing import graph_replay_time
+
+CASES = ["llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b8_ctx32768",
+         "llama3_8b_fp8_decode_b64_ctx4096", "llama3_8b_fp8_decode_b8_ctx4096"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", nargs="*", default=CASES)
+    parser.add_argument("--splits", nargs="*", type=int, default=[])
+    args = parser.parse_args()
+    ceilings = ceilings_module.measure("cuda")
+    copy = ceilings["memory_gbps"]
+    print(f"copy bandwidth {copy:.1f} GB/s", flush=True)
+    rows = []
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": distribution_version("triton"),
+              "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"),
+              "ceilings": ceilings, "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    variants = [("cuda", dict(read_ahead=ahead, warps=warps, num_splits=s)) for ahead, warps in
+                ((False, 4), (True, 4), (False, 8)) for s in [None, *args.splits]]
+    variants.append(("triton", {}))
+    for case in args.cases:
+        kwargs = pa_spec.SPEC.case(case).build(torch.device("cuda"), 0)
+        cost = pa_spec.SPEC.cost(kwargs)
+        expected = pa_spec.SPEC.reference(**kwargs)
+        for backend, fields in variants:
+            fn = cuda_attention.paged_attention if backend == "cuda" else triton_attention.paged_attention
+            row = dict(case=case, backend=backend, plan=fields)
+            try:
+                with cuda_attention.override_plan(**fields):
+                    pa_spec.SPEC.check_close(fn(**kwargs), expected, kwargs)
+                    us = graph_replay_time(fn, [kwargs], calls_per_graph=4, trials=10).median_us
+                row.update(us=us, bandwidth_pct=100 * cost.bytes / us / 1e3 / copy, status="ok")
+            except AssertionError as error:
+                row.update(status="wrong", error=str(error)[:300])
+            rows.append(row)
+            shown = f"{row['us']:8.1f} us {row['bandwidth_pct']:5.1f}% bw" if "us" in row else row["error"]
+            print(f"{case:40s} {backend:6s} {str(fields):45s} {shown}", flush=True)
+        del kwargs, expected
+        torch.cuda.empty_cache()
+        with open(os.path.join(args.out, "cuda_decode_sweep.json"), "w") as f:
+            json.dump(record, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""The cuda backend's fp8 paged-attention decode kernel: what it accepts and why not, its split
+heuristic, its compilation for the GPU archs it claims (NVRTC runs on CPU-only machines), and
+on a GPU every option, block size, GQA group and split count against the spec's reference,
+NaN in unread cache slots, queries past fp16's range and CUDA-graph replays with new inputs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from graph_replay import capture, replay_on_new_inputs
+from kernelmux.backends.cuda import _nvrtc, attention
+from kernelmux.ops.specs import paged_attention as pa_spec
+
+FP8 = torch.float8_e4m3fn
+needs_gpu = pytest.mark.skipif(DEVICE != "cuda",
+                               reason="runs CUDA kernels: needs an NVIDIA GPU; runs in the GPU suite")
+needs_nvrtc = pytest.mark.skipif(_nvrtc.find_nvrtc() is None,
+                                 reason="NVRTC not installed (pip install nvidia-cuda-nvrtc; the test extra "
+                                        "has it)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side (any machine)
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(decode=False), "decode only"),
+    (dict(cache_dtype=torch.bfloat16), "fp8 e4m3 caches only"),
+    (dict(query_dtype=torch.float32), "bf16 or fp16 queries only"),
+    (dict(head_dim=64), "head dim 128 only"),
+    (dict(num_heads=64), "at most 16 query heads per KV head, got 64"),
+    (dict(block_size=24), "power-of-two cache block sizes only, got 24"),
+])
+def test_shape_reason_names_what_it_refuses(kwargs, reason):
+    call = dict(query_dtype=torch.bfloat16, cache_dtype=FP8, num_heads=8, num_kv_heads=1, head_dim=128,
+                block_size=16, decode=True)
+    assert attention.shape_reason(**call) is None
+    call.update(kwargs)
+    assert reason in attention.shape_reason(**call)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, block_size, query_dtype", [
+    (8, 1, 16, torch.bfloat16), (32, 8, 1, torch.float16), (16, 1, 64, torch.bfloat16),
+    (12, 4, 128, torch.bfloat16),
+])
+def test_shape_reason_takes_decode_shapes(num_heads, num_kv_heads, block_size, query_dtype):
+    assert attention.shape_reason(query_dtype, FP8, num_heads, num_kv_heads, 128, block_size, True) is None
+
+
+@pytest.mark.parametrize("ctas, slots, max_seq_len", [
+    (64, 528, 4096), (8, 528, 32768), (1, 528, 32768), (512, 528, 4096), (100, 396, 4096), (64, 528, 300),
+    (3, 264, 2048),
+])
+def test_split_count_fills_one_wave_with_long_enough_shares(ctas, slots, max_seq_len):
+    splits = attention.split_count(ctas, slots, max_seq_len)
+    assert splits == 1 or max_seq_len // splits >= attention.MIN_SPLIT_LEN
+    if ctas >= slots:
+        assert splits == 1
+    # No grid of fewer waves' time exists among the allowed counts, and none with fewer splits
+    # ties it.
+    def time(s):
+        return -(-ctas * s // slots) / s
+    allowed = [s for s in range(1, 65) if s == 1 or max_seq_len // s >= attention.MIN_SPLIT_LEN]
+    assert time(splits) == min(time(s) for s in allowed)
+    assert all(time(s) > time(splits) for s in allowed if s < splits)
+
+
+def test_split_count_on_the_goal_shapes():
+    # H100: 132 SMs x 4 CTAs (128 registers a thread). Llama-3-70B TP8 B64 x 4096: 64 CTAs ->
+    # 8 splits (512 CTAs, one wave); B8 x 32768: 8 CTAs -> 64 splits; Llama-3-8B B64: 512 CTAs
+    # already fill the wave.
+    assert attention.split_count(64, 528, 4096) == 8
+    assert attention.split_count(8, 528, 32768) == 64
+    assert attention.split_count(512, 528, 4096) == 1
+
+
+def test_override_plan_checks_its_argument():
+    with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 64\] or None, got 0"):
+        with attention.override_plan(num_splits=0):
+            pass
+    with pytest.raises(ValueError, match="num_splits must be an int in .* got 65"):
+        with attention.override_plan(num_splits=65):
+            pass
+    with pytest.raises(ValueError, match="warps must be 4 or 8, got 16"):
+        with attention.override_plan(warps=16):
+            pass
+
+
+NAMES = [f"paged_decode_fp8<{tiles}, {bf16}, {shift}, {cap}, {split}, {ahead}, {warps}>"
+         for tiles, bf16, shift, cap, split, ahead, warps in itertools.product(
+             (1, 2), ("true", "false"), (0, 4), ("false", "true"), ("false", "true"), ("false", "true"),
+             (4, 8))
+         if tiles == 1 or warps == 4]
+NAMES += ["merge_splits<true>", "merge_splits<false>"]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", [(8, 9), (10, 0), (12, 0)])
+def test_every_template_compiles(arch):
+    module = _nvrtc.compile_module(attention._SOURCE.read_text(), NAMES, arch, verbose=True)
+    assert all(module.registers(name) > 0 for name in NAMES)
+
+
+@needs_nvrtc
+def test_hopper_kernels_hold_their_occupancy_without_spills():
+    # Every instantiation the host can ask for, for sm_90: no spills, and the one-tile kernels
+    # with whole 16-position tiles per cache block (no soft cap, no read-ahead) fit 128
+    # registers: four CTAs per SM, as the goal shapes' split counts assume.
+    module = _nvrtc.compile_module(attention._SOURCE.read_text(), NAMES, (9, 0), verbose=True)
+    for name in NAMES:
+        assert module.spill_bytes(name) == 0, name
+    for name in NAMES:
+        if name.startswith("paged_decode_fp8<1,") and ", 4, false, false, false, " in name:
+            assert module.registers(name) <= 128, (name, module.registers(name))
+
+
+@needs_nvrtc
+def test_compile_errors_carry_the_log():
+    with pytest.raises(_nvrtc.NvrtcError, match="undefined_thing"):
+        _nvrtc.compile_module("__global__ void k() { undefined_thing(); }", ["k"], (9, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel (GPU)
+
+def _build(make, seed: int) -> dict:
+    kwargs = make(torch.device("cpu"), torch.Generator().manual_seed(seed))
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+def _check(kwargs, seed):
+    assert attention.paged_attention_supports(**kwargs) is None
+    expected = pa_spec.SPEC.reference(**kwargs)
+    actual = attention.paged_attention(**kwargs)
+    try:
+        pa_spec.SPEC.check_close(actual, expected, kwargs)
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: {error}") from None
+
+
+OPTIONS = {
+    "plain": {},
+    "scales": {"scales": (0.3, 0.07)},
+    "window": {"sliding_window": 70, "scales": (0.5, 2.0)},
+    "sinks_cap": {"with_sinks": True, "logits_soft_cap": 2.0, "scale": 0.5},
+    "non_causal_fp16": {"causal": False, "dtype": torch.float16},
+}
+# Lengths 1, under one step, across steps and blocks, none a multiple of 16; a sequence
+# without a query.
+Q_LENS, KV_LENS = (1, 1, 0, 1, 1, 1), (1, 17, 9, 45, 300, 1029)
+
+
+@needs_gpu
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@pytest.mark.parametrize("block_size", [1, 4, 16, 64])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 1), (32, 8), (12, 1), (16, 2), (3, 3)])
+def test_decode_against_reference(options, block_size, num_heads, num_kv_heads):
+    seed = 100 * block_size + 10 * num_heads
+    make = pa_spec._maker(Q_LENS, KV_LENS, num_heads, num_kv_heads, 128, block_size=block_size,
+                          cache_dtype=FP8, **OPTIONS[options])
+    _check(_build(make, seed), seed)
+
+
+@needs_gpu
+@pytest.mark.parametrize("options", ["scales", "window", "sinks_cap"])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 1), (12, 1), (3, 3)])
+@pytest.mark.parametrize("splits", [1, 3, 8, 64])
+@pytest.mark.parametrize("plan", [{}, {"read_ahead": True}, {"warps": 8}],
+                         ids=["default", "read_ahead", "warps8"])
+def test_every_plan_against_reference(options, num_heads, num_kv_heads, splits, plan):
+    seed = 10 * num_heads + splits
+    make = pa_spec._maker(Q_LENS, KV_LENS, num_heads, num_kv_heads, 128, block_size=16, cache_dtype=FP8,
+                          **OPTIONS[options])
+    with attention.override_plan(num_splits=splits, **plan):
+        _check(_build(make, seed), seed)
+
+
+@needs_gpu
+def test_decode_ignores_nan_in_unread_slots():
+    kwargs = _build(pa_spec._maker((1, 1, 1), (13, 40, 77), 8, 1, 128, block_size=16, cache_dtype=FP8,
+                                   spare_blocks=4), 7)
+    expected = pa_spec.SPEC.reference(**kwargs)
+    read = torch.zeros(kwargs["k_cache"].shape[:2], dtype=torch.bool, device=DEVICE)
+    for b, length in enumerate(kwargs["seq_lens"].tolist()):
+        for j in range(length):
+            read[kwargs["block_table"][b, j // 16], j % 16] = True
+    for name in ("k_cache", "v_cache"):
+        kwargs[name].view(torch.uint8)[~read] = 0x7F  # e4m3 NaN
+    for splits, plan in itertools.product((1, 3), ({}, {"read_ahead": True}, {"warps": 8})):
+        with attention.override_plan(num_splits=splits, **plan):
+            pa_spec.SPEC.check_close(attention.paged_attention(**kwargs), expected, kwargs)
+
+
+@needs_gpu
+@pytest.mark.parametrize("magnitude", [1e5, 3e30])
+def test_bf16_queries_past_fp16_range(magnitude):
+    # Scores as with ordinary queries: the softmax scale shrinks by the same factor.
+    make = pa_spec._maker((1, 1), (50, 200), 8, 1, 128, cache_dtype=FP8, scale=128**-0.5 / magnitude)
+    kwargs = _build(make, 3)
+    kwargs["query"] = kwargs["query"] * magnitude
+    _check(kwargs, 3)
+
+
+@needs_gpu
+def test_misaligned_cache_view_is_refused_by_name():
+    kwargs = _build(pa_spec._maker((1,), (40,), 8, 1, 128, cache_dtype=FP8), 1)
+    wide = torch.zeros(kwargs["k_cache"].shape[:-1] + (136,), dtype=FP8, device=DEVICE)
+    kwargs["k_cache"] = wide[..., 8:]
+    reason = attention.paged_attention_supports(**kwargs)
+    assert reason is not None and reason.startswith("k_cache needs 16-byte aligned data and row strides")
+    with pytest.raises(ValueError, match="k_cache needs 16-byte aligned"):
+        attention.paged_attention(**kwargs)
+
+
+@needs_gpu
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_decode_graph_replays_new_inputs(splits):
+    batch, max_len = 16, 2048
+    make = pa_spec._maker((1,) * batch, (max_len,) * batch, 8, 1, 128, cache_dtype=FP8, scales=(0.23, 0.31),
+                          spare_blocks=64)
+    static = _build(make, 0)
+    with attention.override_plan(num_splits=splits):
+        graph, out = capture(attention.paged_attention, static)
+    replay_on_new_inputs(pa_spec, make, static, graph, out, batch, max_len)
+
+
+@needs_nvrtc
+def test_compiled_cubins_are_cached_on_disk(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
+    names = ["merge_splits<true>"]
+    first = _nvrtc.compile_module_cached(attention._SOURCE.read_text(), names, (9, 0))
+    assert len(list(tmp_path.glob("cuda/*.cubin"))) == 1
+    calls = []
+    monkeypatch.setattr(_nvrtc, "compile_module", lambda *a, **k: calls.append(a))
+    second = _nvrtc.compile_module_cached(attention._SOURCE.read_text(), names, (9, 0))
+    assert calls == [] and second.cubin == first.cubin and second.names == first.names
+    # Another arch is another entry.
+    monkeypatch.undo()
+    monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
+    _nvrtc.compile_module_cached(attention._SOURCE.read_text(), names, (8, 9))
+    assert len(list(tmp_path.glob("cuda/*.cubin"))) == 2
