@@ -110,12 +110,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
 
 __device__ __forceinline__ float bf16_to_f32(u16 x) { return __int_as_float(((u32)x) << 16); }
 
-__device__ __forceinline__ float f16_to_f32(u16 x) {
-    float y;
-    asm("{\n\t.reg .f16 h;\n\tmov.b16 h, %1;\n\tcvt.f32.f16 %0, h;\n\t}" : "=f"(y) : "h"(x));
-    return y;
-}
-
 __device__ __forceinline__ float finite_abs(float x) {
     float a = fabsf(x);
     return a < __int_as_float(0x7f800000) ? a : 0.0f;  // NaN and inf compare false
@@ -130,7 +124,8 @@ __device__ __forceinline__ float finite_abs(float x) {
 // tiles per cache block, without AHEAD or soft cap; lookups per position (blocks under 16),
 // AHEAD, soft cap or a second head tile need more registers than that without spilling.
 template <int HEAD_TILES, bool Q_BF16, int PAGE_SHIFT, bool SOFT_CAP, bool SPLIT, bool AHEAD, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32, (HEAD_TILES == 1 ? (PAGE_SHIFT >= 4 && !AHEAD && !SOFT_CAP ? 16 : 12) : 8) / WARPS)
+__global__ void __launch_bounds__(
+    WARPS * 32, (HEAD_TILES == 1 ? (PAGE_SHIFT >= 4 && !AHEAD && !SOFT_CAP ? 16 : 12) : 8) / WARPS)
     paged_decode_fp8(
     const unsigned char* __restrict__ query,    // [T, Hq, 128] bf16 / fp16
     const unsigned char* __restrict__ k_cache,  // [blocks, block_size, Hkv, 128] e4m3
