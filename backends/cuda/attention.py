@@ -200,6 +200,8 @@ def _kernels(device: torch.device, *template: bool | int) -> tuple[_nvrtc.Kernel
     kernels = _LOADED.get(key)
     if kernels is None:
         with _LOCK:
+            if key in _LOADED:  # another thread loaded them while this one waited
+                return _LOADED[key]
             module, decode_name, merge_name = _compiled(_capability(device), *template)
             decode, handle = _nvrtc.load_kernel(module, decode_name, _DECODE_SIGNATURE, template[-1] * 32)
             merge, _ = _nvrtc.load_kernel(module, merge_name, _MERGE_SIGNATURE, 2 * HEAD_DIM, loaded=handle)
@@ -266,6 +268,5 @@ def paged_attention(
         )
         if splits > 1:
             merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, num_tokens, num_q_heads,
-                  splits,
-                  out.stride(0), out.stride(1))
+                  splits, out.stride(0), out.stride(1))
     return out
