@@ -19,6 +19,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -238,6 +239,7 @@ class Kernel:
         self._signature = signature
         self._block = block
         self._module = module  # kept alive with the function
+        self._per_thread = threading.local()
 
     @functools.cached_property
     def blocks_per_sm(self) -> int:
@@ -247,19 +249,30 @@ class Kernel:
                   _CU_OCCUPANCY)
         return count.value
 
+    def parameters(self, *args) -> ctypes.Array:
+        """The kernelParams array cuLaunchKernel reads: one pointer per argument, to storage that
+        holds its value. The storage is allocated once per kernel and thread and refilled per
+        call (a launch copies the values out before it returns), which costs a few us where
+        building ctypes objects per argument cost ~25."""
+        if len(args) != len(self._signature):
+            raise TypeError(f"kernel takes {len(self._signature)} arguments, got {len(args)}")
+        storage = getattr(self._per_thread, "storage", None)
+        if storage is None:
+            values = [_CTYPES[kind]() for kind in self._signature]
+            params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+            storage = self._per_thread.storage = (values, params)
+        values, params = storage
+        for value, kind, arg in zip(values, self._signature, args):
+            if kind == _PTR:
+                value.value = arg.data_ptr() if arg is not None else None
+            else:
+                value.value = arg
+        return params
+
     def __call__(self, grid: tuple[int, int, int], *args) -> None:
         import torch
 
-        if len(args) != len(self._signature):
-            raise TypeError(f"kernel takes {len(self._signature)} arguments, got {len(args)}")
-        values = []
-        for kind, arg in zip(self._signature, args):
-            if kind == _PTR:
-                values.append(ctypes.c_void_p(arg.data_ptr() if arg is not None else 0))
-            else:
-                values.append(_CTYPES[kind](arg))
-        pointers = [ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values]
-        params = (ctypes.c_void_p * len(values))(*pointers)
+        params = self.parameters(*args)
         stream = torch.cuda.current_stream().cuda_stream
         _cu_check(_libcuda().cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1, 0,
                                             ctypes.c_void_p(stream), params, None), "cuLaunchKernel")

@@ -5,7 +5,9 @@ NaN in unread cache slots, queries past fp16's range and CUDA-graph replays with
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import threading
 
 import pytest
 import torch
@@ -242,3 +244,27 @@ def test_compiled_cubins_are_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
     _nvrtc.compile_module_cached(attention._SOURCE.read_text(), names, (8, 9))
     assert len(list(tmp_path.glob("cuda/*.cubin"))) == 2
+
+
+def test_launch_parameters_hold_each_argument_by_kind():
+    # What cuLaunchKernel reads: params[i] points at argument i's value, in its C type.
+    kernel = _nvrtc.Kernel(ctypes.c_void_p(0), "ppiqf", 128, None)
+    tensor = torch.arange(4.0)
+    types = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float]
+
+    def read(params):
+        return [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in enumerate(types)]
+
+    params = kernel.parameters(tensor, None, -7, 1 << 40, 0.25)
+    assert read(params) == [tensor.data_ptr(), None, -7, 1 << 40, 0.25]
+    # Refilled per call; another thread gets its own storage, so concurrent launches do not mix.
+    other = torch.arange(8.0)
+    params = kernel.parameters(other, other, 3, -1, 2.0)
+    assert read(params) == [other.data_ptr(), other.data_ptr(), 3, -1, 2.0]
+    seen = {}
+    thread = threading.Thread(target=lambda: seen.update(params=kernel.parameters(tensor, None, 1, 2, 3.0)))
+    thread.start()
+    thread.join()
+    assert ctypes.addressof(seen["params"]) != ctypes.addressof(kernel.parameters(other, other, 3, -1, 2.0))
+    with pytest.raises(TypeError, match="kernel takes 5 arguments, got 2"):
+        kernel.parameters(tensor, None)
