@@ -46,6 +46,20 @@ def capability(index: int) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
 
 
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """capability() of a CUDA torch device: its index, or the current one when it has none."""
+    return capability(device.index if device.index is not None else current_index("cuda"))
+
+
+def compute_units(device: torch.device) -> int:
+    """Units a GPU program runs on: SMs (NVIDIA), CUs (ROCm), Xe-cores (Intel)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "xpu":
+        return torch.xpu.get_device_properties(device).gpu_subslice_count
+    raise ValueError(f"compute_units: device must be a cuda or xpu device, got {device}")
+
+
 def device_name(device_type: str, index: int) -> str:
     return getattr(torch, device_type).get_device_name(index)
 

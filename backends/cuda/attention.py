@@ -169,14 +169,8 @@ def paged_attention_supports(
     return None
 
 
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return probes.capability(device.index if device.index is not None else probes.current_index("cuda"))
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+_capability = functools.cache(probes.device_capability)
+_sm_count = functools.cache(probes.compute_units)
 
 
 @functools.cache

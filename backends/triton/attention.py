@@ -99,12 +99,9 @@ def override_plan(**fields) -> Iterator[None]:
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
-    """Units a program runs on: SMs (NVIDIA), CUs (ROCm), Xe-cores (Intel)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    if device.type == "xpu":
-        return torch.xpu.get_device_properties(device).gpu_subslice_count
-    return 4  # the interpreter: a few splits still exercise the merge
+    """Units a program runs on (probes.compute_units); 4 under the interpreter, so that a few
+    splits still exercise the merge."""
+    return probes.compute_units(device) if device.type in ("cuda", "xpu") else 4
 
 
 # Base configurations, by kind of call, chosen on an H100 by perf/diag/attention_sweep.py
@@ -212,9 +209,7 @@ def _table_for(device: torch.device) -> dict:
     return _TABLE
 
 
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return probes.capability(device.index if device.index is not None else probes.current_index("cuda"))
+_capability = functools.cache(probes.device_capability)
 
 
 def _kind(max_query_len: int, cache_dtype: torch.dtype, mla: bool) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from graph_replay import capture, replay_on_new_inputs
+from graph_replay import build, capture, replay_on_new_inputs
 from kernelmux.backends.cuda import _nvrtc, attention
 from kernelmux.ops.specs import paged_attention as pa_spec
 
@@ -129,8 +129,7 @@ def test_compile_errors_carry_the_log():
 # The kernel (GPU)
 
 def _build(make, seed: int) -> dict:
-    kwargs = make(torch.device("cpu"), torch.Generator().manual_seed(seed))
-    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return build(make, seed, DEVICE)
 
 
 def _check(kwargs, seed):

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import DEVICE
-from graph_replay import capture, replay_on_new_inputs
+from graph_replay import build, capture, replay_on_new_inputs
 from kernelmux.backends.triton import attention
 from kernelmux.ops.specs import mla_decode as mla_spec
 from kernelmux.ops.specs import paged_attention as pa_spec
@@ -27,8 +27,7 @@ if DEVICE == "cpu" and not INTERPRETED:
 
 
 def _build(make, seed: int) -> dict:
-    kwargs = make(torch.device("cpu"), torch.Generator().manual_seed(seed))
-    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    return build(make, seed, DEVICE)
 
 
 def _check(spec_module, fn, kwargs, seed):
