@@ -46,6 +46,8 @@ _SOURCE = pathlib.Path(__file__).with_name("paged_decode_fp8.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
 _DECODE_SIGNATURE = "pppppppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
 _MERGE_SIGNATURE = "pppp" + "iii" + "qq"
+# Macros defined for the compilation (perf/diag/cuda_decode_trace.py sets KERNELMUX_TRACE).
+_DEFINES: tuple[str, ...] = ()
 
 
 def split_count(ctas: int, slots: int, max_seq_len: int) -> int:
@@ -174,13 +176,16 @@ _sm_count = functools.cache(probes.compute_units)
 
 
 @functools.cache
-def _compiled(arch: tuple[int, int], *template: bool | int) -> tuple[_nvrtc.CompiledModule, str, str]:
+def _compiled(arch: tuple[int, int], defines: tuple[str, ...],
+              *template: bool | int) -> tuple[_nvrtc.CompiledModule, str, str]:
     """One NVRTC compilation per template set (head tiles, bf16 query, log2 block size, soft cap,
-    split, read ahead, warps) and arch: (module, decode kernel name, merge kernel name)."""
+    split, read ahead, warps), arch and macro set: (module, decode kernel name, merge kernel name)."""
     args = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in template)
     decode = f"paged_decode_fp8<{args}>"
     merge = f"merge_splits<{str(template[1]).lower()}>"
-    module = _nvrtc.compile_module_cached(_SOURCE.read_text(), [decode, merge], arch, filename=_SOURCE.name)
+    prefix = "".join(f"#define {name} 1\n" for name in defines) + ("#line 1\n" if defines else "")
+    source = prefix + _SOURCE.read_text()
+    module = _nvrtc.compile_module_cached(source, [decode, merge], arch, filename=_SOURCE.name)
     return module, decode, merge
 
 
@@ -190,13 +195,13 @@ _LOCK = threading.Lock()
 
 def _kernels(device: torch.device, *template: bool | int) -> tuple[_nvrtc.Kernel, _nvrtc.Kernel]:
     """The decode and merge kernels for ``template`` loaded on ``device`` (cached per device)."""
-    key = (device, template)
+    key = (device, _DEFINES, template)
     kernels = _LOADED.get(key)
     if kernels is None:
         with _LOCK:
             if key in _LOADED:  # another thread loaded them while this one waited
                 return _LOADED[key]
-            module, decode_name, merge_name = _compiled(_capability(device), *template)
+            module, decode_name, merge_name = _compiled(_capability(device), _DEFINES, *template)
             decode, handle = _nvrtc.load_kernel(module, decode_name, _DECODE_SIGNATURE, template[-1] * 32)
             merge, _ = _nvrtc.load_kernel(module, merge_name, _MERGE_SIGNATURE, 2 * HEAD_DIM, loaded=handle)
             kernels = _LOADED[key] = (decode, merge)

@@ -117,6 +117,30 @@ __device__ __forceinline__ float finite_abs(float x) {
 
 }  // namespace
 
+// Diagnostics only: perf/diag/cuda_decode_trace.py compiles this file with KERNELMUX_TRACE
+// defined to read, per CTA, the %globaltimer at the marks below and the SM it ran on. A mark
+// waits for `after` (a value the mark must follow: a load's result), so it times arrivals.
+#ifdef KERNELMUX_TRACE
+constexpr int kTraceCtas = 1 << 16;
+extern "C" __device__ unsigned long long kernelmux_trace[kTraceCtas][8];
+__device__ __forceinline__ void trace_mark(int slot, u32 after) {
+    const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (threadIdx.x == 0 && cta < kTraceCtas && after != 0x7fc00001u) {
+        unsigned long long now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        kernelmux_trace[cta][slot] = now;
+        if (slot == 0) {
+            u32 sm;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+            kernelmux_trace[cta][7] = sm;
+        }
+    }
+}
+#define TRACE_MARK(slot, after) trace_mark(slot, (u32)(after))
+#else
+#define TRACE_MARK(slot, after)
+#endif
+
 // HEAD_TILES: query heads per KV head padded to 8 * HEAD_TILES (the MMA's 8 columns each).
 // Q_BF16: bf16 query and output (else fp16). PAGE_SHIFT: log2 of the cache block size.
 // AHEAD: the next step's K is read while this step's softmax and values run (more registers).
@@ -153,9 +177,11 @@ __global__ void __launch_bounds__(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
+    TRACE_MARK(0, 0);
     const int token = cu_seqlens_q[seq];
     if (cu_seqlens_q[seq + 1] - token <= 0) return;  // no query: nothing to write
     const int kv_len = seq_lens[seq];
+    TRACE_MARK(1, kv_len);
 
     // KV range [lo, hi) of this CTA, walked in 32-position steps from a multiple of 32 (so each
     // 16-position tile lies inside one cache block when blocks hold 16 or more).
@@ -223,6 +249,11 @@ __global__ void __launch_bounds__(
     };
     int step = first + warp * kStep;
     look_up(step);
+#ifdef KERNELMUX_TRACE
+    // The first K row's arrival, timed by a load of its own (the loop's then hits in L2).
+    if (PAGE_SHIFT >= 4 && step < hi)
+        TRACE_MARK(2, load16(k_head + (i64)ahead_block[0] * k_stride_b + (i64)(step & (kPage - 1)) * k_stride_s).w[0]);
+#endif
     if (AHEAD && step < hi) load_k(step);
 
     // The query slice of this lane: heads 8j + g of the group, the dims of its K bytes (16t ..
@@ -383,6 +414,7 @@ __global__ void __launch_bounds__(
         step = next;
     }
 
+    TRACE_MARK(3, __float_as_uint(acc[0][0][0]));  // warp 0's last step done
     // Combine the four warps: sums over the 8 lanes of each head, then shared memory.
 #pragma unroll
     for (int j = 0; j < HEAD_TILES; ++j)
@@ -404,6 +436,7 @@ __global__ void __launch_bounds__(
             }
         }
     __syncthreads();
+    TRACE_MARK(4, 0);  // every warp done
 
     const float v_mul = v_scale != nullptr ? *v_scale : 1.0f;
     for (int idx = threadIdx.x; idx < HEAD_TILES * 8 * kHeadDim; idx += WARPS * 32) {
@@ -439,6 +472,7 @@ __global__ void __launch_bounds__(
             *reinterpret_cast<u16*>(o) = (u16)(packed & 0xffffu);
         }
     }
+    TRACE_MARK(5, 0);  // this thread's stores issued
 }
 
 // One (token, query head) per CTA of 256 threads: the splits' maxima and sums are read at once

@@ -120,6 +120,19 @@ def test_hopper_kernels_hold_their_occupancy_without_spills():
 
 
 @needs_nvrtc
+def test_traced_build_compiles_without_spills(tmp_path, monkeypatch):
+    # perf/diag/cuda_decode_trace.py's build: the marks must not change what they time by spilling.
+    monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
+    module, decode, _ = attention._compiled((9, 0), ("KERNELMUX_TRACE",), 1, True, 4, False, True, False, 4)
+    assert b"kernelmux_trace" in module.cubin
+    plain, _, _ = attention._compiled((9, 0), (), 1, True, 4, False, True, False, 4)
+    assert b"kernelmux_trace" not in plain.cubin
+    traced = _nvrtc.compile_module("#define KERNELMUX_TRACE 1\n" + attention._SOURCE.read_text(), [decode],
+                                   (9, 0), verbose=True)
+    assert traced.spill_bytes(decode) == 0
+
+
+@needs_nvrtc
 def test_compile_errors_carry_the_log():
     with pytest.raises(_nvrtc.NvrtcError, match="undefined_thing"):
         _nvrtc.compile_module("__global__ void k() { undefined_thing(); }", ["k"], (9, 0))

@@ -1,0 +1,129 @@
+"""Where the cuda backend's fp8 decode kernel spends a call: per CTA, %globaltimer at its entry,
+when its sequence length arrives, when its first K row arrives, when warp 0 finishes streaming,
+when every warp has, and when its stores are issued (the kernel compiled with KERNELMUX_TRACE,
+which adds the marks and nothing else; see paged_decode_fp8.cu). Prints, per case, each mark's
+spread over the CTAs relative to the first entry, the stage durations and the number of CTAs
+running in each microsecond, against the time the spec's bytes take at the copy bandwidth
+measured in the same run.
+
+    python perf/diag/cuda_decode_trace.py --out DIR [--cases NAME ...] [--splits N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+
+import numpy as np
+import torch
+
+from kernelmux.backends.cuda import _nvrtc
+from kernelmux.backends.cuda import attention as cuda_attention
+from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.perf import ceilings as ceilings_module
+
+CASES = ["llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b8_ctx32768",
+         "llama3_8b_fp8_decode_b64_ctx4096"]
+MARKS = ["entry", "length", "first K", "warp 0 done", "all warps done", "stores issued"]
+TRACE_CTAS, TRACE_SLOTS = 1 << 16, 8  # the .cu file's kTraceCtas x 8 words
+
+
+def trace_buffer(module: ctypes.c_void_p) -> tuple[int, int]:
+    lib = _nvrtc._libcuda()
+    pointer, size = ctypes.c_uint64(), ctypes.c_size_t()
+    _nvrtc._cu_check(lib.cuModuleGetGlobal_v2(ctypes.byref(pointer), ctypes.byref(size), module,
+                                              b"kernelmux_trace"), "cuModuleGetGlobal(kernelmux_trace)")
+    return pointer.value, size.value
+
+
+def read_trace(module: ctypes.c_void_p, ctas: int) -> np.ndarray:
+    pointer, size = trace_buffer(module)
+    host = np.zeros((TRACE_CTAS, TRACE_SLOTS), dtype=np.uint64)
+    assert host.nbytes == size, (host.nbytes, size)
+    _nvrtc._cu_check(_nvrtc._libcuda().cuMemcpyDtoH_v2(host.ctypes.data_as(ctypes.c_void_p),
+                                                       ctypes.c_uint64(pointer), ctypes.c_size_t(size)),
+                     "cuMemcpyDtoH")
+    return host[:ctas]
+
+
+def clear_trace(module: ctypes.c_void_p) -> None:
+    pointer, size = trace_buffer(module)
+    _nvrtc._cu_check(_nvrtc._libcuda().cuMemsetD8_v2(ctypes.c_uint64(pointer), 0, ctypes.c_size_t(size)),
+                     "cuMemsetD8")
+
+
+def summarize(trace: np.ndarray) -> dict:
+    times = trace[:, :6].astype(np.int64)
+    t0 = times[:, 0].min()
+    rel = (times - t0) / 1e3  # us
+    quantiles = {name: np.percentile(rel[:, i], [0, 10, 50, 90, 100]).round(2).tolist()
+                 for i, name in enumerate(MARKS)}
+    stages = {f"{MARKS[i]} -> {MARKS[i + 1]}": np.percentile(rel[:, i + 1] - rel[:, i], [10, 50, 90]).round(2)
+              .tolist() for i in range(5)}
+    end = rel[:, 5].max()
+    bins = np.arange(0, np.ceil(end) + 1)
+    running = [int(((rel[:, 0] <= b) & (rel[:, 5] > b)).sum()) for b in bins]
+    per_sm = np.bincount(trace[:, 7].astype(np.int64))
+    return dict(span_us=round(float(end), 2), marks_us=quantiles, stages_us=stages, running_per_us=running,
+                ctas=int(trace.shape[0]), sms=int((per_sm > 0).sum()), most_ctas_per_sm=int(per_sm.max()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", nargs="*", default=CASES)
+    parser.add_argument("--splits", type=int, default=None)
+    args = parser.parse_args()
+    copy = ceilings_module.measure("cuda")["memory_gbps"]
+    cuda_attention._DEFINES = ("KERNELMUX_TRACE",)
+    record = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"),
+              "copy_gbps": copy, "cases": {}}
+    lines = [f"copy bandwidth {copy:.1f} GB/s"]
+    for case in args.cases:
+        kwargs = pa_spec.SPEC.case(case).build(torch.device("cuda"), 0)
+        ideal_us = pa_spec.SPEC.cost(kwargs).bytes / copy / 1e3
+        cuda_attention._LOADED.clear()  # so the kernel this case loads last is the one it runs
+        with cuda_attention.override_plan(num_splits=args.splits):
+            expected = pa_spec.SPEC.reference(**kwargs)
+            pa_spec.SPEC.check_close(cuda_attention.paged_attention(**kwargs), expected, kwargs)
+            decode = list(cuda_attention._LOADED.values())[-1][0]
+            module = decode._module
+            runs = []
+            for _ in range(5):
+                for _ in range(3):
+                    cuda_attention.paged_attention(**kwargs)
+                torch.cuda.synchronize()
+                clear_trace(module)
+                cuda_attention.paged_attention(**kwargs)
+                torch.cuda.synchronize()
+                num_seqs, num_kv_heads = kwargs["seq_lens"].shape[0], kwargs["k_cache"].shape[2]
+                trace = read_trace(module, TRACE_CTAS)
+                ctas = int((trace[:, 0] > 0).sum())
+                assert ctas % (num_seqs * num_kv_heads) == 0, (ctas, num_seqs, num_kv_heads)
+                runs.append(summarize(trace[:ctas]))
+        runs.sort(key=lambda r: r["span_us"])
+        median = runs[len(runs) // 2]
+        median.update(ideal_us=round(ideal_us, 2), spans_us=[r["span_us"] for r in runs])
+        record["cases"][case] = median
+        lines.append(f"\n{case}: {median['ctas']} CTAs on {median['sms']} SMs "
+                     f"(<= {median['most_ctas_per_sm']} per SM); span {median['span_us']} us "
+                     f"(runs {median['spans_us']}), bytes at copy rate {ideal_us:.2f} us")
+        lines.append("  mark (us after the first entry)   min     p10     p50     p90     max")
+        for name, q in median["marks_us"].items():
+            lines.append(f"  {name:32s}" + "".join(f"{v:8.2f}" for v in q))
+        lines.append("  stage (us)                         p10     p50     p90")
+        for name, q in median["stages_us"].items():
+            lines.append(f"  {name:32s}" + "".join(f"{v:8.2f}" for v in q))
+        lines.append("  CTAs running per us: " + " ".join(map(str, median["running_per_us"])))
+        print("\n".join(lines[-(len(MARKS) * 2 + 5):]), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "cuda_decode_trace.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    with open(os.path.join(args.out, "cuda_decode_trace.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
