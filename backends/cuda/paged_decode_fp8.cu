@@ -173,6 +173,8 @@ __global__ void __launch_bounds__(
     __shared__ float sm_acc[WARPS][HEAD_TILES * 8][kHeadDim];
     __shared__ float sm_m[WARPS][HEAD_TILES * 8];
     __shared__ float sm_l[WARPS][HEAD_TILES * 8];
+    __shared__ float sm_sink[HEAD_TILES * 8];  // per head of the group (-inf: none)
+    __shared__ float sm_v_mul;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -260,6 +262,12 @@ __global__ void __launch_bounds__(
     // 16t + 15 and 64 + 16t .. 64 + 16t + 15). Word i of the slice holds its elements 2i, 2i + 1:
     // words 2kc and 2kc + 1 are the B operand of dim chunk kc, as K's word kc is its A operand.
     u32 qb[HEAD_TILES][16];
+    // The epilogue's scalars are read with the query and kept in shared memory: a load issued
+    // after the stream waits behind it (2-4 us measured at the end of a CTA, with
+    // perf/diag/cuda_decode_trace.py).
+    const float v_mul = v_scale != nullptr ? *v_scale : 1.0f;
+    const float sink = !SPLIT && sinks != nullptr && threadIdx.x < group ? sinks[kv_head * group + threadIdx.x]
+                                                                         : neg_inf();
 #pragma unroll
     for (int j = 0; j < HEAD_TILES; ++j) {
         const int h = 8 * j + g;
@@ -297,6 +305,8 @@ __global__ void __launch_bounds__(
                                       bf16_to_f32((u16)(qb[j][i] >> 16)) * down);
     }
     if (k_scale != nullptr) scale *= *k_scale;
+    if (threadIdx.x == 0) sm_v_mul = v_mul;
+    if (!SPLIT && threadIdx.x < HEAD_TILES * 8) sm_sink[threadIdx.x] = sink;
     const float score_scale = SOFT_CAP ? scale / soft_cap : scale * kLog2e;
 
     float m_run[HEAD_TILES][2], l_run[HEAD_TILES][2];
@@ -438,7 +448,6 @@ __global__ void __launch_bounds__(
     __syncthreads();
     TRACE_MARK(4, 0);  // every warp done
 
-    const float v_mul = v_scale != nullptr ? *v_scale : 1.0f;
     for (int idx = threadIdx.x; idx < HEAD_TILES * 8 * kHeadDim; idx += WARPS * 32) {
         const int h = idx / kHeadDim, d = idx % kHeadDim;
         if (h >= group) continue;
@@ -453,7 +462,7 @@ __global__ void __launch_bounds__(
             total += sm_l[w][h] * weight;
             value += sm_acc[w][h][d] * weight;
         }
-        value *= v_mul;
+        value *= sm_v_mul;
         const int q_head = kv_head * group + h;
         if (SPLIT) {
             const i64 ml = ((i64)split * num_tokens + token) * num_q_heads + q_head;
@@ -464,7 +473,7 @@ __global__ void __launch_bounds__(
             }
         } else {
             float denominator = total;
-            if (sinks != nullptr) denominator += exp2_approx(sinks[q_head] * kLog2e - m_use);
+            denominator += exp2_approx(sm_sink[h] * kLog2e - m_use);  // 0 without a sink
             if (denominator == 0.0f) denominator = 1.0f;  // nothing visible: zeros
             const float y = value / denominator;
             unsigned char* o = out + ((i64)token * o_stride_t + (i64)q_head * o_stride_h + d) * 2;
