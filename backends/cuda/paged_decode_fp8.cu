@@ -56,6 +56,21 @@ __device__ __forceinline__ Bytes16 load16(const unsigned char* p) {
     return v;
 }
 
+// Loads of data other CTAs of this launch wrote: through L2 (.cg), never a stale L1 line.
+__device__ __forceinline__ float load_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float4 load_cg4(const float* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ Bytes16 zero16() {
     Bytes16 v;
     v.w[0] = v.w[1] = v.w[2] = v.w[3] = 0u;
@@ -110,6 +125,14 @@ __device__ __forceinline__ float exp2_approx(float x) {
 
 __device__ __forceinline__ float bf16_to_f32(u16 x) { return __int_as_float(((u32)x) << 16); }
 
+// Four output values times `mul`, rounded to the query's dtype, as one 8-byte store.
+template <bool Q_BF16>
+__device__ __forceinline__ void store4(unsigned char* p, float4 v, float mul) {
+    *reinterpret_cast<uint2*>(p) =
+        Q_BF16 ? make_uint2(pack_bf16x2(v.x * mul, v.y * mul), pack_bf16x2(v.z * mul, v.w * mul))
+               : make_uint2(pack_f16x2(v.x * mul, v.y * mul), pack_f16x2(v.z * mul, v.w * mul));
+}
+
 __device__ __forceinline__ float finite_abs(float x) {
     float a = fabsf(x);
     return a < __int_as_float(0x7f800000) ? a : 0.0f;  // NaN and inf compare false
@@ -147,7 +170,12 @@ __device__ __forceinline__ void trace_mark(int slot, u32 after) {
 // Occupancy: 16 warps per SM (128 registers a thread) for one head tile with whole 16-position
 // tiles per cache block, without AHEAD or soft cap; lookups per position (blocks under 16),
 // AHEAD, soft cap or a second head tile need more registers than that without spilling.
-template <int HEAD_TILES, bool Q_BF16, int PAGE_SHIFT, bool SOFT_CAP, bool SPLIT, bool AHEAD, int WARPS>
+// SPLITS: kWhole (one CTA per sequence and KV head, normalized output), kPartials (each split
+// writes its partial for merge_splits) or kMergeLast (each split writes its partial, and the last
+// CTA of a sequence and KV head to finish, found by a counter, merges them into the output).
+constexpr int kWhole = 0, kPartials = 1, kMergeLast = 2;
+
+template <int HEAD_TILES, bool Q_BF16, int PAGE_SHIFT, bool SOFT_CAP, int SPLITS, bool AHEAD, int WARPS>
 __global__ void __launch_bounds__(
     WARPS * 32, (HEAD_TILES == 1 ? (PAGE_SHIFT >= 4 && !AHEAD && !SOFT_CAP ? 16 : 12) : 8) / WARPS)
     paged_decode_fp8(
@@ -157,6 +185,7 @@ __global__ void __launch_bounds__(
     unsigned char* __restrict__ out,            // [T, Hq, 128] query dtype (not SPLIT)
     float* __restrict__ part_acc,               // [splits, T, Hq, 128] (SPLIT)
     float* __restrict__ part_ml,                // [2, splits, T, Hq]: max (base 2), sum (SPLIT)
+    int* __restrict__ split_counters,           // [T, Hkv], zeros; left zero (kMergeLast)
     const int* __restrict__ cu_seqlens_q,       // [B + 1]
     const int* __restrict__ block_table,        // [B, max_blocks]
     const int* __restrict__ seq_lens,           // [B]
@@ -170,7 +199,8 @@ __global__ void __launch_bounds__(
     i64 v_stride_b, i64 v_stride_s, i64 v_stride_h,
     i64 table_stride) {
     constexpr int kPage = 1 << PAGE_SHIFT;
-    __shared__ float sm_acc[WARPS][HEAD_TILES * 8][kHeadDim];
+    constexpr bool SPLIT = SPLITS != kWhole;
+    __shared__ __align__(16) float sm_acc[WARPS][HEAD_TILES * 8][kHeadDim];
     __shared__ float sm_m[WARPS][HEAD_TILES * 8];
     __shared__ float sm_l[WARPS][HEAD_TILES * 8];
     __shared__ float sm_sink[HEAD_TILES * 8];  // per head of the group (-inf: none)
@@ -254,7 +284,8 @@ __global__ void __launch_bounds__(
 #ifdef KERNELMUX_TRACE
     // The first K row's arrival, timed by a load of its own (the loop's then hits in L2).
     if (PAGE_SHIFT >= 4 && step < hi)
-        TRACE_MARK(2, load16(k_head + (i64)ahead_block[0] * k_stride_b + (i64)(step & (kPage - 1)) * k_stride_s).w[0]);
+        TRACE_MARK(2, load16(k_head + (i64)ahead_block[0] * k_stride_b + (i64)(step & (kPage - 1)) * k_stride_s)
+                          .w[0]);
 #endif
     if (AHEAD && step < hi) load_k(step);
 
@@ -266,8 +297,8 @@ __global__ void __launch_bounds__(
     // after the stream waits behind it (2-4 us measured at the end of a CTA, with
     // perf/diag/cuda_decode_trace.py).
     const float v_mul = v_scale != nullptr ? *v_scale : 1.0f;
-    const float sink = !SPLIT && sinks != nullptr && threadIdx.x < group ? sinks[kv_head * group + threadIdx.x]
-                                                                         : neg_inf();
+    const bool has_sink = SPLITS != kPartials && sinks != nullptr && threadIdx.x < group;
+    const float sink = has_sink ? sinks[kv_head * group + threadIdx.x] : neg_inf();
 #pragma unroll
     for (int j = 0; j < HEAD_TILES; ++j) {
         const int h = 8 * j + g;
@@ -306,7 +337,7 @@ __global__ void __launch_bounds__(
     }
     if (k_scale != nullptr) scale *= *k_scale;
     if (threadIdx.x == 0) sm_v_mul = v_mul;
-    if (!SPLIT && threadIdx.x < HEAD_TILES * 8) sm_sink[threadIdx.x] = sink;
+    if (SPLITS != kPartials && threadIdx.x < HEAD_TILES * 8) sm_sink[threadIdx.x] = sink;
     const float score_scale = SOFT_CAP ? scale / soft_cap : scale * kLog2e;
 
     float m_run[HEAD_TILES][2], l_run[HEAD_TILES][2];
@@ -440,33 +471,40 @@ __global__ void __launch_bounds__(
                 sm_l[warp][h] = l;
             }
 #pragma unroll
-            for (int mt = 0; mt < 8; ++mt) {
-                sm_acc[warp][h][16 * g + 2 * mt] = acc[mt][j][e];
-                sm_acc[warp][h][16 * g + 2 * mt + 1] = acc[mt][j][e + 2];
-            }
+            for (int mt = 0; mt < 8; ++mt)
+                *reinterpret_cast<float2*>(&sm_acc[warp][h][16 * g + 2 * mt]) =
+                    make_float2(acc[mt][j][e], acc[mt][j][e + 2]);
         }
     __syncthreads();
     TRACE_MARK(4, 0);  // every warp done
 
-    for (int idx = threadIdx.x; idx < HEAD_TILES * 8 * kHeadDim; idx += WARPS * 32) {
-        const int h = idx / kHeadDim, d = idx % kHeadDim;
+    // Four dims of one head per thread and pass (16-byte shared reads and stores): the stores
+    // queue behind the other CTAs' streaming loads, so fewer and wider is faster here.
+    for (int idx = threadIdx.x; idx < HEAD_TILES * 8 * (kHeadDim / 4); idx += WARPS * 32) {
+        const int h = idx / (kHeadDim / 4), d = 4 * (idx % (kHeadDim / 4));
         if (h >= group) continue;
         float m_max = neg_inf();
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) m_max = fmaxf(m_max, sm_m[w][h]);
         const float m_use = m_max == neg_inf() ? 0.0f : m_max;
-        float total = 0.0f, value = 0.0f;
+        float total = 0.0f;
+        float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
             const float weight = exp2_approx(sm_m[w][h] - m_use);  // 0 for warps that saw nothing
             total += sm_l[w][h] * weight;
-            value += sm_acc[w][h][d] * weight;
+            const float4 a = *reinterpret_cast<const float4*>(&sm_acc[w][h][d]);
+            value.x += a.x * weight;
+            value.y += a.y * weight;
+            value.z += a.z * weight;
+            value.w += a.w * weight;
         }
-        value *= sm_v_mul;
         const int q_head = kv_head * group + h;
         if (SPLIT) {
+            const float v_mul = sm_v_mul;
             const i64 ml = ((i64)split * num_tokens + token) * num_q_heads + q_head;
-            part_acc[ml * kHeadDim + d] = value;
+            *reinterpret_cast<float4*>(part_acc + ml * kHeadDim + d) =
+                make_float4(value.x * v_mul, value.y * v_mul, value.z * v_mul, value.w * v_mul);
             if (d == 0) {
                 part_ml[ml] = m_max;
                 part_ml[(i64)num_splits * num_tokens * num_q_heads + ml] = total;
@@ -475,13 +513,58 @@ __global__ void __launch_bounds__(
             float denominator = total;
             denominator += exp2_approx(sm_sink[h] * kLog2e - m_use);  // 0 without a sink
             if (denominator == 0.0f) denominator = 1.0f;  // nothing visible: zeros
-            const float y = value / denominator;
-            unsigned char* o = out + ((i64)token * o_stride_t + (i64)q_head * o_stride_h + d) * 2;
-            const u32 packed = Q_BF16 ? pack_bf16x2(y, 0.0f) : pack_f16x2(y, 0.0f);
-            *reinterpret_cast<u16*>(o) = (u16)(packed & 0xffffu);
+            store4<Q_BF16>(out + ((i64)token * o_stride_t + (i64)q_head * o_stride_h + d) * 2, value,
+                           sm_v_mul / denominator);
         }
     }
     TRACE_MARK(5, 0);  // this thread's stores issued
+    if (SPLITS != kMergeLast) return;
+
+    // Count this CTA's split done, after its partials are visible to the device; the CTA that
+    // counts last merges every split (its own re-read from L2) and resets the counter.
+    __shared__ int sm_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* counter = split_counters + (i64)token * gridDim.x + kv_head;
+        sm_last = atomicAdd(counter, 1) == num_splits - 1;
+        if (sm_last) *counter = 0;  // the next launch starts from zero
+    }
+    __syncthreads();
+    if (!sm_last) return;
+    __threadfence();
+    const i64 stride = (i64)num_tokens * num_q_heads;  // between splits
+    for (int idx = threadIdx.x; idx < HEAD_TILES * 8 * (kHeadDim / 4); idx += WARPS * 32) {
+        const int h = idx / (kHeadDim / 4), d = 4 * (idx % (kHeadDim / 4));
+        if (h >= group) continue;
+        const int q_head = kv_head * group + h;
+        const i64 first = (i64)token * num_q_heads + q_head;
+        // One pass with a running max, so the loads of every split are independent and in flight
+        // together.
+        float m_run = neg_inf(), total = 0.0f;
+        float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+        for (int s = 0; s < num_splits; ++s) {
+            const float m = load_cg(part_ml + first + s * stride);
+            const float l = load_cg(part_ml + (num_splits + s) * stride + first);
+            const float4 a = load_cg4(part_acc + (first + s * stride) * kHeadDim + d);
+            const float m_new = fmaxf(m_run, m);
+            const float m_use = m_new == neg_inf() ? 0.0f : m_new;
+            const float alpha = exp2_approx(m_run - m_use), weight = exp2_approx(m - m_use);
+            total = total * alpha + l * weight;
+            value.x = value.x * alpha + a.x * weight;
+            value.y = value.y * alpha + a.y * weight;
+            value.z = value.z * alpha + a.z * weight;
+            value.w = value.w * alpha + a.w * weight;
+            m_run = m_new;
+        }
+        const float m_use = m_run == neg_inf() ? 0.0f : m_run;
+        float denominator = total + exp2_approx(sm_sink[h] * kLog2e - m_use);  // 0 without a sink
+        if (denominator == 0.0f) denominator = 1.0f;  // nothing visible: zeros
+        store4<Q_BF16>(out + ((i64)token * o_stride_t + (i64)q_head * o_stride_h + d) * 2, value,
+                       1.0f / denominator);  // partials carry v_scale already
+    }
+    TRACE_MARK(6, 0);  // the merge's stores issued
 }
 
 // One (token, query head) per CTA of 256 threads: the splits' maxima and sums are read at once

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import re
 import threading
 
 import pytest
@@ -93,8 +94,7 @@ def test_override_plan_checks_its_argument():
 
 NAMES = [f"paged_decode_fp8<{tiles}, {bf16}, {shift}, {cap}, {split}, {ahead}, {warps}>"
          for tiles, bf16, shift, cap, split, ahead, warps in itertools.product(
-             (1, 2), ("true", "false"), (0, 4), ("false", "true"), ("false", "true"), ("false", "true"),
-             (4, 8))
+             (1, 2), ("true", "false"), (0, 4), ("false", "true"), (0, 1, 2), ("false", "true"), (4, 8))
          if tiles == 1 or warps == 4]
 NAMES += ["merge_splits<true>", "merge_splits<false>"]
 
@@ -114,18 +114,19 @@ def test_hopper_kernels_hold_their_occupancy_without_spills():
     module = _nvrtc.compile_module(attention._SOURCE.read_text(), NAMES, (9, 0), verbose=True)
     for name in NAMES:
         assert module.spill_bytes(name) == 0, name
-    for name in NAMES:
-        if name.startswith("paged_decode_fp8<1,") and ", 4, false, false, false, " in name:
-            assert module.registers(name) <= 128, (name, module.registers(name))
+    held = [n for n in NAMES if re.fullmatch(r"paged_decode_fp8<1, \w+, 4, false, \d, false, \d>", n)]
+    assert len(held) == 2 * 3 * 2  # query dtypes x split modes x warps
+    for name in held:
+        assert module.registers(name) <= 128, (name, module.registers(name))
 
 
 @needs_nvrtc
 def test_traced_build_compiles_without_spills(tmp_path, monkeypatch):
     # perf/diag/cuda_decode_trace.py's build: the marks must not change what they time by spilling.
     monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
-    module, decode, _ = attention._compiled((9, 0), ("KERNELMUX_TRACE",), 1, True, 4, False, True, False, 4)
+    module, decode, _ = attention._compiled((9, 0), ("KERNELMUX_TRACE",), 1, True, 4, False, 1, False, 4)
     assert b"kernelmux_trace" in module.cubin
-    plain, _, _ = attention._compiled((9, 0), (), 1, True, 4, False, True, False, 4)
+    plain, _, _ = attention._compiled((9, 0), (), 1, True, 4, False, 1, False, 4)
     assert b"kernelmux_trace" not in plain.cubin
     traced = _nvrtc.compile_module("#define KERNELMUX_TRACE 1\n" + attention._SOURCE.read_text(), [decode],
                                    (9, 0), verbose=True)
@@ -178,12 +179,16 @@ def test_decode_against_reference(options, block_size, num_heads, num_kv_heads):
     _check(_build(make, seed), seed)
 
 
+PLANS = [{}, {"read_ahead": True}, {"warps": 8}, {"merge_in_last_cta": True},
+         {"merge_in_last_cta": True, "warps": 8}]
+PLAN_IDS = ["default", "read_ahead", "warps8", "merge_last", "merge_last_warps8"]
+
+
 @needs_gpu
 @pytest.mark.parametrize("options", ["scales", "window", "sinks_cap"])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 1), (12, 1), (3, 3)])
 @pytest.mark.parametrize("splits", [1, 3, 8, 64])
-@pytest.mark.parametrize("plan", [{}, {"read_ahead": True}, {"warps": 8}],
-                         ids=["default", "read_ahead", "warps8"])
+@pytest.mark.parametrize("plan", PLANS, ids=PLAN_IDS)
 def test_every_plan_against_reference(options, num_heads, num_kv_heads, splits, plan):
     seed = 10 * num_heads + splits
     make = pa_spec._maker(Q_LENS, KV_LENS, num_heads, num_kv_heads, 128, block_size=16, cache_dtype=FP8,
@@ -203,7 +208,7 @@ def test_decode_ignores_nan_in_unread_slots():
             read[kwargs["block_table"][b, j // 16], j % 16] = True
     for name in ("k_cache", "v_cache"):
         kwargs[name].view(torch.uint8)[~read] = 0x7F  # e4m3 NaN
-    for splits, plan in itertools.product((1, 3), ({}, {"read_ahead": True}, {"warps": 8})):
+    for splits, plan in itertools.product((1, 3), PLANS):
         with attention.override_plan(num_splits=splits, **plan):
             pa_spec.SPEC.check_close(attention.paged_attention(**kwargs), expected, kwargs)
 
@@ -230,15 +235,41 @@ def test_misaligned_cache_view_is_refused_by_name():
 
 
 @needs_gpu
-@pytest.mark.parametrize("splits", [None, 1, 4])
-def test_decode_graph_replays_new_inputs(splits):
+@pytest.mark.parametrize("splits, merge_last",
+                         [(None, False), (1, False), (4, False), (4, True), (None, True)])
+def test_decode_graph_replays_new_inputs(splits, merge_last):
     batch, max_len = 16, 2048
     make = pa_spec._maker((1,) * batch, (max_len,) * batch, 8, 1, 128, cache_dtype=FP8, scales=(0.23, 0.31),
                           spare_blocks=64)
     static = _build(make, 0)
-    with attention.override_plan(num_splits=splits):
+    with attention.override_plan(num_splits=splits, merge_in_last_cta=merge_last):
         graph, out = capture(attention.paged_attention, static)
     replay_on_new_inputs(pa_spec, make, static, graph, out, batch, max_len)
+
+
+@needs_gpu
+def test_merge_in_last_cta_leaves_its_counters_zero():
+    # Each launch's merging CTAs reset the counters they used; a capture larger than the buffer
+    # the eager calls prepared gets zeros of its own; every cached buffer stays zero.
+    make = pa_spec._maker((1,) * 8, (300, 1000, 5, 4096, 77, 1, 2000, 640), 16, 2, 128, cache_dtype=FP8)
+    kwargs = _build(make, 5)
+    expected = pa_spec.SPEC.reference(**kwargs)
+    with attention.override_plan(num_splits=7, merge_in_last_cta=True):
+        for _ in range(3):
+            pa_spec.SPEC.check_close(attention.paged_attention(**kwargs), expected, kwargs)
+        torch.cuda.synchronize()
+        buffers = [b for (device, _), b in attention._COUNTERS.items() if device == torch.device(DEVICE)]
+        assert len(buffers) >= 2 and all(int(b.abs().sum()) == 0 for b in buffers)
+        big = _build(pa_spec._maker((1,) * 600, (64,) * 600, 8, 2, 128, cache_dtype=FP8), 6)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # no eager call first: 1200 counters > the prepared 1024
+            out = attention.paged_attention(**big)
+        graph.replay()
+        graph.replay()
+        pa_spec.SPEC.check_close(out, pa_spec.SPEC.reference(**big), big)
+        torch.cuda.synchronize()
+        assert all(int(b.abs().sum()) == 0 for (device, _), b in attention._COUNTERS.items()
+                   if device == torch.device(DEVICE))
 
 
 @needs_nvrtc
