@@ -45,8 +45,8 @@ _MAX_SPLITS = 64  # the merge kernel's kMaxSplits
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode_fp8.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
 _DECODE_SIGNATURE = "ppppppppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
-_MERGE_SIGNATURE = "pppp" + "iii" + "qq"
-_WHOLE, _PARTIALS, _MERGE_LAST = 0, 1, 2  # the kernel's SPLITS: kWhole, kPartials, kMergeLast
+_MERGE_SIGNATURE = "ppppp" + "iiii" + "qq"
+_WHOLE, _STATIC_SHARES, _CLAIMED_STEPS = 0, 1, 2  # the kernel's SPLITS
 # Macros defined for the compilation (perf/diag/cuda_decode_trace.py sets KERNELMUX_TRACE).
 _DEFINES: tuple[str, ...] = ()
 
@@ -71,9 +71,9 @@ class DecodePlan:
     num_splits: Optional[int] = None
     read_ahead: bool = False
     warps: int = 4  # per CTA; 8 only for groups of up to 8 heads (the combine's shared memory)
-    # Splits merged by the last CTA of each sequence and KV head to finish (a counter per pair,
-    # _split_counters) instead of by the merge kernel.
-    merge_in_last_cta: bool = False
+    # Split CTAs claim their steps from a counter per sequence and KV head (_step_counters) as
+    # they go, instead of each streaming a fixed share.
+    claim_steps: bool = False
 
 
 DEFAULT_PLAN = DecodePlan()
@@ -197,7 +197,7 @@ _LOADED: dict = {}
 _LOCK = threading.Lock()
 
 
-# Split counters (kMergeLast), zeros between launches: the merging CTA resets its counter. Eager
+# Step counters (kClaimedSteps), zeros between launches: the merge kernel resets them. Eager
 # launches use a buffer per (device, stream), so calls on concurrent streams never share one;
 # launches captured in CUDA graphs use one per device, prepared by the eager calls before the
 # capture (graphs replayed concurrently on two streams would share it). Never freed: a captured
@@ -217,7 +217,7 @@ def _counters(key: tuple, count: int) -> torch.Tensor:
     return buffer
 
 
-def _split_counters(device: torch.device, count: int) -> torch.Tensor:
+def _step_counters(device: torch.device, count: int) -> torch.Tensor:
     """``count`` zeroed int32 counters for a launch on the current stream of ``device``."""
     if not torch.cuda.is_current_stream_capturing():
         _counters((device, _GRAPHS), count)  # ready for a capture that follows
@@ -283,15 +283,15 @@ def paged_attention(
             unsplit, _ = _kernels(device, *template, _WHOLE, plan.read_ahead, warps)
             slots = unsplit.blocks_per_sm * _sm_count(device)
             splits = split_count(num_kv_heads * num_seqs, slots, max_seq_len)
-        mode = _WHOLE if splits == 1 else _MERGE_LAST if plan.merge_in_last_cta else _PARTIALS
+        mode = _WHOLE if splits == 1 else _CLAIMED_STEPS if plan.claim_steps else _STATIC_SHARES
         decode, merge = _kernels(device, *template, mode, plan.read_ahead, warps)
         part_acc = part_ml = counters = None
         if splits > 1:
             part_acc = torch.empty((splits, num_tokens, num_q_heads, HEAD_DIM), dtype=torch.float32,
                                    device=device)
             part_ml = torch.empty((2, splits, num_tokens, num_q_heads), dtype=torch.float32, device=device)
-        if mode == _MERGE_LAST:
-            counters = _split_counters(device, num_tokens * num_kv_heads)
+        if mode == _CLAIMED_STEPS:
+            counters = _step_counters(device, num_tokens * num_kv_heads)
         decode(
             (num_kv_heads, num_seqs, splits),
             query, k_cache, v_cache, out, part_acc, part_ml, counters, cu_seqlens_q, block_table, seq_lens,
@@ -303,7 +303,7 @@ def paged_attention(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0),
         )
-        if mode == _PARTIALS:
-            merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, num_tokens, num_q_heads,
-                  splits, out.stride(0), out.stride(1))
+        if splits > 1:
+            merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, counters, num_tokens,
+                  num_q_heads, splits, group, out.stride(0), out.stride(1))
     return out

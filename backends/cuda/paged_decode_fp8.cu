@@ -56,21 +56,6 @@ __device__ __forceinline__ Bytes16 load16(const unsigned char* p) {
     return v;
 }
 
-// Loads of data other CTAs of this launch wrote: through L2 (.cg), never a stale L1 line.
-__device__ __forceinline__ float load_cg(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ float4 load_cg4(const float* p) {
-    float4 v;
-    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 __device__ __forceinline__ Bytes16 zero16() {
     Bytes16 v;
     v.w[0] = v.w[1] = v.w[2] = v.w[3] = 0u;
@@ -170,10 +155,13 @@ __device__ __forceinline__ void trace_mark(int slot, u32 after) {
 // Occupancy: 16 warps per SM (128 registers a thread) for one head tile with whole 16-position
 // tiles per cache block, without AHEAD or soft cap; lookups per position (blocks under 16),
 // AHEAD, soft cap or a second head tile need more registers than that without spilling.
-// SPLITS: kWhole (one CTA per sequence and KV head, normalized output), kPartials (each split
-// writes its partial for merge_splits) or kMergeLast (each split writes its partial, and the last
-// CTA of a sequence and KV head to finish, found by a counter, merges them into the output).
-constexpr int kWhole = 0, kPartials = 1, kMergeLast = 2;
+// SPLITS: kWhole (one CTA per sequence and KV head, normalized output), or several CTAs per
+// sequence and KV head, each writing its partial for merge_splits, with kStaticShares a fixed
+// share of the steps each, with kClaimedSteps the steps claimed from a counter per sequence and KV
+// head as the warps go (each warp's first step is fixed; a warp claims its next step one step
+// ahead): an SM that gets less memory bandwidth than others then streams fewer steps instead of
+// finishing last. merge_splits resets the counters.
+constexpr int kWhole = 0, kStaticShares = 1, kClaimedSteps = 2;
 
 template <int HEAD_TILES, bool Q_BF16, int PAGE_SHIFT, bool SOFT_CAP, int SPLITS, bool AHEAD, int WARPS>
 __global__ void __launch_bounds__(
@@ -185,7 +173,7 @@ __global__ void __launch_bounds__(
     unsigned char* __restrict__ out,            // [T, Hq, 128] query dtype (not SPLIT)
     float* __restrict__ part_acc,               // [splits, T, Hq, 128] (SPLIT)
     float* __restrict__ part_ml,                // [2, splits, T, Hq]: max (base 2), sum (SPLIT)
-    int* __restrict__ split_counters,           // [T, Hkv], zeros; left zero (kMergeLast)
+    int* __restrict__ step_counters,            // [T, Hkv], zeros (kClaimedSteps)
     const int* __restrict__ cu_seqlens_q,       // [B + 1]
     const int* __restrict__ block_table,        // [B, max_blocks]
     const int* __restrict__ seq_lens,           // [B]
@@ -220,7 +208,7 @@ __global__ void __launch_bounds__(
     int lo = window > 0 ? max(kv_len - window, 0) : 0;
     int hi = kv_len;
     int first = lo & ~(kStep - 1);
-    if (SPLIT) {
+    if (SPLITS == kStaticShares) {
         const int steps = (hi - first + kStep - 1) / kStep;
         const int share = (steps + num_splits - 1) / num_splits;
         first += split * share * kStep;
@@ -251,6 +239,27 @@ __global__ void __launch_bounds__(
     auto block_of = [&](int c, int pos) {
         return PAGE_SHIFT >= 4 ? tile_block[c] : table[min(pos, hi - 1) >> PAGE_SHIFT];
     };
+    // This warp's steps: first + warp * kStep and every WARPS-th after it (kWhole,
+    // kStaticShares), or (kClaimedSteps) first + (split * WARPS + warp) * kStep, then the steps
+    // it claims. A claim is requested one step before it is needed (lane 0's atomic, read by the
+    // shuffle in advance()); claims only grow, so once one lies past the range every later one
+    // does, and no claimed step inside the range is left unread.
+    constexpr bool kClaimed = SPLITS == kClaimedSteps;
+    int* const counter = kClaimed ? step_counters + (i64)token * gridDim.x + kv_head : nullptr;
+    const int claimed_first = first + num_splits * WARPS * kStep;  // the step of claim 0
+    int claim = 0, next = 0;
+    auto request_claim = [&]() {
+        if (lane == 0) claim = atomicAdd(counter, 1);
+    };
+    auto advance = [&](int step) {  // next: this warp's step after `step`, its blocks looked up
+        if (kClaimed) {
+            next = claimed_first + __shfl_sync(0xffffffffu, claim, 0) * kStep;
+            request_claim();
+        } else {
+            next = step + WARPS * kStep;
+        }
+        look_up(next);
+    };
     auto load_k = [&](int step) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
@@ -264,7 +273,7 @@ __global__ void __launch_bounds__(
                 k_raw[c][h][1] = visible(pos) ? load16(p + 64) : zero16();
             }
         }
-        look_up(step + WARPS * kStep);
+        advance(step);
     };
     auto load_v = [&](int step) {  // after load_k(step): reuses its cache blocks
 #pragma unroll
@@ -279,7 +288,8 @@ __global__ void __launch_bounds__(
                     v_raw[c][half][e] = visible(pos) ? load16(p) : zero16();
                 }
     };
-    int step = first + warp * kStep;
+    int step = first + ((kClaimed ? split * WARPS : 0) + warp) * kStep;
+    if (kClaimed) request_claim();
     look_up(step);
 #ifdef KERNELMUX_TRACE
     // The first K row's arrival, timed by a load of its own (the loop's then hits in L2).
@@ -297,7 +307,7 @@ __global__ void __launch_bounds__(
     // after the stream waits behind it (2-4 us measured at the end of a CTA, with
     // perf/diag/cuda_decode_trace.py).
     const float v_mul = v_scale != nullptr ? *v_scale : 1.0f;
-    const bool has_sink = SPLITS != kPartials && sinks != nullptr && threadIdx.x < group;
+    const bool has_sink = !SPLIT && sinks != nullptr && threadIdx.x < group;
     const float sink = has_sink ? sinks[kv_head * group + threadIdx.x] : neg_inf();
 #pragma unroll
     for (int j = 0; j < HEAD_TILES; ++j) {
@@ -337,7 +347,7 @@ __global__ void __launch_bounds__(
     }
     if (k_scale != nullptr) scale *= *k_scale;
     if (threadIdx.x == 0) sm_v_mul = v_mul;
-    if (SPLITS != kPartials && threadIdx.x < HEAD_TILES * 8) sm_sink[threadIdx.x] = sink;
+    if (!SPLIT && threadIdx.x < HEAD_TILES * 8) sm_sink[threadIdx.x] = sink;
     const float score_scale = SOFT_CAP ? scale / soft_cap : scale * kLog2e;
 
     float m_run[HEAD_TILES][2], l_run[HEAD_TILES][2];
@@ -352,11 +362,11 @@ __global__ void __launch_bounds__(
 
     if (AHEAD && step < hi) load_v(step);
     while (step < hi) {
-        const int next = step + WARPS * kStep;
         if (!AHEAD) {
             load_k(step);
             load_v(step);
         }
+        const int following = next;  // set by load_k(step)
         // scores^T: s[c][j] = C fragment of positions tile c x heads 8j .. 8j + 7.
         float s[2][HEAD_TILES][4];
 #pragma unroll
@@ -373,7 +383,7 @@ __global__ void __launch_bounds__(
             }
         }
 
-        if (AHEAD && next < hi) load_k(next);  // K's registers are free once the scores are computed
+        if (AHEAD && following < hi) load_k(following);  // K's registers are free once the scores are computed
 
         // Online softmax per head (heads 8j + 2t + e: element e + 2h of s[c][j] is position
         // 16c + g + 8h). Sums stay per lane until the end; maxima are shared by the 8 lanes of
@@ -451,8 +461,8 @@ __global__ void __launch_bounds__(
                         mma_f16(acc[2 * w + sub][j], a0, a1, a2, a3, p_frag[c][j][0], p_frag[c][j][1]);
                 }
             }
-        if (AHEAD && next < hi) load_v(next);
-        step = next;
+        if (AHEAD && following < hi) load_v(following);
+        step = following;
     }
 
     TRACE_MARK(3, __float_as_uint(acc[0][0][0]));  // warp 0's last step done
@@ -518,53 +528,6 @@ __global__ void __launch_bounds__(
         }
     }
     TRACE_MARK(5, 0);  // this thread's stores issued
-    if (SPLITS != kMergeLast) return;
-
-    // Count this CTA's split done, after its partials are visible to the device; the CTA that
-    // counts last merges every split (its own re-read from L2) and resets the counter.
-    __shared__ int sm_last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* counter = split_counters + (i64)token * gridDim.x + kv_head;
-        sm_last = atomicAdd(counter, 1) == num_splits - 1;
-        if (sm_last) *counter = 0;  // the next launch starts from zero
-    }
-    __syncthreads();
-    if (!sm_last) return;
-    __threadfence();
-    const i64 stride = (i64)num_tokens * num_q_heads;  // between splits
-    for (int idx = threadIdx.x; idx < HEAD_TILES * 8 * (kHeadDim / 4); idx += WARPS * 32) {
-        const int h = idx / (kHeadDim / 4), d = 4 * (idx % (kHeadDim / 4));
-        if (h >= group) continue;
-        const int q_head = kv_head * group + h;
-        const i64 first = (i64)token * num_q_heads + q_head;
-        // One pass with a running max, so the loads of every split are independent and in flight
-        // together.
-        float m_run = neg_inf(), total = 0.0f;
-        float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
-        for (int s = 0; s < num_splits; ++s) {
-            const float m = load_cg(part_ml + first + s * stride);
-            const float l = load_cg(part_ml + (num_splits + s) * stride + first);
-            const float4 a = load_cg4(part_acc + (first + s * stride) * kHeadDim + d);
-            const float m_new = fmaxf(m_run, m);
-            const float m_use = m_new == neg_inf() ? 0.0f : m_new;
-            const float alpha = exp2_approx(m_run - m_use), weight = exp2_approx(m - m_use);
-            total = total * alpha + l * weight;
-            value.x = value.x * alpha + a.x * weight;
-            value.y = value.y * alpha + a.y * weight;
-            value.z = value.z * alpha + a.z * weight;
-            value.w = value.w * alpha + a.w * weight;
-            m_run = m_new;
-        }
-        const float m_use = m_run == neg_inf() ? 0.0f : m_run;
-        float denominator = total + exp2_approx(sm_sink[h] * kLog2e - m_use);  // 0 without a sink
-        if (denominator == 0.0f) denominator = 1.0f;  // nothing visible: zeros
-        store4<Q_BF16>(out + ((i64)token * o_stride_t + (i64)q_head * o_stride_h + d) * 2, value,
-                       1.0f / denominator);  // partials carry v_scale already
-    }
-    TRACE_MARK(6, 0);  // the merge's stores issued
 }
 
 // One (token, query head) per CTA of 256 threads: the splits' maxima and sums are read at once
@@ -576,14 +539,17 @@ constexpr int kMaxSplits = 64;  // attention.py's _MAX_SPLITS
 template <bool Q_BF16>
 __global__ void __launch_bounds__(2 * kHeadDim) merge_splits(
     unsigned char* __restrict__ out, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-    const float* __restrict__ sinks, int num_tokens, int num_q_heads, int num_splits,
-    i64 o_stride_t, i64 o_stride_h) {
+    const float* __restrict__ sinks, int* __restrict__ step_counters, int num_tokens, int num_q_heads,
+    int num_splits, int group, i64 o_stride_t, i64 o_stride_h) {
     __shared__ float weight[kMaxSplits];
     __shared__ float warp_max[2], warp_total[2];
     __shared__ float second_half[kHeadDim];
     const int token = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const i64 first = (i64)token * num_q_heads + head, stride = (i64)num_tokens * num_q_heads;
+    // The decode kernel's step counters (kClaimedSteps), zero again for the next launch.
+    if (step_counters != nullptr && tid == 0 && head % group == 0)
+        step_counters[(i64)token * (num_q_heads / group) + head / group] = 0;
 
     // Threads 0 .. 63 (warps 0 and 1): split tid's running max and sum.
     float m = neg_inf(), l = 0.0f;
@@ -606,13 +572,13 @@ __global__ void __launch_bounds__(2 * kHeadDim) merge_splits(
     if (lane == 0 && warp < 2) warp_total[warp] = x;
     __syncthreads();
 
-    const int d = tid % kHeadDim, group = tid / kHeadDim;
+    const int d = tid % kHeadDim, half = tid / kHeadDim;
     float value = 0.0f;
 #pragma unroll 8
-    for (int s = group; s < num_splits; s += 2) value += part_acc[(first + s * stride) * kHeadDim + d] * weight[s];
-    if (group == 1) second_half[d] = value;
+    for (int s = half; s < num_splits; s += 2) value += part_acc[(first + s * stride) * kHeadDim + d] * weight[s];
+    if (half == 1) second_half[d] = value;
     __syncthreads();
-    if (group == 1) return;
+    if (half == 1) return;
     value += second_half[d];
     float denominator = warp_total[0] + warp_total[1];
     if (sinks != nullptr) denominator += exp2_approx(sinks[head] * kLog2e - m_use);

@@ -1,13 +1,12 @@
 """Where the cuda backend's fp8 decode kernel spends a call: per CTA, %globaltimer at its entry,
 when its sequence length arrives, when its first K row arrives, when warp 0 finishes streaming,
-when every warp has, when its stores are issued and, for the CTA that merges the splits
-(``--merge-last``), when the merge's are (the kernel compiled with KERNELMUX_TRACE,
+when every warp has, and when its stores are issued (the kernel compiled with KERNELMUX_TRACE,
 which adds the marks and nothing else; see paged_decode_fp8.cu). Prints, per case, each mark's
 spread over the CTAs relative to the first entry, the stage durations and the number of CTAs
 running in each microsecond, against the time the spec's bytes take at the copy bandwidth
 measured in the same run.
 
-    python perf/diag/cuda_decode_trace.py --out DIR [--cases NAME ...] [--splits N] [--merge-last]
+    python perf/diag/cuda_decode_trace.py --out DIR [--cases NAME ...] [--splits N] [--claim-steps]
 """
 
 from __future__ import annotations
@@ -56,20 +55,17 @@ def clear_trace(module: ctypes.c_void_p) -> None:
 
 
 def summarize(trace: np.ndarray) -> dict:
-    times = trace[:, :7].astype(np.int64)
+    times = trace[:, :6].astype(np.int64)
     t0 = times[:, 0].min()
     rel = (times - t0) / 1e3  # us
-    merged = rel[times[:, 6] > 0, 6]
     quantiles = {name: np.percentile(rel[:, i], [0, 10, 50, 90, 100]).round(2).tolist()
                  for i, name in enumerate(MARKS)}
     stages = {f"{MARKS[i]} -> {MARKS[i + 1]}": np.percentile(rel[:, i + 1] - rel[:, i], [10, 50, 90]).round(2)
               .tolist() for i in range(5)}
-    end = max(rel[:, 5].max(), merged.max() if merged.size else 0.0)
+    end = rel[:, 5].max()
     bins = np.arange(0, np.ceil(end) + 1)
     running = [int(((rel[:, 0] <= b) & (rel[:, 5] > b)).sum()) for b in bins]
     per_sm = np.bincount(trace[:, 7].astype(np.int64))
-    if merged.size:
-        quantiles["merged"] = np.percentile(merged, [0, 10, 50, 90, 100]).round(2).tolist()
     return dict(span_us=round(float(end), 2), marks_us=quantiles, stages_us=stages, running_per_us=running,
                 ctas=int(trace.shape[0]), sms=int((per_sm > 0).sum()), most_ctas_per_sm=int(per_sm.max()))
 
@@ -79,7 +75,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument("--splits", type=int, default=None)
-    parser.add_argument("--merge-last", action="store_true", help="plan merge_in_last_cta")
+    parser.add_argument("--claim-steps", action="store_true", help="plan claim_steps")
     args = parser.parse_args()
     copy = ceilings_module.measure("cuda")["memory_gbps"]
     cuda_attention._DEFINES = ("KERNELMUX_TRACE",)
@@ -90,7 +86,7 @@ def main() -> None:
         kwargs = pa_spec.SPEC.case(case).build(torch.device("cuda"), 0)
         ideal_us = pa_spec.SPEC.cost(kwargs).bytes / copy / 1e3
         cuda_attention._LOADED.clear()  # so the kernel this case loads last is the one it runs
-        with cuda_attention.override_plan(num_splits=args.splits, merge_in_last_cta=args.merge_last):
+        with cuda_attention.override_plan(num_splits=args.splits, claim_steps=args.claim_steps):
             expected = pa_spec.SPEC.reference(**kwargs)
             pa_spec.SPEC.check_close(cuda_attention.paged_attention(**kwargs), expected, kwargs)
             decode = list(cuda_attention._LOADED.values())[-1][0]

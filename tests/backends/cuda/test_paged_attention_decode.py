@@ -179,9 +179,9 @@ def test_decode_against_reference(options, block_size, num_heads, num_kv_heads):
     _check(_build(make, seed), seed)
 
 
-PLANS = [{}, {"read_ahead": True}, {"warps": 8}, {"merge_in_last_cta": True},
-         {"merge_in_last_cta": True, "warps": 8}]
-PLAN_IDS = ["default", "read_ahead", "warps8", "merge_last", "merge_last_warps8"]
+PLANS = [{}, {"read_ahead": True}, {"warps": 8}, {"claim_steps": True},
+         {"claim_steps": True, "read_ahead": True}, {"claim_steps": True, "warps": 8}]
+PLAN_IDS = ["default", "read_ahead", "warps8", "claim", "claim_read_ahead", "claim_warps8"]
 
 
 @needs_gpu
@@ -235,41 +235,41 @@ def test_misaligned_cache_view_is_refused_by_name():
 
 
 @needs_gpu
-@pytest.mark.parametrize("splits, merge_last",
-                         [(None, False), (1, False), (4, False), (4, True), (None, True)])
-def test_decode_graph_replays_new_inputs(splits, merge_last):
+@pytest.mark.parametrize("splits, claim", [(None, False), (1, False), (4, False), (4, True), (None, True)])
+def test_decode_graph_replays_new_inputs(splits, claim):
     batch, max_len = 16, 2048
     make = pa_spec._maker((1,) * batch, (max_len,) * batch, 8, 1, 128, cache_dtype=FP8, scales=(0.23, 0.31),
                           spare_blocks=64)
     static = _build(make, 0)
-    with attention.override_plan(num_splits=splits, merge_in_last_cta=merge_last):
+    with attention.override_plan(num_splits=splits, claim_steps=claim):
         graph, out = capture(attention.paged_attention, static)
     replay_on_new_inputs(pa_spec, make, static, graph, out, batch, max_len)
 
 
 @needs_gpu
-def test_merge_in_last_cta_leaves_its_counters_zero():
-    # Each launch's merging CTAs reset the counters they used; a capture larger than the buffer
+def test_claimed_steps_leave_their_counters_zero():
+    # The merge kernel resets the counters each launch used; a capture needing more counters than
     # the eager calls prepared gets zeros of its own; every cached buffer stays zero.
     make = pa_spec._maker((1,) * 8, (300, 1000, 5, 4096, 77, 1, 2000, 640), 16, 2, 128, cache_dtype=FP8)
     kwargs = _build(make, 5)
     expected = pa_spec.SPEC.reference(**kwargs)
-    with attention.override_plan(num_splits=7, merge_in_last_cta=True):
+
+    def all_zero():
+        torch.cuda.synchronize()
+        return attention._COUNTERS and all(int(b.abs().sum()) == 0 for b in attention._COUNTERS.values())
+
+    with attention.override_plan(num_splits=7, claim_steps=True):
         for _ in range(3):
             pa_spec.SPEC.check_close(attention.paged_attention(**kwargs), expected, kwargs)
-        torch.cuda.synchronize()
-        buffers = [b for (device, _), b in attention._COUNTERS.items() if device == torch.device(DEVICE)]
-        assert len(buffers) >= 2 and all(int(b.abs().sum()) == 0 for b in buffers)
+        assert all_zero()
         big = _build(pa_spec._maker((1,) * 600, (64,) * 600, 8, 2, 128, cache_dtype=FP8), 6)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # no eager call first: 1200 counters > the prepared 1024
             out = attention.paged_attention(**big)
-        graph.replay()
-        graph.replay()
-        pa_spec.SPEC.check_close(out, pa_spec.SPEC.reference(**big), big)
-        torch.cuda.synchronize()
-        assert all(int(b.abs().sum()) == 0 for (device, _), b in attention._COUNTERS.items()
-                   if device == torch.device(DEVICE))
+        for _ in range(2):
+            graph.replay()
+            pa_spec.SPEC.check_close(out, pa_spec.SPEC.reference(**big), big)
+        assert all_zero()
 
 
 @needs_nvrtc
