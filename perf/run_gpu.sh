@@ -28,8 +28,7 @@
 #   sweep-cuda-decode  perf/diag/cuda_decode_sweep.py: the cuda backend's fp8 decode plans (splits
 #                $CUDA_SWEEP_SPLITS, read-ahead, 8 warps) and the triton kernel -> cuda_decode_sweep.{json,txt}
 #   trace-cuda-decode  perf/diag/cuda_decode_trace.py: per-CTA %globaltimer marks of the cuda fp8 decode
-#                kernel over $TRACE_CASES (default its list), $TRACE_SPLITS splits if set, claimed
-#                steps if $TRACE_CLAIM is set
+#                kernel over $TRACE_CASES (default its list), $TRACE_SPLITS splits if set
 #                                                                     -> cuda_decode_trace.{json,txt}
 # A device command may run 10 minutes: tests-core + bench fit one call, tests-slow + compare
 # another. Set KERNELMUX_COMMIT (the tree travels without .git).
@@ -99,7 +98,7 @@ for step in "$@"; do
             | tee "$out/cuda_decode_sweep.txt" ;;
     trace-cuda-decode)
         timeout 200 python3 perf/diag/cuda_decode_trace.py --out "$out" ${TRACE_CASES:+--cases $TRACE_CASES} \
-            ${TRACE_SPLITS:+--splits $TRACE_SPLITS} ${TRACE_CLAIM:+--claim-steps} 2>&1 | tee "$out/cuda_decode_trace.log" | tail -60 ;;
+            ${TRACE_SPLITS:+--splits $TRACE_SPLITS} 2>&1 | tee "$out/cuda_decode_trace.log" | tail -60 ;;
     timeline-attention)
         timeout 300 python3 perf/diag/attention_timeline.py --out "$out" ${TIMELINE_CASES:+--cases $TIMELINE_CASES} \
             --backend "${TIMELINE_BACKEND:-triton}" 2>&1 \

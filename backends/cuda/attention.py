@@ -44,9 +44,8 @@ MIN_SPLIT_LEN = 256
 _MAX_SPLITS = 64  # the merge kernel's kMaxSplits
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode_fp8.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
-_DECODE_SIGNATURE = "ppppppppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
-_MERGE_SIGNATURE = "ppppp" + "iiii" + "qq"
-_WHOLE, _STATIC_SHARES, _CLAIMED_STEPS = 0, 1, 2  # the kernel's SPLITS
+_DECODE_SIGNATURE = "pppppppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
+_MERGE_SIGNATURE = "pppp" + "iii" + "qq"
 # Macros defined for the compilation (perf/diag/cuda_decode_trace.py sets KERNELMUX_TRACE).
 _DEFINES: tuple[str, ...] = ()
 
@@ -71,9 +70,6 @@ class DecodePlan:
     num_splits: Optional[int] = None
     read_ahead: bool = False
     warps: int = 4  # per CTA; 8 only for groups of up to 8 heads (the combine's shared memory)
-    # Split CTAs claim their steps from a counter per sequence and KV head (_step_counters) as
-    # they go, instead of each streaming a fixed share.
-    claim_steps: bool = False
 
 
 DEFAULT_PLAN = DecodePlan()
@@ -183,7 +179,7 @@ _sm_count = functools.cache(probes.compute_units)
 def _compiled(arch: tuple[int, int], defines: tuple[str, ...],
               *template: bool | int) -> tuple[_nvrtc.CompiledModule, str, str]:
     """One NVRTC compilation per template set (head tiles, bf16 query, log2 block size, soft cap,
-    split mode, read ahead, warps), arch and macro set: (module, decode kernel name, merge kernel name)."""
+    split, read ahead, warps), arch and macro set: (module, decode kernel name, merge kernel name)."""
     args = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in template)
     decode = f"paged_decode_fp8<{args}>"
     merge = f"merge_splits<{str(template[1]).lower()}>"
@@ -195,38 +191,6 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...],
 
 _LOADED: dict = {}
 _LOCK = threading.Lock()
-
-
-# Step counters (kClaimedSteps), zeros between launches: the merge kernel resets them. Eager
-# launches use a buffer per (device, stream), so calls on concurrent streams never share one;
-# launches captured in CUDA graphs use one per device, prepared by the eager calls before the
-# capture (graphs replayed concurrently on two streams would share it). Never freed: a captured
-# graph keeps the address it saw.
-_COUNTERS: dict = {}
-_RETIRED_COUNTERS: list = []
-_GRAPHS = "graphs"
-
-
-def _counters(key: tuple, count: int) -> torch.Tensor:
-    buffer = _COUNTERS.get(key)
-    if buffer is None or buffer.numel() < count:
-        if buffer is not None:
-            _RETIRED_COUNTERS.append(buffer)
-        size = max(count, 2 * buffer.numel() if buffer is not None else 1024)
-        buffer = _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=key[0])
-    return buffer
-
-
-def _step_counters(device: torch.device, count: int) -> torch.Tensor:
-    """``count`` zeroed int32 counters for a launch on the current stream of ``device``."""
-    if not torch.cuda.is_current_stream_capturing():
-        _counters((device, _GRAPHS), count)  # ready for a capture that follows
-        return _counters((device, torch.cuda.current_stream(device).cuda_stream), count)
-    buffer = _COUNTERS.get((device, _GRAPHS))
-    if buffer is not None and buffer.numel() >= count:
-        return buffer
-    # No eager call prepared one: zeros from the graph's pool, by a memset node of the graph.
-    return torch.zeros(count, dtype=torch.int32, device=device)
 
 
 def _kernels(device: torch.device, *template: bool | int) -> tuple[_nvrtc.Kernel, _nvrtc.Kernel]:
@@ -280,21 +244,19 @@ def paged_attention(
     with torch.cuda.device(device):
         splits = plan.num_splits
         if splits is None:
-            unsplit, _ = _kernels(device, *template, _WHOLE, plan.read_ahead, warps)
+            unsplit, _ = _kernels(device, *template, False, plan.read_ahead, warps)
             slots = unsplit.blocks_per_sm * _sm_count(device)
             splits = split_count(num_kv_heads * num_seqs, slots, max_seq_len)
-        mode = _WHOLE if splits == 1 else _CLAIMED_STEPS if plan.claim_steps else _STATIC_SHARES
-        decode, merge = _kernels(device, *template, mode, plan.read_ahead, warps)
-        part_acc = part_ml = counters = None
+        decode, merge = _kernels(device, *template, splits > 1, plan.read_ahead, warps)
         if splits > 1:
             part_acc = torch.empty((splits, num_tokens, num_q_heads, HEAD_DIM), dtype=torch.float32,
                                    device=device)
             part_ml = torch.empty((2, splits, num_tokens, num_q_heads), dtype=torch.float32, device=device)
-        if mode == _CLAIMED_STEPS:
-            counters = _step_counters(device, num_tokens * num_kv_heads)
+        else:
+            part_acc = part_ml = None
         decode(
             (num_kv_heads, num_seqs, splits),
-            query, k_cache, v_cache, out, part_acc, part_ml, counters, cu_seqlens_q, block_table, seq_lens,
+            query, k_cache, v_cache, out, part_acc, part_ml, cu_seqlens_q, block_table, seq_lens,
             sinks, k_scale, v_scale,
             num_tokens, num_q_heads, group, splits, int(sliding_window),
             float(scale), float(logits_soft_cap),
@@ -304,6 +266,6 @@ def paged_attention(
             block_table.stride(0),
         )
         if splits > 1:
-            merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, counters, num_tokens,
-                  num_q_heads, splits, group, out.stride(0), out.stride(1))
+            merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, num_tokens, num_q_heads,
+                  splits, out.stride(0), out.stride(1))
     return out

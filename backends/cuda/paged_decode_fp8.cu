@@ -155,15 +155,7 @@ __device__ __forceinline__ void trace_mark(int slot, u32 after) {
 // Occupancy: 16 warps per SM (128 registers a thread) for one head tile with whole 16-position
 // tiles per cache block, without AHEAD or soft cap; lookups per position (blocks under 16),
 // AHEAD, soft cap or a second head tile need more registers than that without spilling.
-// SPLITS: kWhole (one CTA per sequence and KV head, normalized output), or several CTAs per
-// sequence and KV head, each writing its partial for merge_splits, with kStaticShares a fixed
-// share of the steps each, with kClaimedSteps the steps claimed from a counter per sequence and KV
-// head as the warps go (each warp's first step is fixed; a warp claims its next step one step
-// ahead): an SM that gets less memory bandwidth than others then streams fewer steps instead of
-// finishing last. merge_splits resets the counters.
-constexpr int kWhole = 0, kStaticShares = 1, kClaimedSteps = 2;
-
-template <int HEAD_TILES, bool Q_BF16, int PAGE_SHIFT, bool SOFT_CAP, int SPLITS, bool AHEAD, int WARPS>
+template <int HEAD_TILES, bool Q_BF16, int PAGE_SHIFT, bool SOFT_CAP, bool SPLIT, bool AHEAD, int WARPS>
 __global__ void __launch_bounds__(
     WARPS * 32, (HEAD_TILES == 1 ? (PAGE_SHIFT >= 4 && !AHEAD && !SOFT_CAP ? 16 : 12) : 8) / WARPS)
     paged_decode_fp8(
@@ -173,7 +165,6 @@ __global__ void __launch_bounds__(
     unsigned char* __restrict__ out,            // [T, Hq, 128] query dtype (not SPLIT)
     float* __restrict__ part_acc,               // [splits, T, Hq, 128] (SPLIT)
     float* __restrict__ part_ml,                // [2, splits, T, Hq]: max (base 2), sum (SPLIT)
-    int* __restrict__ step_counters,            // [T, Hkv], zeros (kClaimedSteps)
     const int* __restrict__ cu_seqlens_q,       // [B + 1]
     const int* __restrict__ block_table,        // [B, max_blocks]
     const int* __restrict__ seq_lens,           // [B]
@@ -187,7 +178,6 @@ __global__ void __launch_bounds__(
     i64 v_stride_b, i64 v_stride_s, i64 v_stride_h,
     i64 table_stride) {
     constexpr int kPage = 1 << PAGE_SHIFT;
-    constexpr bool SPLIT = SPLITS != kWhole;
     __shared__ __align__(16) float sm_acc[WARPS][HEAD_TILES * 8][kHeadDim];
     __shared__ float sm_m[WARPS][HEAD_TILES * 8];
     __shared__ float sm_l[WARPS][HEAD_TILES * 8];
@@ -208,7 +198,7 @@ __global__ void __launch_bounds__(
     int lo = window > 0 ? max(kv_len - window, 0) : 0;
     int hi = kv_len;
     int first = lo & ~(kStep - 1);
-    if (SPLITS == kStaticShares) {
+    if (SPLIT) {
         const int steps = (hi - first + kStep - 1) / kStep;
         const int share = (steps + num_splits - 1) / num_splits;
         first += split * share * kStep;
@@ -239,27 +229,6 @@ __global__ void __launch_bounds__(
     auto block_of = [&](int c, int pos) {
         return PAGE_SHIFT >= 4 ? tile_block[c] : table[min(pos, hi - 1) >> PAGE_SHIFT];
     };
-    // This warp's steps: first + warp * kStep and every WARPS-th after it (kWhole,
-    // kStaticShares), or (kClaimedSteps) first + (split * WARPS + warp) * kStep, then the steps
-    // it claims. A claim is requested one step before it is needed (lane 0's atomic, read by the
-    // shuffle in advance()); claims only grow, so once one lies past the range every later one
-    // does, and no claimed step inside the range is left unread.
-    constexpr bool kClaimed = SPLITS == kClaimedSteps;
-    int* const counter = kClaimed ? step_counters + (i64)token * gridDim.x + kv_head : nullptr;
-    const int claimed_first = first + num_splits * WARPS * kStep;  // the step of claim 0
-    int claim = 0, next = 0;
-    auto request_claim = [&]() {
-        if (lane == 0) claim = atomicAdd(counter, 1);
-    };
-    auto advance = [&](int step) {  // next: this warp's step after `step`, its blocks looked up
-        if (kClaimed) {
-            next = claimed_first + __shfl_sync(0xffffffffu, claim, 0) * kStep;
-            request_claim();
-        } else {
-            next = step + WARPS * kStep;
-        }
-        look_up(next);
-    };
     auto load_k = [&](int step) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
@@ -273,7 +242,7 @@ __global__ void __launch_bounds__(
                 k_raw[c][h][1] = visible(pos) ? load16(p + 64) : zero16();
             }
         }
-        advance(step);
+        look_up(step + WARPS * kStep);
     };
     auto load_v = [&](int step) {  // after load_k(step): reuses its cache blocks
 #pragma unroll
@@ -288,14 +257,15 @@ __global__ void __launch_bounds__(
                     v_raw[c][half][e] = visible(pos) ? load16(p) : zero16();
                 }
     };
-    int step = first + ((kClaimed ? split * WARPS : 0) + warp) * kStep;
-    if (kClaimed) request_claim();
+    int step = first + warp * kStep;
     look_up(step);
 #ifdef KERNELMUX_TRACE
     // The first K row's arrival, timed by a load of its own (the loop's then hits in L2).
-    if (PAGE_SHIFT >= 4 && step < hi)
-        TRACE_MARK(2, load16(k_head + (i64)ahead_block[0] * k_stride_b + (i64)(step & (kPage - 1)) * k_stride_s)
-                          .w[0]);
+    if (PAGE_SHIFT >= 4 && step < hi) {
+        const unsigned char* row =
+            k_head + (i64)ahead_block[0] * k_stride_b + (i64)(step & (kPage - 1)) * k_stride_s;
+        TRACE_MARK(2, load16(row).w[0]);
+    }
 #endif
     if (AHEAD && step < hi) load_k(step);
 
@@ -362,11 +332,11 @@ __global__ void __launch_bounds__(
 
     if (AHEAD && step < hi) load_v(step);
     while (step < hi) {
+        const int next = step + WARPS * kStep;
         if (!AHEAD) {
             load_k(step);
             load_v(step);
         }
-        const int following = next;  // set by load_k(step)
         // scores^T: s[c][j] = C fragment of positions tile c x heads 8j .. 8j + 7.
         float s[2][HEAD_TILES][4];
 #pragma unroll
@@ -383,7 +353,7 @@ __global__ void __launch_bounds__(
             }
         }
 
-        if (AHEAD && following < hi) load_k(following);  // K's registers are free once the scores are computed
+        if (AHEAD && next < hi) load_k(next);  // K's registers are free once the scores are computed
 
         // Online softmax per head (heads 8j + 2t + e: element e + 2h of s[c][j] is position
         // 16c + g + 8h). Sums stay per lane until the end; maxima are shared by the 8 lanes of
@@ -461,8 +431,8 @@ __global__ void __launch_bounds__(
                         mma_f16(acc[2 * w + sub][j], a0, a1, a2, a3, p_frag[c][j][0], p_frag[c][j][1]);
                 }
             }
-        if (AHEAD && following < hi) load_v(following);
-        step = following;
+        if (AHEAD && next < hi) load_v(next);
+        step = next;
     }
 
     TRACE_MARK(3, __float_as_uint(acc[0][0][0]));  // warp 0's last step done
@@ -488,8 +458,9 @@ __global__ void __launch_bounds__(
     __syncthreads();
     TRACE_MARK(4, 0);  // every warp done
 
-    // Four dims of one head per thread and pass (16-byte shared reads and stores): the stores
-    // queue behind the other CTAs' streaming loads, so fewer and wider is faster here.
+    // Four dims of one head per thread and pass: 16-byte shared reads, 16-byte partial and 8-byte
+    // output stores (the stores queue behind the other CTAs' streaming loads, so fewer and wider
+    // finish sooner: 2.3 -> 1.1 us a CTA, perf/diag/cuda_decode_trace.py).
     for (int idx = threadIdx.x; idx < HEAD_TILES * 8 * (kHeadDim / 4); idx += WARPS * 32) {
         const int h = idx / (kHeadDim / 4), d = 4 * (idx % (kHeadDim / 4));
         if (h >= group) continue;
@@ -539,17 +510,14 @@ constexpr int kMaxSplits = 64;  // attention.py's _MAX_SPLITS
 template <bool Q_BF16>
 __global__ void __launch_bounds__(2 * kHeadDim) merge_splits(
     unsigned char* __restrict__ out, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-    const float* __restrict__ sinks, int* __restrict__ step_counters, int num_tokens, int num_q_heads,
-    int num_splits, int group, i64 o_stride_t, i64 o_stride_h) {
+    const float* __restrict__ sinks, int num_tokens, int num_q_heads, int num_splits,
+    i64 o_stride_t, i64 o_stride_h) {
     __shared__ float weight[kMaxSplits];
     __shared__ float warp_max[2], warp_total[2];
     __shared__ float second_half[kHeadDim];
     const int token = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const i64 first = (i64)token * num_q_heads + head, stride = (i64)num_tokens * num_q_heads;
-    // The decode kernel's step counters (kClaimedSteps), zero again for the next launch.
-    if (step_counters != nullptr && tid == 0 && head % group == 0)
-        step_counters[(i64)token * (num_q_heads / group) + head / group] = 0;
 
     // Threads 0 .. 63 (warps 0 and 1): split tid's running max and sum.
     float m = neg_inf(), l = 0.0f;
@@ -572,13 +540,13 @@ __global__ void __launch_bounds__(2 * kHeadDim) merge_splits(
     if (lane == 0 && warp < 2) warp_total[warp] = x;
     __syncthreads();
 
-    const int d = tid % kHeadDim, half = tid / kHeadDim;
+    const int d = tid % kHeadDim, group = tid / kHeadDim;
     float value = 0.0f;
 #pragma unroll 8
-    for (int s = half; s < num_splits; s += 2) value += part_acc[(first + s * stride) * kHeadDim + d] * weight[s];
-    if (half == 1) second_half[d] = value;
+    for (int s = group; s < num_splits; s += 2) value += part_acc[(first + s * stride) * kHeadDim + d] * weight[s];
+    if (group == 1) second_half[d] = value;
     __syncthreads();
-    if (half == 1) return;
+    if (group == 1) return;
     value += second_half[d];
     float denominator = warp_total[0] + warp_total[1];
     if (sinks != nullptr) denominator += exp2_approx(sinks[head] * kLog2e - m_use);

@@ -1,8 +1,8 @@
 """Plan sweep for the cuda backend's fp8 paged-attention decode on the perf goals' fp8 shapes:
-split counts, read-ahead, 8-warp CTAs and claimed steps, each checked against the
-spec's reference before it is timed (CUDA-graph replay), with the triton backend's kernel on
-the same inputs for comparison. Bandwidth is the spec's byte count over the median time, as a
-percent of the device-copy bandwidth measured in the same run. DEFAULT_PLAN and split_count in
+split counts and read-ahead, each checked against the spec's reference before it is timed
+(CUDA-graph replay), with the triton backend's kernel on the same inputs for comparison.
+Bandwidth is the spec's byte count over the median time, as a percent of the device-copy
+bandwidth measured in the same run. DEFAULT_PLAN and split_count in
 backends/cuda/attention.py are chosen from these numbers.
 
     python perf/diag/cuda_decode_sweep.py --out DIR [--cases NAME ...] [--splits 1 4 8 16]
@@ -42,10 +42,8 @@ def main() -> None:
               "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"),
               "ceilings": ceilings, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
-    variants = [("cuda", dict(read_ahead=ahead, warps=warps, claim_steps=claim, num_splits=s))
-                for ahead, warps, claim in ((False, 4, False), (True, 4, False), (False, 8, False),
-                                            (False, 4, True), (True, 4, True), (False, 8, True))
-                for s in [None, *args.splits]]
+    variants = [("cuda", dict(read_ahead=ahead, warps=warps, num_splits=s)) for ahead, warps in
+                ((False, 4), (True, 4), (False, 8), (True, 8)) for s in [None, *args.splits]]
     variants.append(("triton", {}))
     for case in args.cases:
         kwargs = pa_spec.SPEC.case(case).build(torch.device("cuda"), 0)

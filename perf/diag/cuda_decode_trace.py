@@ -6,7 +6,7 @@ spread over the CTAs relative to the first entry, the stage durations and the nu
 running in each microsecond, against the time the spec's bytes take at the copy bandwidth
 measured in the same run.
 
-    python perf/diag/cuda_decode_trace.py --out DIR [--cases NAME ...] [--splits N] [--claim-steps]
+    python perf/diag/cuda_decode_trace.py --out DIR [--cases NAME ...] [--splits N]
 """
 
 from __future__ import annotations
@@ -75,7 +75,6 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument("--splits", type=int, default=None)
-    parser.add_argument("--claim-steps", action="store_true", help="plan claim_steps")
     args = parser.parse_args()
     copy = ceilings_module.measure("cuda")["memory_gbps"]
     cuda_attention._DEFINES = ("KERNELMUX_TRACE",)
@@ -86,7 +85,7 @@ def main() -> None:
         kwargs = pa_spec.SPEC.case(case).build(torch.device("cuda"), 0)
         ideal_us = pa_spec.SPEC.cost(kwargs).bytes / copy / 1e3
         cuda_attention._LOADED.clear()  # so the kernel this case loads last is the one it runs
-        with cuda_attention.override_plan(num_splits=args.splits, claim_steps=args.claim_steps):
+        with cuda_attention.override_plan(num_splits=args.splits):
             expected = pa_spec.SPEC.reference(**kwargs)
             pa_spec.SPEC.check_close(cuda_attention.paged_attention(**kwargs), expected, kwargs)
             decode = list(cuda_attention._LOADED.values())[-1][0]
@@ -118,7 +117,7 @@ def main() -> None:
         for name, q in median["stages_us"].items():
             lines.append(f"  {name:32s}" + "".join(f"{v:8.2f}" for v in q))
         lines.append("  CTAs running per us: " + " ".join(map(str, median["running_per_us"])))
-        print("\n".join(lines[-(len(median["marks_us"]) + len(MARKS) + 3):]), flush=True)
+        print("\n".join(lines[-(len(MARKS) * 2 + 5):]), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cuda_decode_trace.json"), "w") as f:
         json.dump(record, f, indent=1)
