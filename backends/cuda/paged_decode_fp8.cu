@@ -127,7 +127,8 @@ __device__ __forceinline__ float finite_abs(float x) {
 
 // Diagnostics only: perf/diag/cuda_decode_trace.py compiles this file with KERNELMUX_TRACE
 // defined to read, per CTA, the %globaltimer at the marks below and the SM it ran on. A mark
-// waits for `after` (a value the mark must follow: a load's result), so it times arrivals.
+// waits for `after` (a value the mark must follow, e.g. a load's result: the comparison with an
+// arbitrary constant makes the timer read depend on it), so it times arrivals.
 #ifdef KERNELMUX_TRACE
 constexpr int kTraceCtas = 1 << 16;
 extern "C" __device__ unsigned long long kernelmux_trace[kTraceCtas][8];
@@ -273,9 +274,9 @@ __global__ void __launch_bounds__(
     // 16t + 15 and 64 + 16t .. 64 + 16t + 15). Word i of the slice holds its elements 2i, 2i + 1:
     // words 2kc and 2kc + 1 are the B operand of dim chunk kc, as K's word kc is its A operand.
     u32 qb[HEAD_TILES][16];
-    // The epilogue's scalars are read with the query and kept in shared memory: a load issued
-    // after the stream waits behind it (2-4 us measured at the end of a CTA, with
-    // perf/diag/cuda_decode_trace.py).
+    // The epilogue's scalars are read with the query and kept in shared memory, so the epilogue
+    // issues no global load (one issued after the stream would queue behind it; measured no
+    // faster, perf/notes/attention.md round 7, but no slower either).
     const float v_mul = v_scale != nullptr ? *v_scale : 1.0f;
     const bool has_sink = !SPLIT && sinks != nullptr && threadIdx.x < group;
     const float sink = has_sink ? sinks[kv_head * group + threadIdx.x] : neg_inf();

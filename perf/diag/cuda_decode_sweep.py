@@ -1,6 +1,6 @@
 """Plan sweep for the cuda backend's fp8 paged-attention decode on the perf goals' fp8 shapes:
-split counts and read-ahead, each checked against the spec's reference before it is timed
-(CUDA-graph replay), with the triton backend's kernel on the same inputs for comparison.
+split counts, read-ahead and 8-warp CTAs, each checked against the spec's reference before it
+is timed (CUDA-graph replay), with the triton backend's kernel on the same inputs for comparison.
 Bandwidth is the spec's byte count over the median time, as a percent of the device-copy
 bandwidth measured in the same run. DEFAULT_PLAN and split_count in
 backends/cuda/attention.py are chosen from these numbers.

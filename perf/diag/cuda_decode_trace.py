@@ -117,7 +117,7 @@ def main() -> None:
         for name, q in median["stages_us"].items():
             lines.append(f"  {name:32s}" + "".join(f"{v:8.2f}" for v in q))
         lines.append("  CTAs running per us: " + " ".join(map(str, median["running_per_us"])))
-        print("\n".join(lines[-(len(MARKS) * 2 + 5):]), flush=True)
+        print("\n".join(lines[-(len(MARKS) * 2 + 3):]), flush=True)  # this case's lines
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cuda_decode_trace.json"), "w") as f:
         json.dump(record, f, indent=1)
