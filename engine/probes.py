@@ -47,17 +47,28 @@ def capability(index: int) -> tuple[int, int]:
 
 
 def device_capability(device: torch.device) -> tuple[int, int]:
-    """capability() of a CUDA torch device: its index, or the current one when it has none."""
-    return capability(device.index if device.index is not None else current_index("cuda"))
+    """capability() of a CUDA torch device: its index, or the current one when it has none.
+    Cached per index (backends ask on every call)."""
+    return _cached_capability(device.index if device.index is not None else current_index("cuda"))
+
+
+_cached_capability = functools.cache(capability)
 
 
 def compute_units(device: torch.device) -> int:
-    """Units a GPU program runs on: SMs (NVIDIA), CUs (ROCm), Xe-cores (Intel)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    if device.type == "xpu":
-        return torch.xpu.get_device_properties(device).gpu_subslice_count
-    raise ValueError(f"compute_units: device must be a cuda or xpu device, got {device}")
+    """Units a GPU program runs on: SMs (NVIDIA), CUs (ROCm), Xe-cores (Intel). Cached per device
+    index (backends ask on every call)."""
+    if device.type not in ("cuda", "xpu"):
+        raise ValueError(f"compute_units: device must be a cuda or xpu device, got {device}")
+    index = device.index if device.index is not None else current_index(device.type)
+    return _compute_units(device.type, index)
+
+
+@functools.cache
+def _compute_units(device_type: str, index: int) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index).multi_processor_count
+    return torch.xpu.get_device_properties(index).gpu_subslice_count
 
 
 def device_name(device_type: str, index: int) -> str:

@@ -171,8 +171,8 @@ def paged_attention_supports(
     return None
 
 
-_capability = functools.cache(probes.device_capability)
-_sm_count = functools.cache(probes.compute_units)
+_capability = probes.device_capability
+_sm_count = probes.compute_units
 
 
 @functools.cache

@@ -21,7 +21,6 @@ package triton") on machines without it."""
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
@@ -97,7 +96,6 @@ def override_plan(**fields) -> Iterator[None]:
         _override = previous
 
 
-@functools.cache
 def _sm_count(device: torch.device) -> int:
     """Units a program runs on (probes.compute_units); 4 under the interpreter, so that a few
     splits still exercise the merge."""
@@ -209,7 +207,7 @@ def _table_for(device: torch.device) -> dict:
     return _TABLE
 
 
-_capability = functools.cache(probes.device_capability)
+_capability = probes.device_capability
 
 
 def _kind(max_query_len: int, cache_dtype: torch.dtype, mla: bool) -> str:
