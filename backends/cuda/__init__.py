@@ -1,17 +1,19 @@
 """The cuda backend: hand-written CUDA C++ kernels for NVIDIA GPUs, compiled at runtime by NVRTC
 and launched through the driver API (_nvrtc.py), for the cases where a Triton kernel leaves
-bandwidth on the table. Now: paged_attention decode over fp8 e4m3 caches (attention.py)."""
+bandwidth on the table. Now: paged_attention decode over fp8 e4m3 caches (attention.py) and
+mla_decode over 16-bit latent caches on Hopper (mla.py)."""
 
 from __future__ import annotations
 
 from kernelmux.engine.platform import PlatformKind
+from kernelmux.ops.specs import mla_decode as mla_decode_spec
 from kernelmux.ops.specs import paged_attention as paged_attention_spec
 from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
 
 
 @hookimpl
 def kernelmux_implementations() -> list[Implementation]:
-    from kernelmux.backends.cuda import attention
+    from kernelmux.backends.cuda import attention, mla
 
     return [
         Implementation(
@@ -27,5 +29,19 @@ def kernelmux_implementations() -> list[Implementation]:
             devices=frozenset({"cuda"}),
             description="fp8-cache decode, head dim 128: each warp streams its own KV steps with 16-byte "
                         "loads straight into MMA fragments (positions as rows), warps combined once",
+        ),
+        Implementation(
+            op=mla_decode_spec.NAME,
+            backend=Backend.CUDA,
+            fn=mla.mla_decode,
+            supports=mla.mla_decode_supports,
+            spec_version=mla_decode_spec.SPEC.version,
+            priority=30,  # above the triton backend, for the calls it takes
+            requirement=PlatformRequirement(kinds=frozenset({PlatformKind.CUDA}),
+                                            min_capability=mla.CAPABILITY),
+            devices=frozenset({"cuda"}),
+            description="Hopper, 16-bit latent cache: 64-head CTAs, Q and two 64-position cache tiles "
+                        "in shared memory (cp.async), Q K^T and P V on wgmma, two warpgroups splitting "
+                        "the values",
         ),
     ]

@@ -130,10 +130,16 @@ def _program_log(lib, program) -> str:
     return log.value.decode(errors="replace")
 
 
+def arch_name(arch: tuple[int, int], arch_specific: bool = False) -> str:
+    """``sm_90``, or ``sm_90a`` for the arch-specific features (wgmma, setmaxnreg) whose cubins
+    run on that arch only."""
+    return f"sm_{arch[0]}{arch[1]}" + ("a" if arch_specific else "")
+
+
 def compile_module(source: str, names: Sequence[str], arch: tuple[int, int], filename: str = "kernel.cu",
-                   verbose: bool = False) -> CompiledModule:
-    """Compile ``source`` for ``sm_<major><minor>``, instantiating the kernels ``names`` (C++
-    name expressions, e.g. ``"merge_splits<true>"``)."""
+                   verbose: bool = False, arch_specific: bool = False) -> CompiledModule:
+    """Compile ``source`` for ``sm_<major><minor>`` (``...a`` when ``arch_specific``),
+    instantiating the kernels ``names`` (C++ name expressions, e.g. ``"merge_splits<true>"``)."""
     lib = find_nvrtc()
     if lib is None:
         raise NvrtcError("NVRTC not found: install nvidia-cuda-nvrtc (torch's CUDA wheels bring it) or a "
@@ -145,12 +151,13 @@ def compile_module(source: str, names: Sequence[str], arch: tuple[int, int], fil
     try:
         for name in names:
             _check(lib, lib.nvrtcAddNameExpression(program, name.encode()), f"nvrtcAddNameExpression({name})")
-        options = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}", "--std=c++17", "-lineinfo"]
+        target = arch_name(arch, arch_specific)
+        options = [f"--gpu-architecture={target}", "--std=c++17", "-lineinfo"]
         if verbose:
             options.append("--ptxas-options=-v")
         option_array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
         _check(lib, lib.nvrtcCompileProgram(program, len(options), option_array),
-               f"compiling {filename} for sm_{arch[0]}{arch[1]}", program)
+               f"compiling {filename} for {target}", program)
         log = _program_log(lib, program)
         size = ctypes.c_size_t()
         _check(lib, lib.nvrtcGetCUBINSize(program, ctypes.byref(size)), "nvrtcGetCUBINSize")
@@ -176,11 +183,12 @@ def cache_dir() -> str:
 
 
 def compile_module_cached(source: str, names: Sequence[str], arch: tuple[int, int],
-                          filename: str = "kernel.cu") -> CompiledModule:
+                          filename: str = "kernel.cu", arch_specific: bool = False) -> CompiledModule:
     """compile_module through an on-disk cache keyed by the source, the kernel names, the arch
     and the NVRTC version, so a new process loads a cubin instead of compiling (0.3-1 s a
     template set). An unreadable or unwritable cache only costs the compilation."""
-    key = hashlib.sha256(json.dumps([source, list(names), list(arch), nvrtc_version()]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([source, list(names), arch_name(arch, arch_specific),
+                                     nvrtc_version()]).encode()).hexdigest()
     path = os.path.join(cache_dir(), f"{key}.json")
     try:
         with open(path) as f:
@@ -189,7 +197,7 @@ def compile_module_cached(source: str, names: Sequence[str], arch: tuple[int, in
             return CompiledModule(cubin=f.read(), names=entry["names"], log="")
     except (OSError, ValueError, KeyError):
         pass
-    module = compile_module(source, names, arch, filename)
+    module = compile_module(source, names, arch, filename, arch_specific=arch_specific)
     try:
         os.makedirs(cache_dir(), exist_ok=True)
         # Cubin first, then the entry that points at it, each renamed into place whole: a
@@ -211,6 +219,8 @@ def compile_module_cached(source: str, names: Sequence[str], arch: tuple[int, in
 _PTR, _I32, _I64, _F32 = "p", "i", "q", "f"
 _CTYPES = {_PTR: ctypes.c_void_p, _I32: ctypes.c_int32, _I64: ctypes.c_int64, _F32: ctypes.c_float}
 _CU_OCCUPANCY = "cuOccupancyMaxActiveBlocksPerMultiprocessor"
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without opting in
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,10 +244,11 @@ class Kernel:
     pointer), ``i`` int32, ``q`` int64, ``f`` float32."""
 
     def __init__(self, function: ctypes.c_void_p, signature: str, block: int,
-                 module: ctypes.c_void_p) -> None:
+                 module: ctypes.c_void_p, shared_bytes: int = 0) -> None:
         self._function = function
         self._signature = signature
         self._block = block
+        self._shared_bytes = shared_bytes  # dynamic shared memory per CTA
         self._module = module  # kept alive with the function
         self._per_thread = threading.local()
 
@@ -245,8 +256,8 @@ class Kernel:
     def blocks_per_sm(self) -> int:
         """CTAs of this kernel one SM holds at once (the driver's occupancy calculator)."""
         count = ctypes.c_int()
-        _cu_check(getattr(_libcuda(), _CU_OCCUPANCY)(ctypes.byref(count), self._function, self._block, 0),
-                  _CU_OCCUPANCY)
+        _cu_check(getattr(_libcuda(), _CU_OCCUPANCY)(ctypes.byref(count), self._function, self._block,
+                                                     ctypes.c_size_t(self._shared_bytes)), _CU_OCCUPANCY)
         return count.value
 
     def parameters(self, *args) -> ctypes.Array:
@@ -274,14 +285,18 @@ class Kernel:
 
         params = self.parameters(*args)
         stream = torch.cuda.current_stream().cuda_stream
-        _cu_check(_libcuda().cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1, 0,
-                                            ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+        _cu_check(_libcuda().cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1,
+                                            self._shared_bytes, ctypes.c_void_p(stream), params, None),
+                  "cuLaunchKernel")
 
 
 def load_kernel(module: CompiledModule, name: str, signature: str, block: int,
-                loaded: Optional[ctypes.c_void_p] = None) -> tuple[Kernel, ctypes.c_void_p]:
+                loaded: Optional[ctypes.c_void_p] = None,
+                shared_bytes: int = 0) -> tuple[Kernel, ctypes.c_void_p]:
     """Kernel ``name`` of ``module`` in the current CUDA context (torch's current device): the
-    module is loaded once per context by the caller, who passes it back as ``loaded``."""
+    module is loaded once per context by the caller, who passes it back as ``loaded``.
+    ``shared_bytes`` of dynamic shared memory go with every launch (above 48 KiB the kernel
+    is opted in here, as the driver requires)."""
     lib = _libcuda()
     if loaded is None:
         loaded = ctypes.c_void_p()
@@ -289,4 +304,8 @@ def load_kernel(module: CompiledModule, name: str, signature: str, block: int,
     function = ctypes.c_void_p()
     _cu_check(lib.cuModuleGetFunction(ctypes.byref(function), loaded, module.names[name].encode()),
               f"cuModuleGetFunction({name})")
-    return Kernel(function, signature, block, loaded), loaded
+    if shared_bytes > _DEFAULT_SHARED_LIMIT:
+        _cu_check(lib.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                         ctypes.c_int(shared_bytes)),
+                  f"cuFuncSetAttribute({name}, {shared_bytes} B)")
+    return Kernel(function, signature, block, loaded, shared_bytes), loaded

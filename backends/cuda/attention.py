@@ -50,12 +50,14 @@ _MERGE_SIGNATURE = "pppp" + "iii" + "qq"
 _DEFINES: tuple[str, ...] = ()
 
 
-def split_count(ctas: int, slots: int, max_seq_len: int) -> int:
-    """KV splits for ``ctas`` (KV heads x sequences) on a GPU holding ``slots`` CTAs at once.
-    A grid of at least one wave never splits; a shorter one takes the split count whose grid
-    finishes in the fewest waves' time (ceil(ctas * s / slots) waves of CTAs 1/s as long) and,
-    of equals, the fewest splits (each adds partials to write and merge)."""
-    most = min(max_seq_len // MIN_SPLIT_LEN, _MAX_SPLITS)
+def split_count(ctas: int, slots: int, max_seq_len: int, min_split_len: int = MIN_SPLIT_LEN,
+                max_splits: int = _MAX_SPLITS) -> int:
+    """KV splits for ``ctas`` (KV heads x sequences here; the MLA kernel's are head tiles x
+    tokens) on a GPU holding ``slots`` CTAs at once, each split at least ``min_split_len``
+    positions. A grid of at least one wave never splits; a shorter one takes the split count
+    whose grid finishes in the fewest waves' time (ceil(ctas * s / slots) waves of CTAs 1/s as
+    long) and, of equals, the fewest splits (each adds partials to write and merge)."""
+    most = min(max_seq_len // min_split_len, max_splits)
     if ctas <= 0 or ctas >= slots or most < 2:
         return 1
     return min(range(1, most + 1), key=lambda s: (math.ceil(ctas * s / slots) / s, s))

@@ -1,0 +1,228 @@
+"""Host side of the cuda backend's mla_decode on Hopper: 16-bit latent caches at DeepSeek's
+576/512 widths (kernel: mla_decode_sm90.cu, which says how it works).
+
+Scope: sm_90 GPUs (the kernel is built for sm_90a: warpgroup MMAs), bf16 or fp16 q over a cache
+of the same dtype, 576-wide rows of which the first 512 are the values, cache blocks of a
+multiple of 64 positions, any head count (64-head tiles, the last one padded), any q_len (one
+CTA per query token and head tile, so decode and MTP alike), with or without lse. fp8 caches,
+other widths and other GPUs are the triton backend's: ``mla_decode_supports`` says why per call,
+and dispatch moves on.
+
+Launch: one CTA (256 threads, 226 KiB of shared memory, so one per SM) per head tile, query
+token and KV split. Splits come from host ints only (``attention.split_count`` with one CTA per
+SM and shares of at least four 64-position steps) and are merged by a second kernel, so CUDA
+graphs stay valid when lengths and tables change under them. First call per (arch, dtype): one
+NVRTC compilation kept on disk (_nvrtc.compile_module_cached), then one module load per device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import pathlib
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from kernelmux.backends.cuda import _nvrtc
+from kernelmux.backends.cuda.attention import split_count
+from kernelmux.engine import probes
+
+__all__ = ["CAPABILITY", "MlaPlan", "mla_decode", "mla_decode_supports", "override_plan", "shape_reason"]
+
+CAPABILITY = (9, 0)  # wgmma: sm_90a cubins run on sm_90 only
+ROW_WIDTH, RANK = 576, 512  # the kernel's tiles are laid out for these
+HEAD_TILE = 64  # heads per CTA (the wgmma M)
+STEP = 64  # positions per step; cache blocks must hold a multiple
+MIN_SPLIT_LEN = 4 * STEP  # shorter shares spend more on partials and the merge than they gain
+MAX_SPLITS = 64
+# kSharedBytes in the .cu file: Q and two cache tiles (64 x 576 x 2 bytes each), P (64 x 64 x 2),
+# row maxima and sums (4 x 64 x 4), 1024 bytes of room to align the base. The kernel traps when
+# launched with less.
+SHARED_BYTES = 3 * 73728 + 8192 + 1024 + 1024
+THREADS = 256
+_SOURCE = pathlib.Path(__file__).with_name("mla_decode_sm90.cu")
+# The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
+_DECODE_SIGNATURE = "ppppppppp" + "iiiii" + "f" + "qqqqqqq"
+_MERGE_SIGNATURE = "pppp" + "iii" + "qq"
+_LOG2E = 1.4426950408889634
+
+_capability = probes.device_capability
+_sm_count = probes.compute_units
+
+
+@dataclass(frozen=True)
+class MlaPlan:
+    """A launch's choices: KV splits (None: split_count's)."""
+
+    num_splits: Optional[int] = None
+
+
+DEFAULT_PLAN = MlaPlan()
+_override: Optional[MlaPlan] = None
+
+
+@contextlib.contextmanager
+def override_plan(num_splits: Optional[int] = None) -> Iterator[None]:
+    """Within the block, calls launch with this plan instead of DEFAULT_PLAN (tests, sweeps)."""
+    global _override
+    if num_splits is not None and (type(num_splits) is not int or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"override_plan: num_splits must be an int in [1, {MAX_SPLITS}] or None, "
+                         f"got {num_splits!r}")
+    previous, _override = _override, MlaPlan(num_splits)
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def shape_reason(q_dtype: torch.dtype, cache_dtype: torch.dtype, width: int, rank: int,
+                 block_size: int) -> Optional[str]:
+    """Why the kernel does not take a call of this kind (None when it does); no device needed."""
+    if q_dtype not in (torch.bfloat16, torch.float16):
+        return f"bf16 or fp16 q only, got {q_dtype}"
+    if cache_dtype != q_dtype:
+        return (f"a cache of q's dtype ({q_dtype}) only, this cache is {cache_dtype} (fp8 caches: the "
+                "triton backend)")
+    if (width, rank) != (ROW_WIDTH, RANK):
+        return f"rows of {ROW_WIDTH} with kv_lora_rank {RANK} only (the tile layouts), got {width} and {rank}"
+    if block_size % STEP:
+        return f"cache blocks of a multiple of {STEP} positions only, got {block_size}"
+    return None
+
+
+def _alignment_problem(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> Optional[tuple[str, str, str]]:
+    """(argument, expected, actual) when a tensor breaks the kernel's 16-byte copies or its
+    unit-stride index reads."""
+    for name, tensor in (("q", q), ("kv_cache", kv_cache)):
+        if tensor.stride(-1) != 1:
+            return name, "a unit stride along the row", f"stride {tensor.stride(-1)}"
+        size = tensor.element_size()
+        if tensor.data_ptr() % 16 or any(s * size % 16 for s in tensor.stride()[:2]):
+            return (name, "16-byte aligned data and row strides",
+                    f"address {tensor.data_ptr():#x}, byte strides {[s * size for s in tensor.stride()[:2]]}")
+    indices = (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens))
+    for name, tensor in indices:
+        if tensor.stride(-1) != 1 and tensor.shape[-1] > 1:
+            return name, "a unit stride along its last dim", f"stride {tensor.stride(-1)}"
+    return None
+
+
+def mla_decode_supports(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    kv_lora_rank: int = 512,
+    kv_scale: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+) -> Optional[str]:
+    """None when the kernel handles this (already validated) call, else why not."""
+    reason = shape_reason(q.dtype, kv_cache.dtype, q.shape[2], kv_lora_rank, kv_cache.shape[1])
+    if reason is not None:
+        return reason
+    if q.device.type != "cuda" or probes.is_rocm():
+        return f"needs an NVIDIA GPU, the tensors are on {q.device}"
+    capability = _capability(q.device)
+    if capability != CAPABILITY:
+        return (f"needs sm_{CAPABILITY[0]}{CAPABILITY[1]} (Hopper: the kernel is built on its wgmma), "
+                f"this GPU is sm_{capability[0]}{capability[1]}")
+    if _nvrtc.find_nvrtc() is None:
+        return ("NVRTC not found (pip install nvidia-cuda-nvrtc, which torch's CUDA wheels bring, or a CUDA "
+                "toolkit)")
+    if q.shape[0] > 65535:
+        return f"{q.shape[0]} query tokens > 65535, CUDA's limit on grid axis 1 (split the batch)"
+    problem = _alignment_problem(q, kv_cache, block_table, cu_seqlens_q, seq_lens)
+    if problem is not None:
+        return f"{problem[0]} needs {problem[1]}, got {problem[2]}"
+    return None
+
+
+@functools.cache
+def _compiled(arch: tuple[int, int], bf16: bool) -> tuple[_nvrtc.CompiledModule, str, str]:
+    """One NVRTC compilation per arch and q dtype: (module, decode kernel name, merge kernel name)."""
+    flag = str(bf16).lower()
+    decode, merge = f"mla_decode_sm90<{flag}>", f"merge_mla_splits<{flag}>"
+    module = _nvrtc.compile_module_cached(_SOURCE.read_text(), [decode, merge], arch, filename=_SOURCE.name,
+                                          arch_specific=True)
+    return module, decode, merge
+
+
+_LOADED: dict = {}
+_LOCK = threading.Lock()
+
+
+def _kernels(device: torch.device, bf16: bool) -> tuple[_nvrtc.Kernel, _nvrtc.Kernel]:
+    """The decode and merge kernels loaded on ``device`` (cached per device)."""
+    key = (device, bf16)
+    kernels = _LOADED.get(key)
+    if kernels is None:
+        with _LOCK:
+            if key in _LOADED:  # another thread loaded them while this one waited
+                return _LOADED[key]
+            module, decode_name, merge_name = _compiled(_capability(device), bf16)
+            decode, handle = _nvrtc.load_kernel(module, decode_name, _DECODE_SIGNATURE, THREADS,
+                                                shared_bytes=SHARED_BYTES)
+            merge, _ = _nvrtc.load_kernel(module, merge_name, _MERGE_SIGNATURE, RANK // 4, loaded=handle)
+            kernels = _LOADED[key] = (decode, merge)
+    return kernels
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    kv_lora_rank: int = 512,
+    kv_scale: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec's mla_decode on the wgmma kernel, plus a merge when it splits; arguments are
+    validated by the caller and accepted by mla_decode_supports."""
+    problem = _alignment_problem(q, kv_cache, block_table, cu_seqlens_q, seq_lens)
+    if problem is not None:  # supports' answer is cached per dispatch key, which strides are not
+        raise ValueError(f"mla_decode (cuda): {problem[0]} needs {problem[1]}, got {problem[2]}")
+    num_tokens, num_heads, _ = q.shape
+    device = q.device
+    out = torch.empty((num_tokens, num_heads, RANK), dtype=q.dtype, device=device)
+    lse = torch.empty((num_tokens, num_heads) if return_lse else (0,), dtype=torch.float32, device=device)
+    if num_tokens == 0:
+        return out, lse
+    tiles = math.ceil(num_heads / HEAD_TILE)
+    plan = _override or DEFAULT_PLAN
+    with torch.cuda.device(device):
+        decode, merge = _kernels(device, q.dtype == torch.bfloat16)
+        splits = plan.num_splits
+        if splits is None:
+            splits = split_count(tiles * num_tokens, decode.blocks_per_sm * _sm_count(device), max_seq_len,
+                                 min_split_len=MIN_SPLIT_LEN, max_splits=MAX_SPLITS)
+        if splits > 1:
+            part_acc = torch.empty((splits, num_tokens, num_heads, RANK), dtype=torch.float32, device=device)
+            part_ml = torch.empty((2, splits, num_tokens, num_heads), dtype=torch.float32, device=device)
+        else:
+            part_acc = part_ml = None
+        decode(
+            (tiles, num_tokens, splits),
+            q, kv_cache, out, lse if return_lse else None, part_acc, part_ml, cu_seqlens_q, block_table,
+            seq_lens,
+            seq_lens.shape[0], num_tokens, num_heads, splits, kv_cache.shape[1],
+            float(scale) * _LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            block_table.stride(0),
+        )
+        if splits > 1:
+            merge((num_tokens, num_heads, 1), out, lse if return_lse else None, part_acc, part_ml, num_tokens,
+                  num_heads, splits, out.stride(0), out.stride(1))
+    return out, lse

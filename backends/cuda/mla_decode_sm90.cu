@@ -1,0 +1,410 @@
+// kernelmux cuda backend: mla_decode on Hopper (sm_90a) over 16-bit latent caches.
+//
+// Absorbed MLA: every head attends over one latent sequence of 576-wide rows (the 512 value dims,
+// then 64 rope dims), so the kernel is a 576-deep Q K^T and a 512-wide P V per step, both on
+// warpgroup MMAs (wgmma), which is what separates it from the triton kernel (mma.sync-class
+// dots at 40% of bandwidth: the op is compute-balanced at 128 heads).
+//
+// One CTA takes 64 heads of one query token (one KV split of it when the host splits) and walks
+// the token's visible positions in 64-position steps:
+//
+//   - The 64 x 576 query tile and two 64 x 576 cache tiles live in shared memory in the layout
+//     wgmma reads directly: nine 64-column blocks of 64 rows x 128 bytes, each row's 16-byte
+//     chunks swizzled by the row's low three bits (128-byte swizzle). Every thread fills them
+//     with 16-byte cp.async copies, so step s + 1's tile streams in while step s is computed.
+//     Positions past the token's visible length are zero-filled, never read (unread cache slots
+//     may hold NaN), and masked out of the softmax.
+//   - Two warpgroups. Warpgroup w computes the scores of positions 32w .. 32w + 31 of the step
+//     (36 wgmma m64n32k16, Q and K both K-major), the two trade row maxima through shared memory,
+//     each writes its probabilities (q's dtype) into a 64 x 64 tile, and each then accumulates
+//     P V for its 256 of the 512 value dims (4 wgmma m64n256k16, V read from the same cache tile
+//     as an N-major operand): 128 fp32 accumulators a thread.
+//   - The end divides by the row sums (each warpgroup's partial sums, added through shared
+//     memory) and writes the output and log-sum-exp, or, split, the unnormalized partial with
+//     its running max and sum for merge_mla_splits.
+//
+// Compiled at runtime by NVRTC for sm_90a (wgmma is an arch-specific feature); see mla.py.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+namespace {
+
+constexpr int kDim = 576;     // a latent row: 512 values, then 64 rope dims
+constexpr int kRank = 512;    // value dims
+constexpr int kHeads = 64;    // heads per CTA: the wgmma M
+constexpr int kStep = 64;     // positions per step
+constexpr int kThreads = 256;  // two warpgroups
+constexpr int kRowChunks = kDim * 2 / 16;           // 72 16-byte chunks a row
+constexpr int kColumnBlock = 64 * 128;              // 64 rows x 128 bytes (64 dims)
+constexpr int kTile = kDim / 64 * kColumnBlock;     // a 64 x 576 tile: 73728 bytes
+// Shared memory, from a 1024-byte aligned base (the swizzle pattern repeats every 1024 bytes):
+// Q, two cache tiles, P (one column block), row maxima [2][64] and row sums [2][64].
+constexpr int kQ = 0, kKV = kTile, kP = 3 * kTile, kStats = kP + kColumnBlock;
+constexpr int kSharedBytes = kStats + 4 * kHeads * 4 + 1024;  // + room to align the base
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float log2_approx(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+template <bool BF16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 d;
+    if constexpr (BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    }
+    return d;
+}
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+
+__device__ __forceinline__ void copy16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void copy_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Shared-memory writes of the generic proxy (cp.async, st.shared) made visible to the async
+// proxy wgmma reads through; then a barrier makes every thread's visible to every warpgroup.
+__device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Byte offset of 16-byte chunk `chunk` (0 .. 71) of row `row` (0 .. 63) in a tile: its column
+// block, the row, and the chunk's slot XOR the row's low three bits (the 128-byte swizzle
+// wgmma undoes when it reads; it also spreads a column's rows over all 32 banks).
+__device__ __forceinline__ u32 tile_offset(int row, int chunk) {
+    return (chunk >> 3) * kColumnBlock + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+// Rows 0 .. 63 of a tile, row r from rows + r * stride (bytes); rows >= valid are zero-filled
+// and nothing is read for them.
+__device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i64 stride, int valid, int tid) {
+#pragma unroll
+    for (int i = 0; i < kStep * kRowChunks / kThreads; ++i) {
+        const int index = tid + i * kThreads;  // consecutive threads, consecutive chunks of a row
+        const int row = index / kRowChunks, chunk = index - row * kRowChunks;
+        const bool live = row < valid;
+        copy16(tile + tile_offset(row, chunk), rows + (live ? row * stride : 0) + chunk * 16, live ? 16u : 0u);
+    }
+}
+
+// A wgmma shared-memory matrix descriptor with the 128-byte swizzle. K-major operands: `stride`
+// is the step from 8 rows to the next 8 (1024 bytes here), `leading` unused. N-major: `leading`
+// steps 64 columns (one column block), `stride` 8 rows of K.
+__device__ __forceinline__ u64 descriptor(u32 address, u32 leading, u32 stride) {
+    return (u64)((address & 0x3FFFF) >> 4) | ((u64)((leading & 0x3FFFF) >> 4) << 16) |
+           ((u64)((stride & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Ties the accumulators to the wait before them: without it the compiler may read a register
+// between the wgmma that writes it (asynchronously) and the wait.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define KM_ACC8(d, i)                                                                                   \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),       \
+        "+f"(d[i + 6]), "+f"(d[i + 7])
+
+// d[16] (+)= A (64 x 16, K-major) B (16 x 32, K-major); accumulate 0 overwrites d.
+template <bool BF16>
+__device__ __forceinline__ void mma_m64n32k16(float (&d)[16], u64 a, u64 b, int accumulate) {
+#define KM_MMA_N32(T)                                                                                  \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %18, 0;\n\t"                                    \
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32." T "." T " "                             \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "            \
+                 "%16, %17, p, 1, 1, 0, 0;\n\t}"                                                       \
+                 : KM_ACC8(d, 0), KM_ACC8(d, 8)                                                        \
+                 : "l"(a), "l"(b), "r"(accumulate))
+    if constexpr (BF16) {
+        KM_MMA_N32("bf16");
+    } else {
+        KM_MMA_N32("f16");
+    }
+#undef KM_MMA_N32
+}
+
+// d[128] += A (64 x 16, K-major) B (16 x 256, N-major).
+template <bool BF16>
+__device__ __forceinline__ void mma_m64n256k16_bn(float (&d)[128], u64 a, u64 b) {
+#define KM_MMA_N256(T)                                                                                 \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %130, 0;\n\t"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32." T "." T " {"                           \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "              \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "    \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "    \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "    \
+                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "    \
+                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "    \
+                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, "    \
+                 "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, "      \
+                 "%123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 1;\n\t}"                      \
+                 : KM_ACC8(d, 0), KM_ACC8(d, 8), KM_ACC8(d, 16), KM_ACC8(d, 24), KM_ACC8(d, 32),       \
+                   KM_ACC8(d, 40), KM_ACC8(d, 48), KM_ACC8(d, 56), KM_ACC8(d, 64), KM_ACC8(d, 72),     \
+                   KM_ACC8(d, 80), KM_ACC8(d, 88), KM_ACC8(d, 96), KM_ACC8(d, 104), KM_ACC8(d, 112),   \
+                   KM_ACC8(d, 120)                                                                     \
+                 : "l"(a), "l"(b), "n"(1))
+    if constexpr (BF16) {
+        KM_MMA_N256("bf16");
+    } else {
+        KM_MMA_N256("f16");
+    }
+#undef KM_MMA_N256
+}
+
+#undef KM_ACC8
+
+}  // namespace
+
+// Grid (ceil(H / 64), T, splits), 256 threads, kSharedBytes of dynamic shared memory. Strides
+// are in elements. part_acc == nullptr: one split, out and lse (if not null) written here;
+// otherwise part_acc [splits, T, H, 512] and part_ml [2, splits, T, H] (running max in log2
+// units of the scaled scores, then the row sum) for merge_mla_splits.
+template <bool Q_BF16>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
+    const unsigned char* __restrict__ q, const unsigned char* __restrict__ kv, unsigned char* __restrict__ out,
+    float* __restrict__ lse, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
+    int num_seqs, int num_tokens, int num_heads, int num_splits, int block_size, float scale_log2,
+    i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h, i64 kv_stride_b, i64 kv_stride_p,
+    i64 table_stride) {
+    extern __shared__ unsigned char shared_raw[];
+    u32 dynamic_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
+    if (dynamic_bytes < (u32)kSharedBytes) __trap();  // the host launched it with too little
+    unsigned char* shared = shared_raw + ((1024u - (shared_address(shared_raw) & 1023u)) & 1023u);
+    const u32 base = shared_address(shared);
+    float* row_max = reinterpret_cast<float*>(shared + kStats);  // [warpgroup][row]
+    float* row_sum = row_max + 2 * kHeads;
+
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, quad = lane & 3;
+    // This thread's accumulator rows (heads of the CTA): row0 and row0 + 8; its columns 8j + 2quad
+    // (+1) of each 8-column group j.
+    const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
+    const int head0 = blockIdx.x * kHeads, token = blockIdx.y, split = blockIdx.z;
+
+    // The token's sequence: cu_seqlens_q[seq] <= token < cu_seqlens_q[seq + 1] (sequences
+    // without queries have equal bounds and are never found).
+    int seq = 0, hi = num_seqs;
+    while (hi - seq > 1) {
+        const int mid = (seq + hi) >> 1;
+        if (cu_seqlens_q[mid] <= token) seq = mid; else hi = mid;
+    }
+    const int q_start = cu_seqlens_q[seq], q_len = cu_seqlens_q[seq + 1] - q_start;
+    const int visible = seq_lens[seq] - q_len + (token - q_start) + 1;  // causal: positions 0 .. visible - 1
+    const int steps = (visible + kStep - 1) / kStep;
+    const int per_split = (steps + num_splits - 1) / num_splits;
+    const int first = split * per_split;
+    const int count = max(0, min(steps, first + per_split) - first);
+    const int* table = block_table + (i64)seq * table_stride;
+
+    // Cache blocks hold a multiple of 64 positions (the host checks), so a step is one block's rows.
+    auto load_step = [&](int step, u32 tile) {
+        const int position = step * kStep;
+        const i64 block = table[position / block_size];
+        const unsigned char* rows = kv + (block * kv_stride_b + (i64)(position % block_size) * kv_stride_p) * 2;
+        load_tile(tile, rows, kv_stride_p * 2, visible - position, tid);
+    };
+    load_tile(base + kQ, q + ((i64)token * q_stride_t + (i64)head0 * q_stride_h) * 2, q_stride_h * 2,
+              num_heads - head0, tid);
+    if (count > 0) load_step(first, base + kKV);
+    copy_commit();
+    if (count > 1) load_step(first + 1, base + kKV + kTile);
+    copy_commit();
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.0f, 0.0f};  // l_run: this thread's columns only
+
+    for (int i = 0; i < count; ++i) {
+        const int step = first + i;
+        const u32 tile = base + kKV + (i & 1) * kTile;
+        copy_wait<1>();  // all groups but the newest: this step's tile (and Q) have landed
+        fence_async_proxy();
+        __syncthreads();
+
+        // Scores of positions 32wg .. 32wg + 31 for the 64 heads.
+        float s[16];
+#pragma unroll
+        for (int k = 0; k < 16; ++k) s[k] = 0.0f;
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kDim / 16; ++k) {
+            const u32 column = (k >> 2) * kColumnBlock + (k & 3) * 32;
+            mma_m64n32k16<Q_BF16>(s, descriptor(base + kQ + column, 16, 1024),
+                                  descriptor(tile + wg * 32 * 128 + column, 16, 1024), k);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(s);
+
+        // Softmax in log2 units; the row max over both warpgroups' halves.
+        const int position0 = step * kStep + wg * 32;
+        float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const bool live = position0 + 8 * j + 2 * quad + (e & 1) < visible;
+                s[4 * j + e] = live ? s[4 * j + e] * scale_log2 : neg_inf();
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        }
+        if (quad == 0) {
+            row_max[wg * kHeads + row0] = mx[0];
+            row_max[wg * kHeads + row0 + 8] = mx[1];
+        }
+        __syncthreads();
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            // Both warpgroups take the same maximum: the previous one (equal in both) and both halves'.
+            const float m_new = fmaxf(m_run[r], fmaxf(mx[r], row_max[(1 - wg) * kHeads + row0 + 8 * r]));
+            alpha[r] = exp2_approx(m_run[r] - m_new);  // 0 at the first step (m_run = -inf)
+            m_run[r] = m_new;
+            l_run[r] *= alpha[r];
+        }
+        // P into the 64 x 64 tile (K-major, swizzled as the cache tiles), this warpgroup's 32 columns.
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float p0 = exp2_approx(s[4 * j + 2 * r] - m_run[r]);
+                const float p1 = exp2_approx(s[4 * j + 2 * r + 1] - m_run[r]);
+                l_run[r] += p0 + p1;
+                const int row = row0 + 8 * r;
+                *reinterpret_cast<u32*>(shared + kP + row * 128 + ((((wg * 4 + j) ^ (row & 7))) << 4) + quad * 4) =
+                    pack2<Q_BF16>(p0, p1);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+            o[4 * j] *= alpha[0];
+            o[4 * j + 1] *= alpha[0];
+            o[4 * j + 2] *= alpha[1];
+            o[4 * j + 3] *= alpha[1];
+        }
+        fence_async_proxy();
+        __syncthreads();
+
+        // O[:, 256wg .. 256wg + 255] += P V.
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < kStep / 16; ++k) {
+            mma_m64n256k16_bn<Q_BF16>(o, descriptor(base + kP + k * 32, 16, 1024),
+                                      descriptor(tile + wg * 4 * kColumnBlock + k * 16 * 128, kColumnBlock, 1024));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(o);
+        __syncthreads();  // this tile and P are free again
+        if (i + 2 < count) load_step(step + 2, tile);
+        copy_commit();
+    }
+
+    // Row sums: the quad's columns, then both warpgroups'.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+    }
+    if (quad == 0) {
+        row_sum[wg * kHeads + row0] = l_run[0];
+        row_sum[wg * kHeads + row0 + 8] = l_run[1];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r, head = head0 + row;
+        if (head >= num_heads) continue;
+        const float total = row_sum[row] + row_sum[kHeads + row];
+        const i64 flat = (i64)token * num_heads + head;
+        if (part_acc != nullptr) {
+            float* acc = part_acc + ((i64)split * num_tokens * num_heads + flat) * kRank + wg * 256 + 2 * quad;
+#pragma unroll
+            for (int j = 0; j < 32; ++j)
+                *reinterpret_cast<float2*>(acc + 8 * j) = make_float2(o[4 * j + 2 * r], o[4 * j + 2 * r + 1]);
+            if (wg == 0 && quad == 0) {
+                const i64 stat = (i64)split * num_tokens * num_heads + flat;
+                part_ml[stat] = m_run[r];
+                part_ml[(i64)num_splits * num_tokens * num_heads + stat] = total;
+            }
+        } else {
+            const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+            unsigned char* row_out = out + ((i64)token * o_stride_t + (i64)head * o_stride_h + wg * 256 + 2 * quad) * 2;
+#pragma unroll
+            for (int j = 0; j < 32; ++j)
+                *reinterpret_cast<u32*>(row_out + 16 * j) =
+                    pack2<Q_BF16>(o[4 * j + 2 * r] * inverse, o[4 * j + 2 * r + 1] * inverse);
+            if (lse != nullptr && wg == 0 && quad == 0) lse[flat] = (m_run[r] + log2_approx(total)) * kLn2;
+        }
+    }
+}
+
+// Grid (T, H), 128 threads, four value dims each: the splits' partials combined, weighted by
+// exp2(m_s - max m) (0 for empty splits), divided by the weighted sum of their row sums.
+template <bool Q_BF16>
+__global__ void __launch_bounds__(128) merge_mla_splits(
+    unsigned char* __restrict__ out, float* __restrict__ lse, const float* __restrict__ part_acc,
+    const float* __restrict__ part_ml, int num_tokens, int num_heads, int num_splits, i64 o_stride_t,
+    i64 o_stride_h) {
+    const int token = blockIdx.x, head = blockIdx.y, dim = threadIdx.x * 4;
+    const i64 flat = (i64)token * num_heads + head, stride = (i64)num_tokens * num_heads;
+    float m_max = neg_inf();
+    for (int s = 0; s < num_splits; ++s) m_max = fmaxf(m_max, part_ml[flat + s * stride]);
+    float total = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < num_splits; ++s) {
+        const float m = part_ml[flat + s * stride];
+        if (m == neg_inf()) continue;  // an empty split: nothing to add (and exp2(-inf - -inf) is NaN)
+        const float w = exp2_approx(m - m_max);
+        total += w * part_ml[(i64)num_splits * stride + flat + s * stride];
+        const float4 v = *reinterpret_cast<const float4*>(part_acc + (flat + s * stride) * kRank + dim);
+        acc[0] += w * v.x;
+        acc[1] += w * v.y;
+        acc[2] += w * v.z;
+        acc[3] += w * v.w;
+    }
+    const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+    uint2 packed;
+    packed.x = pack2<Q_BF16>(acc[0] * inverse, acc[1] * inverse);
+    packed.y = pack2<Q_BF16>(acc[2] * inverse, acc[3] * inverse);
+    *reinterpret_cast<uint2*>(out + ((i64)token * o_stride_t + (i64)head * o_stride_h + dim) * 2) = packed;
+    if (lse != nullptr && threadIdx.x == 0) lse[flat] = (m_max + log2_approx(total)) * kLn2;
+}

@@ -1,0 +1,207 @@
+"""The cuda backend's Hopper mla_decode kernel: what it accepts and why not, its compilation for
+sm_90a (NVRTC runs on CPU-only machines), and on an sm_90 GPU every head count, q_len, dtype,
+block size and split count against the spec's reference, with NaN in unread cache slots,
+NaN-poisoned output memory and CUDA-graph replays with new inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from graph_replay import build, capture, replay_on_new_inputs
+from kernelmux.backends.cuda import _nvrtc, attention, mla
+from kernelmux.ops.specs import mla_decode as mla_spec
+
+BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+NAMES = [f"{kernel}<{flag}>" for kernel in ("mla_decode_sm90", "merge_mla_splits")
+         for flag in ("true", "false")]
+
+
+def _on_hopper() -> bool:
+    return DEVICE == "cuda" and torch.cuda.get_device_capability() == mla.CAPABILITY
+
+
+needs_hopper = pytest.mark.skipif(
+    not _on_hopper(), reason="runs the sm_90a (wgmma) kernel: needs an H100/H200; runs in the GPU suite")
+needs_nvrtc = pytest.mark.skipif(
+    _nvrtc.find_nvrtc() is None,
+    reason="NVRTC not installed (pip install nvidia-cuda-nvrtc; the test extra has it)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side (any machine)
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(q_dtype=torch.float32, cache_dtype=torch.float32), "bf16 or fp16 q only"),
+    (dict(cache_dtype=FP8), "a cache of q's dtype (torch.bfloat16) only, this cache is torch.float8_e4m3fn"),
+    (dict(cache_dtype=FP16), "a cache of q's dtype"),
+    (dict(width=192, rank=128), "rows of 576 with kv_lora_rank 512 only"),
+    (dict(rank=448), "got 576 and 448"),
+    (dict(block_size=16), "multiple of 64 positions only, got 16"),
+    (dict(block_size=96), "got 96"),
+])
+def test_shape_reason_names_what_it_refuses(kwargs, reason):
+    call = dict(q_dtype=BF16, cache_dtype=BF16, width=576, rank=512, block_size=64)
+    assert mla.shape_reason(**call) is None
+    call.update(kwargs)
+    assert reason in mla.shape_reason(**call)
+
+
+@pytest.mark.parametrize("dtype, block_size", [(BF16, 64), (FP16, 64), (BF16, 128), (BF16, 256)])
+def test_shape_reason_takes_deepseek_shapes(dtype, block_size):
+    assert mla.shape_reason(dtype, dtype, 576, 512, block_size) is None
+
+
+def test_split_count_on_the_goal_shapes():
+    # One CTA per SM (226 KiB of shared memory), 132 SMs on an H100. B 64 and 128 at 128 heads:
+    # 128 and 256 CTAs, no split (two splits of B 64 would take two waves). B 8: 16 CTAs, 8 splits.
+    def splits(ctas, max_seq_len=4096):
+        return attention.split_count(ctas, 132, max_seq_len, min_split_len=mla.MIN_SPLIT_LEN,
+                                     max_splits=mla.MAX_SPLITS)
+    assert splits(128) == 1 and splits(256) == 1
+    assert splits(16) == 8
+    assert splits(1, 32768) == 64  # capped by MAX_SPLITS (a share of 512 positions)
+    assert splits(16, 300) == 1  # shares would be shorter than MIN_SPLIT_LEN
+
+
+def test_override_plan_checks_its_argument():
+    for bad in (0, 65, 2.0, "4"):
+        with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 64\] or None, got"):
+            with mla.override_plan(num_splits=bad):
+                pass
+    with mla.override_plan(num_splits=3):
+        assert mla._override == mla.MlaPlan(3)
+    assert mla._override is None
+
+
+def test_shared_memory_fits_hopper():
+    # sm_90's opt-in limit per CTA is 227 KiB; the .cu file's kSharedBytes must equal SHARED_BYTES
+    # (the kernel traps on the GPU when launched with less, which the GPU tests would show).
+    assert mla.SHARED_BYTES <= 227 * 1024
+    source = mla._SOURCE.read_text()
+    assert "constexpr int kSharedBytes = kStats + 4 * kHeads * 4 + 1024;" in source
+    assert mla.SHARED_BYTES == 3 * (576 // 64) * 64 * 128 + 64 * 128 + 4 * 64 * 4 + 1024
+
+
+@needs_nvrtc
+def test_kernels_compile_for_sm90a_without_spills():
+    module = _nvrtc.compile_module(mla._SOURCE.read_text(), NAMES, (9, 0), verbose=True, arch_specific=True)
+    for name in NAMES:
+        assert module.spill_bytes(name) == 0, name
+        assert 0 < module.registers(name) <= 255, name
+
+
+@needs_nvrtc
+def test_sm90_without_the_arch_suffix_is_refused_by_ptxas():
+    # wgmma needs sm_90a: the plain target must fail, which is why mla.py asks for arch_specific.
+    with pytest.raises(_nvrtc.NvrtcError, match="sm_90"):
+        _nvrtc.compile_module(mla._SOURCE.read_text(), NAMES[:1], (9, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel (sm_90 GPU)
+
+def _poison_allocator(nbytes: int) -> None:
+    """NaN-filled blocks left in the allocator's free lists: outputs the kernel allocates start as
+    NaN, so an element it never writes fails the comparison."""
+    blocks = [torch.full((nbytes // 4 + extra,), float("nan"), device=DEVICE) for extra in (0, 64, 4096)]
+    del blocks
+
+
+def _check(kwargs, seed):
+    assert mla.mla_decode_supports(**kwargs) is None
+    expected = mla_spec.SPEC.reference(**kwargs)
+    q = kwargs["q"]
+    _poison_allocator(q.shape[0] * q.shape[1] * mla.RANK * 4 * 8)
+    actual = mla.mla_decode(**kwargs)
+    try:
+        mla_spec.SPEC.check_close(actual, expected, kwargs)
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: {error}") from None
+
+
+# Lengths 1, under one step, exactly one and two steps, across steps and blocks; one sequence
+# without a query.
+Q_LENS, KV_LENS = (1, 1, 1, 0, 1, 1, 1), (1, 63, 64, 9, 128, 300, 1029)
+
+
+@needs_hopper
+@pytest.mark.parametrize("num_heads", [128, 16, 100])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("block_size", [64, 128])
+@pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "no_lse"])
+def test_decode_against_reference(num_heads, dtype, block_size, return_lse):
+    seed = num_heads + block_size + (dtype == FP16)
+    make = mla_spec._maker(Q_LENS, KV_LENS, num_heads, block_size=block_size, dtype=dtype,
+                           return_lse=return_lse, scale=mla_spec.DEEPSEEK_V3_SCALE)
+    _check(build(make, seed, DEVICE), seed)
+
+
+@needs_hopper
+@pytest.mark.parametrize("q_lens, kv_lens", [
+    ((2,) * 4, (2, 70, 129, 1000)), ((4, 1, 3), (4, 300, 65)), ((3, 0, 2), (500, 7, 64)),
+], ids=["mtp2", "mtp_mixed", "mtp_empty"])
+@pytest.mark.parametrize("num_heads", [128, 16])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_mtp_against_reference(q_lens, kv_lens, num_heads, splits):
+    seed = 7 * num_heads + sum(kv_lens)
+    make = mla_spec._maker(q_lens, kv_lens, num_heads, scale=mla_spec.DEEPSEEK_V3_SCALE)
+    with mla.override_plan(num_splits=splits):
+        _check(build(make, seed, DEVICE), seed)
+
+
+@needs_hopper
+@pytest.mark.parametrize("splits", [1, 2, 3, 8, 17, 64])
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
+def test_every_split_count_against_reference(splits, dtype):
+    # 17 and 64 splits leave empty splits on the short sequences (1029 positions: 17 steps).
+    seed = splits
+    make = mla_spec._maker(Q_LENS, KV_LENS, 128, dtype=dtype, scale=mla_spec.DEEPSEEK_V3_SCALE)
+    with mla.override_plan(num_splits=splits):
+        _check(build(make, seed, DEVICE), seed)
+
+
+@needs_hopper
+@pytest.mark.parametrize("splits", [1, 4])
+def test_nan_in_unread_slots_is_never_read(splits):
+    make = mla_spec._maker((1, 1, 2), (13, 100, 77), 128, nan_in_unused=True, spare_blocks=4)
+    with mla.override_plan(num_splits=splits):
+        _check(build(make, 5, DEVICE), 5)
+
+
+@needs_hopper
+def test_goal_shape_against_reference():
+    # DeepSeek-V3 B 16 x 4096 at 128 heads (the bench's shape at a quarter of the batch).
+    make = mla_spec._deepseek(16, 4096, 128)
+    _check(build(make, 11, DEVICE), 11)
+
+
+@needs_hopper
+def test_empty_batch():
+    kwargs = build(mla_spec._maker((), (), 128), 0, DEVICE)
+    out, lse = mla.mla_decode(**kwargs)
+    assert out.shape == (0, 128, 512) and lse.shape == (0, 128)
+
+
+@needs_hopper
+def test_misaligned_q_view_is_refused_by_name():
+    kwargs = build(mla_spec._maker((1,), (40,), 128), 1, DEVICE)
+    wide = torch.zeros(kwargs["q"].shape[:-1] + (584,), dtype=BF16, device=DEVICE)
+    kwargs["q"] = wide[..., 4:580]
+    reason = mla.mla_decode_supports(**kwargs)
+    assert reason is not None and reason.startswith("q needs 16-byte aligned data and row strides")
+    with pytest.raises(ValueError, match="q needs 16-byte aligned"):
+        mla.mla_decode(**kwargs)
+
+
+@needs_hopper
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_decode_graph_replays_new_inputs(splits):
+    batch, max_len = 8, 1024
+    make = mla_spec._maker((1,) * batch, (max_len,) * batch, 128, scale=mla_spec.DEEPSEEK_V3_SCALE,
+                           spare_blocks=16)
+    static = build(make, 0, DEVICE)
+    with mla.override_plan(num_splits=splits):
+        graph, result = capture(mla.mla_decode, static)
+        replay_on_new_inputs(mla_spec, make, static, graph, result, batch, max_len)
