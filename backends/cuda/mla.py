@@ -49,6 +49,8 @@ _SOURCE = pathlib.Path(__file__).with_name("mla_decode_sm90.cu")
 _DECODE_SIGNATURE = "ppppppppp" + "iiiii" + "f" + "qqqqqqq"
 _MERGE_SIGNATURE = "pppp" + "iii" + "qq"
 _LOG2E = 1.4426950408889634
+# Macros defined for the compilation (perf/diag/cuda_mla_ablation.py sets them).
+_DEFINES: tuple[str, ...] = ()
 
 _capability = probes.device_capability
 _sm_count = probes.compute_units
@@ -147,12 +149,15 @@ def mla_decode_supports(
 
 
 @functools.cache
-def _compiled(arch: tuple[int, int], bf16: bool) -> tuple[_nvrtc.CompiledModule, str, str]:
-    """One NVRTC compilation per arch and q dtype: (module, decode kernel name, merge kernel name)."""
+def _compiled(arch: tuple[int, int], defines: tuple[str, ...],
+              bf16: bool) -> tuple[_nvrtc.CompiledModule, str, str]:
+    """One NVRTC compilation per arch, macro set and q dtype: (module, decode kernel name, merge
+    kernel name)."""
     flag = str(bf16).lower()
     decode, merge = f"mla_decode_sm90<{flag}>", f"merge_mla_splits<{flag}>"
-    module = _nvrtc.compile_module_cached(_SOURCE.read_text(), [decode, merge], arch, filename=_SOURCE.name,
-                                          arch_specific=True)
+    prefix = "".join(f"#define {name} 1\n" for name in defines) + ("#line 1\n" if defines else "")
+    module = _nvrtc.compile_module_cached(prefix + _SOURCE.read_text(), [decode, merge], arch,
+                                          filename=_SOURCE.name, arch_specific=True)
     return module, decode, merge
 
 
@@ -162,13 +167,13 @@ _LOCK = threading.Lock()
 
 def _kernels(device: torch.device, bf16: bool) -> tuple[_nvrtc.Kernel, _nvrtc.Kernel]:
     """The decode and merge kernels loaded on ``device`` (cached per device)."""
-    key = (device, bf16)
+    key = (device, _DEFINES, bf16)
     kernels = _LOADED.get(key)
     if kernels is None:
         with _LOCK:
             if key in _LOADED:  # another thread loaded them while this one waited
                 return _LOADED[key]
-            module, decode_name, merge_name = _compiled(_capability(device), bf16)
+            module, decode_name, merge_name = _compiled(_capability(device), _DEFINES, bf16)
             decode, handle = _nvrtc.load_kernel(module, decode_name, _DECODE_SIGNATURE, THREADS,
                                                 shared_bytes=SHARED_BYTES)
             merge, _ = _nvrtc.load_kernel(module, merge_name, _MERGE_SIGNATURE, RANK // 4, loaded=handle)

@@ -24,6 +24,8 @@
 //     its running max and sum for merge_mla_splits.
 //
 // Compiled at runtime by NVRTC for sm_90a (wgmma is an arch-specific feature); see mla.py.
+// perf/diag/cuda_mla_ablation.py builds it with KERNELMUX_SKIP_{SCORES,VALUES,LOADS,EXCHANGE}
+// defined, each leaving one part out (the results are then wrong) to time what it costs.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -260,12 +262,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
 #pragma unroll
         for (int k = 0; k < 16; ++k) s[k] = 0.0f;
         wgmma_fence();
+#ifndef KERNELMUX_SKIP_SCORES
 #pragma unroll
         for (int k = 0; k < kDim / 16; ++k) {
             const u32 column = (k >> 2) * kColumnBlock + (k & 3) * 32;
             mma_m64n32k16<Q_BF16>(s, descriptor(base + kQ + column, 16, 1024),
                                   descriptor(tile + wg * 32 * 128 + column, 16, 1024), k);
         }
+#endif
         wgmma_commit();
         wgmma_wait<0>();
         fence_registers(s);
@@ -291,7 +295,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             row_max[wg * kHeads + row0] = mx[0];
             row_max[wg * kHeads + row0 + 8] = mx[1];
         }
+#ifndef KERNELMUX_SKIP_EXCHANGE
         __syncthreads();
+#endif
         float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -326,16 +332,20 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
 
         // O[:, 256wg .. 256wg + 255] += P V.
         wgmma_fence();
+#ifndef KERNELMUX_SKIP_VALUES
 #pragma unroll
         for (int k = 0; k < kStep / 16; ++k) {
             mma_m64n256k16_bn<Q_BF16>(o, descriptor(base + kP + k * 32, 16, 1024),
                                       descriptor(tile + wg * 4 * kColumnBlock + k * 16 * 128, kColumnBlock, 1024));
         }
+#endif
         wgmma_commit();
         wgmma_wait<0>();
         fence_registers(o);
         __syncthreads();  // this tile and P are free again
+#ifndef KERNELMUX_SKIP_LOADS
         if (i + 2 < count) load_step(step + 2, tile);
+#endif
         copy_commit();
     }
 

@@ -1,0 +1,60 @@
+"""What each part of the cuda backend's Hopper MLA kernel costs: the kernel timed as built, then
+rebuilt with one part left out at a time (KERNELMUX_SKIP_* in mla_decode_sm90.cu: the score
+MMAs, the value MMAs, the cache loads after the first two tiles, the barrier of the row-max
+exchange). The left-out builds compute wrong results; only their times mean anything. Times
+are CUDA-graph replays; percentages are of the copy bandwidth measured in the same run.
+
+    python perf/diag/cuda_mla_ablation.py --out DIR [--cases NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from kernelmux.backends.cuda import mla
+from kernelmux.ops.specs import mla_decode as mla_spec
+from kernelmux.perf import ceilings as ceilings_module
+from kernelmux.perf.timing import graph_replay_time
+
+CASES = ["deepseek_v3_h128_decode_b64_ctx4096", "deepseek_v3_h128_decode_b128_ctx4096"]
+VARIANTS = {
+    "as built": (),
+    "no score MMAs": ("KERNELMUX_SKIP_SCORES",),
+    "no value MMAs": ("KERNELMUX_SKIP_VALUES",),
+    "no MMAs": ("KERNELMUX_SKIP_SCORES", "KERNELMUX_SKIP_VALUES"),
+    "no loads after two tiles": ("KERNELMUX_SKIP_LOADS",),
+    "no max-exchange barrier": ("KERNELMUX_SKIP_EXCHANGE",),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", nargs="*", default=CASES)
+    args = parser.parse_args()
+    copy = ceilings_module.measure("cuda")["memory_gbps"]
+    rows = []
+    for name in args.cases:
+        kwargs = mla_spec.SPEC.case(name).build("cuda", 0)
+        nbytes = mla_spec.SPEC.cost(kwargs).bytes
+        floor_us = nbytes / (copy * 1e3)
+        for label, defines in VARIANTS.items():
+            mla._DEFINES = defines
+            timing = graph_replay_time(mla.mla_decode, [kwargs], calls_per_graph=8, trials=10)
+            rows.append({"case": name, "variant": label, "defines": list(defines), "us": timing.median_us,
+                         "pct_of_copy": 100 * floor_us / timing.median_us})
+            print(f"{name:40s} {label:26s} {timing.median_us:8.1f} us  "
+                  f"{rows[-1]['pct_of_copy']:5.1f}% of copy", flush=True)
+    mla._DEFINES = ()
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"), "copy_gbps": copy, "rows": rows}
+    with open(os.path.join(args.out, "cuda_mla_ablation.json"), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
