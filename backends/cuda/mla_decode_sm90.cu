@@ -25,7 +25,8 @@
 //
 // Compiled at runtime by NVRTC for sm_90a (wgmma is an arch-specific feature); see mla.py.
 // perf/diag/cuda_mla_ablation.py builds it with KERNELMUX_SKIP_{SCORES,VALUES,LOADS,EXCHANGE}
-// defined, each leaving one part out (the results are then wrong) to time what it costs.
+// defined, each leaving one part out, and KERNELMUX_HALF_LOADS (half of each tile's rows read)
+// (the results are then wrong) to time what it costs.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -236,7 +237,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
         const int position = step * kStep;
         const i64 block = table[position / block_size];
         const unsigned char* rows = kv + (block * kv_stride_b + (i64)(position % block_size) * kv_stride_p) * 2;
+#ifdef KERNELMUX_HALF_LOADS
+        load_tile(tile, rows, kv_stride_p * 2, min(visible - position, kStep / 2), tid);
+#else
         load_tile(tile, rows, kv_stride_p * 2, visible - position, tid);
+#endif
     };
     load_tile(base + kQ, q + ((i64)token * q_stride_t + (i64)head0 * q_stride_h) * 2, q_stride_h * 2,
               num_heads - head0, tid);

@@ -16,6 +16,7 @@ import os
 import torch
 
 from kernelmux.backends.cuda import mla
+from kernelmux.ops._spec import Case
 from kernelmux.ops.specs import mla_decode as mla_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf.timing import graph_replay_time
@@ -28,18 +29,25 @@ VARIANTS = {
     "no MMAs": ("KERNELMUX_SKIP_SCORES", "KERNELMUX_SKIP_VALUES"),
     "no loads after two tiles": ("KERNELMUX_SKIP_LOADS",),
     "no max-exchange barrier": ("KERNELMUX_SKIP_EXCHANGE",),
+    "half of each tile's rows read": ("KERNELMUX_HALF_LOADS",),
+}
+# Beyond the spec's cases: 64 heads (one CTA a sequence, so no second CTA reading the same tiles).
+EXTRA_CASES = {
+    "deepseek_v3_h64_decode_b128_ctx4096": lambda: mla_spec._deepseek(128, 4096, 64),
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--cases", nargs="*", default=CASES)
+    parser.add_argument("--cases", nargs="*", default=CASES + list(EXTRA_CASES))
     args = parser.parse_args()
     copy = ceilings_module.measure("cuda")["memory_gbps"]
     rows = []
     for name in args.cases:
-        kwargs = mla_spec.SPEC.case(name).build("cuda", 0)
+        extra = EXTRA_CASES.get(name)
+        case = Case(name, extra(), frozenset(), name) if extra else mla_spec.SPEC.case(name)
+        kwargs = case.build("cuda", 0)
         nbytes = mla_spec.SPEC.cost(kwargs).bytes
         floor_us = nbytes / (copy * 1e3)
         for label, defines in VARIANTS.items():
