@@ -46,7 +46,7 @@ SHARED_BYTES = 3 * 73728 + 8192 + 1024 + 1024
 THREADS = 256
 _SOURCE = pathlib.Path(__file__).with_name("mla_decode_sm90.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
-_DECODE_SIGNATURE = "ppppppppp" + "iiiii" + "f" + "qqqqqqq"
+_DECODE_SIGNATURE = "ppppppppp" + "iiiiii" + "f" + "qqqqqqq"
 _MERGE_SIGNATURE = "pppp" + "iii" + "qq"
 _LOG2E = 1.4426950408889634
 # Macros defined for the compilation (perf/diag/cuda_mla_ablation.py sets them).
@@ -223,6 +223,9 @@ def mla_decode(
             q, kv_cache, out, lse if return_lse else None, part_acc, part_ml, cu_seqlens_q, block_table,
             seq_lens,
             seq_lens.shape[0], num_tokens, num_heads, splits, kv_cache.shape[1],
+            # Every sequence has max_query_len queries when T == B * max_query_len (none has more):
+            # the kernel then finds a token's sequence by a division instead of a search.
+            max_query_len if num_tokens == seq_lens.shape[0] * max_query_len else 0,
             float(scale) * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
             block_table.stride(0),

@@ -193,13 +193,14 @@ __device__ __forceinline__ void mma_m64n256k16_bn(float (&d)[128], u64 a, u64 b)
 // Grid (ceil(H / 64), T, splits), 256 threads, kSharedBytes of dynamic shared memory. Strides
 // are in elements. part_acc == nullptr: one split, out and lse (if not null) written here;
 // otherwise part_acc [splits, T, H, 512] and part_ml [2, splits, T, H] (running max in log2
-// units of the scaled scores, then the row sum) for merge_mla_splits.
+// units of the scaled scores, then the row sum) for merge_mla_splits. q_per_seq > 0 says every
+// sequence has that many queries (the host knows it from T == B * max_query_len).
 template <bool Q_BF16>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
     const unsigned char* __restrict__ q, const unsigned char* __restrict__ kv, unsigned char* __restrict__ out,
     float* __restrict__ lse, float* __restrict__ part_acc, float* __restrict__ part_ml,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
-    int num_seqs, int num_tokens, int num_heads, int num_splits, int block_size, float scale_log2,
+    int num_seqs, int num_tokens, int num_heads, int num_splits, int block_size, int q_per_seq, float scale_log2,
     i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h, i64 kv_stride_b, i64 kv_stride_p,
     i64 table_stride) {
     extern __shared__ unsigned char shared_raw[];
@@ -217,14 +218,25 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
     const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
     const int head0 = blockIdx.x * kHeads, token = blockIdx.y, split = blockIdx.z;
 
+    // The query first: it needs no index reads.
+    load_tile(base + kQ, q + ((i64)token * q_stride_t + (i64)head0 * q_stride_h) * 2, q_stride_h * 2,
+              num_heads - head0, tid);
+
     // The token's sequence: cu_seqlens_q[seq] <= token < cu_seqlens_q[seq + 1] (sequences
-    // without queries have equal bounds and are never found).
-    int seq = 0, hi = num_seqs;
-    while (hi - seq > 1) {
-        const int mid = (seq + hi) >> 1;
-        if (cu_seqlens_q[mid] <= token) seq = mid; else hi = mid;
+    // without queries have equal bounds and are never found). When the host knows every sequence
+    // has q_per_seq queries, a division; otherwise a binary search (dependent reads).
+    int seq = 0;
+    if (q_per_seq > 0) {
+        seq = token / q_per_seq;
+    } else {
+        int hi = num_seqs;
+        while (hi - seq > 1) {
+            const int mid = (seq + hi) >> 1;
+            if (cu_seqlens_q[mid] <= token) seq = mid; else hi = mid;
+        }
     }
-    const int q_start = cu_seqlens_q[seq], q_len = cu_seqlens_q[seq + 1] - q_start;
+    const int q_start = q_per_seq > 0 ? seq * q_per_seq : cu_seqlens_q[seq];
+    const int q_len = q_per_seq > 0 ? q_per_seq : cu_seqlens_q[seq + 1] - q_start;
     const int visible = seq_lens[seq] - q_len + (token - q_start) + 1;  // causal: positions 0 .. visible - 1
     const int steps = (visible + kStep - 1) / kStep;
     const int per_split = (steps + num_splits - 1) / num_splits;
@@ -233,9 +245,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
     const int* table = block_table + (i64)seq * table_stride;
 
     // Cache blocks hold a multiple of 64 positions (the host checks), so a step is one block's rows.
-    auto load_step = [&](int step, u32 tile) {
+    // Each step's block id is read a step before its tile load is issued: a table read waited
+    // for at the issue put a memory round trip on every step's critical path.
+    auto block_of = [&](int step) -> int { return step < first + count ? table[step * kStep / block_size] : 0; };
+    auto load_step = [&](int step, i64 block, u32 tile) {
         const int position = step * kStep;
-        const i64 block = table[position / block_size];
         const unsigned char* rows = kv + (block * kv_stride_b + (i64)(position % block_size) * kv_stride_p) * 2;
 #ifdef KERNELMUX_HALF_LOADS
         load_tile(tile, rows, kv_stride_p * 2, min(visible - position, kStep / 2), tid);
@@ -243,11 +257,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
         load_tile(tile, rows, kv_stride_p * 2, visible - position, tid);
 #endif
     };
-    load_tile(base + kQ, q + ((i64)token * q_stride_t + (i64)head0 * q_stride_h) * 2, q_stride_h * 2,
-              num_heads - head0, tid);
-    if (count > 0) load_step(first, base + kKV);
+    const int block0 = block_of(first), block1 = block_of(first + 1);
+    int block_next = block_of(first + 2);  // the block of the load issued at the end of this iteration
+    if (count > 0) load_step(first, block0, base + kKV);
     copy_commit();
-    if (count > 1) load_step(first + 1, base + kKV + kTile);
+    if (count > 1) load_step(first + 1, block1, base + kKV + kTile);
     copy_commit();
 
     float o[128];
@@ -258,6 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
     for (int i = 0; i < count; ++i) {
         const int step = first + i;
         const u32 tile = base + kKV + (i & 1) * kTile;
+        const int block_after = block_of(step + 3);  // used one iteration later
         copy_wait<1>();  // all groups but the newest: this step's tile (and Q) have landed
         fence_async_proxy();
         __syncthreads();
@@ -349,8 +364,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
         fence_registers(o);
         __syncthreads();  // this tile and P are free again
 #ifndef KERNELMUX_SKIP_LOADS
-        if (i + 2 < count) load_step(step + 2, tile);
+        if (i + 2 < count) load_step(step + 2, block_next, tile);
 #endif
+        block_next = block_after;
         copy_commit();
     }
 

@@ -1,4 +1,4 @@
-"""One call of the triton backend's paged_attention / mla_decode per named case, for Nsight
+"""One call of a backend's paged_attention / mla_decode per named case, for Nsight
 Compute: every case is built and run once outside the profiled range (Triton compiles there),
 then run once between cudaProfilerStart and cudaProfilerStop.
 
@@ -30,31 +30,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
     parser.add_argument("--plan", help="BMxBNxWxS[p][:SPLITS] for every case instead of the table's")
+    parser.add_argument("--backend", choices=("triton", "cuda"), default="triton")
     args = parser.parse_args()
     plan = attention.override_plan(**parse_plan(args.plan)) if args.plan else contextlib.nullcontext()
     with plan:
-        _profile(args.cases)
+        _profile(args.cases, args.backend)
 
 
 def case_call(name: str, device: torch.device, backend: str = "triton"):
     """(the backend's function, its kwargs) for a named paged_attention or mla_decode case (the
-    DeepSeek cases are MLA's); ``backend`` "triton" or "cuda" (fp8 paged-attention decode)."""
+    DeepSeek cases are MLA's); ``backend`` "triton" or "cuda" (fp8 paged-attention decode, Hopper
+    MLA decode)."""
     mla = name.startswith("deepseek")
     spec = (mla_spec if mla else pa_spec).SPEC
     if backend == "cuda":
         from kernelmux.backends.cuda import attention as cuda_attention
+        from kernelmux.backends.cuda import mla as cuda_mla
 
-        fn = cuda_attention.paged_attention
+        fn = cuda_mla.mla_decode if mla else cuda_attention.paged_attention
     else:
         fn = attention.mla_decode if mla else attention.paged_attention
     return fn, spec.case(name).build(device, 0)
 
 
-def _profile(cases: list[str]) -> None:
+def _profile(cases: list[str], backend: str) -> None:
     device = torch.device("cuda")
     calls = []
     for name in cases:
-        fn, kwargs = case_call(name, device)
+        fn, kwargs = case_call(name, device, backend)
         fn(**kwargs)  # compile outside the profiled range
         calls.append((name, fn, kwargs))
     torch.cuda.synchronize()
