@@ -39,7 +39,6 @@ constexpr int kRank = 512;    // value dims
 constexpr int kHeads = 64;    // heads per CTA: the wgmma M
 constexpr int kStep = 64;     // positions per step
 constexpr int kThreads = 256;  // two warpgroups
-constexpr int kRowChunks = kDim * 2 / 16;           // 72 16-byte chunks a row
 constexpr int kColumnBlock = 64 * 128;              // 64 rows x 128 bytes (64 dims)
 constexpr int kTile = kDim / 64 * kColumnBlock;     // a 64 x 576 tile: 73728 bytes
 // Shared memory, from a 1024-byte aligned base (the swizzle pattern repeats every 1024 bytes):
@@ -102,14 +101,20 @@ __device__ __forceinline__ u32 tile_offset(int row, int chunk) {
 }
 
 // Rows 0 .. 63 of a tile, row r from rows + r * stride (bytes); rows >= valid are zero-filled
-// and nothing is read for them.
+// and nothing is read for them. Thread t copies chunk t % 8 of every column block of rows t / 8
+// and t / 8 + 32 (a warp: four whole 128-byte row segments a copy), so its 18 addresses are one
+// per-thread offset plus constants.
 __device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i64 stride, int valid, int tid) {
+    const int row = tid >> 3, slot = tid & 7;
+    const u32 dst = tile + tile_offset(row, slot);
+    const unsigned char* src = rows + row * stride + slot * 16;
 #pragma unroll
-    for (int i = 0; i < kStep * kRowChunks / kThreads; ++i) {
-        const int index = tid + i * kThreads;  // consecutive threads, consecutive chunks of a row
-        const int row = index / kRowChunks, chunk = index - row * kRowChunks;
-        const bool live = row < valid;
-        copy16(tile + tile_offset(row, chunk), rows + (live ? row * stride : 0) + chunk * 16, live ? 16u : 0u);
+    for (int half = 0; half < 2; ++half) {
+        const bool live = row + 32 * half < valid;
+        const unsigned char* from = live ? src + 32 * half * stride : rows;
+#pragma unroll
+        for (int block = 0; block < kDim / 64; ++block)
+            copy16(dst + half * 32 * 128 + block * kColumnBlock, from + block * 128, live ? 16u : 0u);
     }
 }
 
@@ -188,6 +193,31 @@ __device__ __forceinline__ void mma_m64n256k16_bn(float (&d)[128], u64 a, u64 b)
 
 #undef KM_ACC8
 
+// The wgmma operands' descriptors are a base plus compile-time offsets (a descriptor's low 14
+// bits are the address / 16), from warp-uniform values only (`wg` comes from a lane-0 shuffle):
+// they stay in uniform registers. Per-thread descriptors cost register-to-uniform moves before
+// every wgmma, and branching on the warpgroup makes ptxas serialize the wgmmas.
+
+// s = Q K^T for positions 32 wg .. 32 wg + 31 of the tile, over all 576 dims.
+template <bool BF16>
+__device__ __forceinline__ void score_mmas(float (&s)[16], u32 q_tile, u32 kv_tile, int wg) {
+    const u64 q_desc = descriptor(q_tile, 16, 1024), k_desc = descriptor(kv_tile + wg * 32 * 128, 16, 1024);
+#pragma unroll
+    for (int k = 0; k < kDim / 16; ++k) {
+        const u64 offset = ((k >> 2) * kColumnBlock + (k & 3) * 32) >> 4;
+        mma_m64n32k16<BF16>(s, q_desc + offset, k_desc + offset, k);
+    }
+}
+
+// o += P V[:, 256 wg .. 256 wg + 255] over the tile's 64 positions.
+template <bool BF16>
+__device__ __forceinline__ void value_mmas(float (&o)[128], u32 p_tile, u32 kv_tile, int wg) {
+    const u64 p_desc = descriptor(p_tile, 16, 1024);
+    const u64 v_desc = descriptor(kv_tile + wg * 4 * kColumnBlock, kColumnBlock, 1024);
+#pragma unroll
+    for (int k = 0; k < kStep / 16; ++k) mma_m64n256k16_bn<BF16>(o, p_desc + ((k * 32) >> 4), v_desc + ((k * 2048) >> 4));
+}
+
 }  // namespace
 
 // Grid (ceil(H / 64), T, splits), 256 threads, kSharedBytes of dynamic shared memory. Strides
@@ -212,7 +242,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
     float* row_max = reinterpret_cast<float*>(shared + kStats);  // [warpgroup][row]
     float* row_sum = row_max + 2 * kHeads;
 
-    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, quad = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, quad = lane & 3;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform as far as the compiler knows
     // This thread's accumulator rows (heads of the CTA): row0 and row0 + 8; its columns 8j + 2quad
     // (+1) of each 8-column group j.
     const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
@@ -283,12 +314,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
         for (int k = 0; k < 16; ++k) s[k] = 0.0f;
         wgmma_fence();
 #ifndef KERNELMUX_SKIP_SCORES
-#pragma unroll
-        for (int k = 0; k < kDim / 16; ++k) {
-            const u32 column = (k >> 2) * kColumnBlock + (k & 3) * 32;
-            mma_m64n32k16<Q_BF16>(s, descriptor(base + kQ + column, 16, 1024),
-                                  descriptor(tile + wg * 32 * 128 + column, 16, 1024), k);
-        }
+        score_mmas<Q_BF16>(s, base + kQ, tile, wg);
 #endif
         wgmma_commit();
         wgmma_wait<0>();
@@ -353,11 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
         // O[:, 256wg .. 256wg + 255] += P V.
         wgmma_fence();
 #ifndef KERNELMUX_SKIP_VALUES
-#pragma unroll
-        for (int k = 0; k < kStep / 16; ++k) {
-            mma_m64n256k16_bn<Q_BF16>(o, descriptor(base + kP + k * 32, 16, 1024),
-                                      descriptor(tile + wg * 4 * kColumnBlock + k * 16 * 128, kColumnBlock, 1024));
-        }
+        value_mmas<Q_BF16>(o, base + kP, tile, wg);
 #endif
         wgmma_commit();
         wgmma_wait<0>();
