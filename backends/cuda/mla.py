@@ -22,7 +22,7 @@ import functools
 import math
 import pathlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
@@ -58,9 +58,12 @@ _sm_count = probes.compute_units
 
 @dataclass(frozen=True)
 class MlaPlan:
-    """A launch's choices: KV splits (None: split_count's)."""
+    """A launch's choices: KV splits (None: split_count's) and the kernel: warpgroups specialized
+    (one computes the scores and softmax, the other loads; mla_decode_sm90_ws) or splitting every
+    part between them (mla_decode_sm90)."""
 
     num_splits: Optional[int] = None
+    specialized: bool = True
 
 
 DEFAULT_PLAN = MlaPlan()
@@ -68,13 +71,17 @@ _override: Optional[MlaPlan] = None
 
 
 @contextlib.contextmanager
-def override_plan(num_splits: Optional[int] = None) -> Iterator[None]:
-    """Within the block, calls launch with this plan instead of DEFAULT_PLAN (tests, sweeps)."""
+def override_plan(**fields) -> Iterator[None]:
+    """Within the block, calls launch with DEFAULT_PLAN's fields replaced (tests, sweeps)."""
     global _override
-    if num_splits is not None and (type(num_splits) is not int or not 1 <= num_splits <= MAX_SPLITS):
+    plan = replace(DEFAULT_PLAN, **fields)
+    splits = plan.num_splits
+    if splits is not None and (type(splits) is not int or not 1 <= splits <= MAX_SPLITS):
         raise ValueError(f"override_plan: num_splits must be an int in [1, {MAX_SPLITS}] or None, "
-                         f"got {num_splits!r}")
-    previous, _override = _override, MlaPlan(num_splits)
+                         f"got {splits!r}")
+    if type(plan.specialized) is not bool:
+        raise ValueError(f"override_plan: specialized must be a bool, got {plan.specialized!r}")
+    previous, _override = _override, plan
     try:
         yield
     finally:
@@ -149,12 +156,13 @@ def mla_decode_supports(
 
 
 @functools.cache
-def _compiled(arch: tuple[int, int], defines: tuple[str, ...],
-              bf16: bool) -> tuple[_nvrtc.CompiledModule, str, str]:
-    """One NVRTC compilation per arch, macro set and q dtype: (module, decode kernel name, merge
-    kernel name)."""
+def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool,
+              specialized: bool) -> tuple[_nvrtc.CompiledModule, str, str]:
+    """One NVRTC compilation per arch, macro set, q dtype and kernel: (module, decode kernel name,
+    merge kernel name)."""
     flag = str(bf16).lower()
-    decode, merge = f"mla_decode_sm90<{flag}>", f"merge_mla_splits<{flag}>"
+    decode = f"mla_decode_sm90{'_ws' if specialized else ''}<{flag}>"
+    merge = f"merge_mla_splits<{flag}>"
     prefix = "".join(f"#define {name} 1\n" for name in defines) + ("#line 1\n" if defines else "")
     module = _nvrtc.compile_module_cached(prefix + _SOURCE.read_text(), [decode, merge], arch,
                                           filename=_SOURCE.name, arch_specific=True)
@@ -165,15 +173,15 @@ _LOADED: dict = {}
 _LOCK = threading.Lock()
 
 
-def _kernels(device: torch.device, bf16: bool) -> tuple[_nvrtc.Kernel, _nvrtc.Kernel]:
+def _kernels(device: torch.device, bf16: bool, specialized: bool) -> tuple[_nvrtc.Kernel, _nvrtc.Kernel]:
     """The decode and merge kernels loaded on ``device`` (cached per device)."""
-    key = (device, _DEFINES, bf16)
+    key = (device, _DEFINES, bf16, specialized)
     kernels = _LOADED.get(key)
     if kernels is None:
         with _LOCK:
             if key in _LOADED:  # another thread loaded them while this one waited
                 return _LOADED[key]
-            module, decode_name, merge_name = _compiled(_capability(device), _DEFINES, bf16)
+            module, decode_name, merge_name = _compiled(_capability(device), _DEFINES, bf16, specialized)
             decode, handle = _nvrtc.load_kernel(module, decode_name, _DECODE_SIGNATURE, THREADS,
                                                 shared_bytes=SHARED_BYTES)
             merge, _ = _nvrtc.load_kernel(module, merge_name, _MERGE_SIGNATURE, RANK // 4, loaded=handle)
@@ -208,7 +216,7 @@ def mla_decode(
     tiles = math.ceil(num_heads / HEAD_TILE)
     plan = _override or DEFAULT_PLAN
     with torch.cuda.device(device):
-        decode, merge = _kernels(device, q.dtype == torch.bfloat16)
+        decode, merge = _kernels(device, q.dtype == torch.bfloat16, plan.specialized)
         splits = plan.num_splits
         if splits is None:
             splits = split_count(tiles * num_tokens, decode.blocks_per_sm * _sm_count(device), max_seq_len,

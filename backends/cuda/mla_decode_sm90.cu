@@ -104,17 +104,19 @@ __device__ __forceinline__ u32 tile_offset(int row, int chunk) {
 // and nothing is read for them. Thread t copies chunk t % 8 of every column block of rows t / 8
 // and t / 8 + 32 (a warp: four whole 128-byte row segments a copy), so its 18 addresses are one
 // per-thread offset plus constants.
+template <int THREADS = kThreads>
 __device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i64 stride, int valid, int tid) {
+    constexpr int kRowsAtOnce = THREADS / 8;
     const int row = tid >> 3, slot = tid & 7;
     const u32 dst = tile + tile_offset(row, slot);
     const unsigned char* src = rows + row * stride + slot * 16;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const bool live = row + 32 * half < valid;
-        const unsigned char* from = live ? src + 32 * half * stride : rows;
+    for (int part = 0; part < kStep / kRowsAtOnce; ++part) {
+        const bool live = row + kRowsAtOnce * part < valid;
+        const unsigned char* from = live ? src + kRowsAtOnce * part * stride : rows;
 #pragma unroll
         for (int block = 0; block < kDim / 64; ++block)
-            copy16(dst + half * 32 * 128 + block * kColumnBlock, from + block * 128, live ? 16u : 0u);
+            copy16(dst + part * kRowsAtOnce * 128 + block * kColumnBlock, from + block * 128, live ? 16u : 0u);
     }
 }
 
@@ -163,6 +165,25 @@ __device__ __forceinline__ void mma_m64n32k16(float (&d)[16], u64 a, u64 b, int 
 #undef KM_MMA_N32
 }
 
+// d[32] (+)= A (64 x 16, K-major) B (16 x 64, K-major); accumulate 0 overwrites d.
+template <bool BF16>
+__device__ __forceinline__ void mma_m64n64k16(float (&d)[32], u64 a, u64 b, int accumulate) {
+#define KM_MMA_N64(T)                                                                                  \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t"                                  \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " {"                            \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "              \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "   \
+                 "%32, %33, p, 1, 1, 0, 0;\n\t}"                                                      \
+                 : KM_ACC8(d, 0), KM_ACC8(d, 8), KM_ACC8(d, 16), KM_ACC8(d, 24)                        \
+                 : "l"(a), "l"(b), "r"(accumulate))
+    if constexpr (BF16) {
+        KM_MMA_N64("bf16");
+    } else {
+        KM_MMA_N64("f16");
+    }
+#undef KM_MMA_N64
+}
+
 // d[128] += A (64 x 16, K-major) B (16 x 256, N-major).
 template <bool BF16>
 __device__ __forceinline__ void mma_m64n256k16_bn(float (&d)[128], u64 a, u64 b) {
@@ -208,6 +229,20 @@ __device__ __forceinline__ void score_mmas(float (&s)[16], u32 q_tile, u32 kv_ti
         mma_m64n32k16<BF16>(s, q_desc + offset, k_desc + offset, k);
     }
 }
+
+// s = Q K^T for all 64 positions of the tile (one warpgroup).
+template <bool BF16>
+__device__ __forceinline__ void full_score_mmas(float (&s)[32], u32 q_tile, u32 kv_tile) {
+    const u64 q_desc = descriptor(q_tile, 16, 1024), k_desc = descriptor(kv_tile, 16, 1024);
+#pragma unroll
+    for (int k = 0; k < kDim / 16; ++k) {
+        const u64 offset = ((k >> 2) * kColumnBlock + (k & 3) * 32) >> 4;
+        mma_m64n64k16<BF16>(s, q_desc + offset, k_desc + offset, k);
+    }
+}
+
+__device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
 
 // o += P V[:, 256 wg .. 256 wg + 255] over the tile's 64 positions.
 template <bool BF16>
@@ -408,6 +443,220 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
         const int row = row0 + 8 * r, head = head0 + row;
         if (head >= num_heads) continue;
         const float total = row_sum[row] + row_sum[kHeads + row];
+        const i64 flat = (i64)token * num_heads + head;
+        if (part_acc != nullptr) {
+            float* acc = part_acc + ((i64)split * num_tokens * num_heads + flat) * kRank + wg * 256 + 2 * quad;
+#pragma unroll
+            for (int j = 0; j < 32; ++j)
+                *reinterpret_cast<float2*>(acc + 8 * j) = make_float2(o[4 * j + 2 * r], o[4 * j + 2 * r + 1]);
+            if (wg == 0 && quad == 0) {
+                const i64 stat = (i64)split * num_tokens * num_heads + flat;
+                part_ml[stat] = m_run[r];
+                part_ml[(i64)num_splits * num_tokens * num_heads + stat] = total;
+            }
+        } else {
+            const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+            unsigned char* row_out = out + ((i64)token * o_stride_t + (i64)head * o_stride_h + wg * 256 + 2 * quad) * 2;
+#pragma unroll
+            for (int j = 0; j < 32; ++j)
+                *reinterpret_cast<u32*>(row_out + 16 * j) =
+                    pack2<Q_BF16>(o[4 * j + 2 * r] * inverse, o[4 * j + 2 * r + 1] * inverse);
+            if (lse != nullptr && wg == 0 && quad == 0) lse[flat] = (m_run[r] + log2_approx(total)) * kLn2;
+        }
+    }
+}
+
+// The same contract as mla_decode_sm90 with the warpgroups specialized (FlashMLA's division of
+// labour): warpgroup 0 computes all 64 positions' scores (wgmma m64n64k16: Q and K each read once
+// from shared memory, where the split kernel reads Q twice) and the softmax (whole rows: no max
+// exchange), and hands P and the rescale factors to warpgroup 1 through shared memory; warpgroup 1
+// issues the cache loads; each accumulates P V for its 256 value dims. Named barriers, each an
+// arrive by one warpgroup and a sync by the other: kFull + t (tile t landed: 1 -> 0), kPReady
+// (P and alpha written: 0 -> 1), kPFree (P read: 1 -> 0), kEmpty + t (warpgroup 0 done with
+// tile t: 0 -> 1).
+template <bool Q_BF16>
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_ws(
+    const unsigned char* __restrict__ q, const unsigned char* __restrict__ kv, unsigned char* __restrict__ out,
+    float* __restrict__ lse, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
+    int num_seqs, int num_tokens, int num_heads, int num_splits, int block_size, int q_per_seq, float scale_log2,
+    i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h, i64 kv_stride_b, i64 kv_stride_p,
+    i64 table_stride) {
+    constexpr int kFull = 1, kPReady = 3, kPFree = 4, kEmpty = 5;
+    extern __shared__ unsigned char shared_raw[];
+    u32 dynamic_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
+    if (dynamic_bytes < (u32)kSharedBytes) __trap();  // the host launched it with too little
+    unsigned char* shared = shared_raw + ((1024u - (shared_address(shared_raw) & 1023u)) & 1023u);
+    const u32 base = shared_address(shared);
+    float* alpha_of = reinterpret_cast<float*>(shared + kStats);  // [row]: this step's rescale factor
+    float* sum_of = alpha_of + kHeads;                             // [row]: the final row sums
+
+    const int tid = threadIdx.x, lane = tid & 31, quad = lane & 3;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform as far as the compiler knows
+    const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
+    const int head0 = blockIdx.x * kHeads, token = blockIdx.y, split = blockIdx.z;
+
+    int seq = 0;
+    if (q_per_seq > 0) {
+        seq = token / q_per_seq;
+    } else {
+        int hi = num_seqs;
+        while (hi - seq > 1) {
+            const int mid = (seq + hi) >> 1;
+            if (cu_seqlens_q[mid] <= token) seq = mid; else hi = mid;
+        }
+    }
+    const int q_start = q_per_seq > 0 ? seq * q_per_seq : cu_seqlens_q[seq];
+    const int q_len = q_per_seq > 0 ? q_per_seq : cu_seqlens_q[seq + 1] - q_start;
+    const int visible = seq_lens[seq] - q_len + (token - q_start) + 1;
+    const int steps = (visible + kStep - 1) / kStep;
+    const int per_split = (steps + num_splits - 1) / num_splits;
+    const int first = split * per_split;
+    const int count = max(0, min(steps, first + per_split) - first);
+    const int* table = block_table + (i64)seq * table_stride;
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.0f, 0.0f};  // warpgroup 0's
+
+    if (wg == 0) {
+        for (int i = 0; i < count; ++i) {
+            const int step = first + i, t = i & 1;
+            const u32 tile = base + kKV + t * kTile;
+            bar_sync(kFull + t);
+            float s[32];
+#pragma unroll
+            for (int k = 0; k < 32; ++k) s[k] = 0.0f;
+            wgmma_fence();
+            full_score_mmas<Q_BF16>(s, base + kQ, tile);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers(s);
+
+            const int position0 = step * kStep + 2 * quad;
+            float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const bool live = position0 + 8 * j + (e & 1) < visible;
+                    s[4 * j + e] = live ? s[4 * j + e] * scale_log2 : neg_inf();
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+                }
+            }
+            float alpha[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                const float m_new = fmaxf(m_run[r], mx[r]);
+                alpha[r] = exp2_approx(m_run[r] - m_new);  // 0 at the first step (m_run = -inf)
+                m_run[r] = m_new;
+                l_run[r] *= alpha[r];
+            }
+            bar_sync(kPFree);  // warpgroup 1 has read the previous P
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const float p0 = exp2_approx(s[4 * j + 2 * r] - m_run[r]);
+                    const float p1 = exp2_approx(s[4 * j + 2 * r + 1] - m_run[r]);
+                    l_run[r] += p0 + p1;
+                    const int row = row0 + 8 * r;
+                    *reinterpret_cast<u32*>(shared + kP + row * 128 + ((j ^ (row & 7)) << 4) + quad * 4) =
+                        pack2<Q_BF16>(p0, p1);
+                }
+            }
+            if (quad == 0) {
+                alpha_of[row0] = alpha[0];
+                alpha_of[row0 + 8] = alpha[1];
+            }
+            fence_async_proxy();
+            bar_arrive(kPReady);
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                o[4 * j] *= alpha[0];
+                o[4 * j + 1] *= alpha[0];
+                o[4 * j + 2] *= alpha[1];
+                o[4 * j + 3] *= alpha[1];
+            }
+            wgmma_fence();
+            value_mmas<Q_BF16>(o, base + kP, tile, 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers(o);
+            bar_arrive(kEmpty + t);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+            l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+        }
+        if (quad == 0) {
+            sum_of[row0] = l_run[0];
+            sum_of[row0 + 8] = l_run[1];
+        }
+    } else {
+        const int loader = tid - 128;
+        auto block_of = [&](int step) -> int { return step < first + count ? table[step * kStep / block_size] : 0; };
+        auto load_step = [&](int step, i64 block, u32 tile) {
+            const int position = step * kStep;
+            const unsigned char* rows = kv + (block * kv_stride_b + (i64)(position % block_size) * kv_stride_p) * 2;
+            load_tile<128>(tile, rows, kv_stride_p * 2, visible - position, loader);
+        };
+        load_tile<128>(base + kQ, q + ((i64)token * q_stride_t + (i64)head0 * q_stride_h) * 2, q_stride_h * 2,
+                       num_heads - head0, loader);
+        const int block0 = block_of(first), block1 = block_of(first + 1);
+        int block_next = block_of(first + 2);
+        if (count > 0) load_step(first, block0, base + kKV);
+        copy_commit();
+        if (count > 1) load_step(first + 1, block1, base + kKV + kTile);
+        copy_commit();
+        if (count > 0) {
+            copy_wait<1>();  // Q and the first tile
+            fence_async_proxy();
+            bar_arrive(kFull);
+            bar_arrive(kPFree);
+        }
+        for (int i = 0; i < count; ++i) {
+            const int step = first + i, t = i & 1;
+            const u32 tile = base + kKV + t * kTile;
+            const int block_after = block_of(step + 3);
+            bar_sync(kPReady);
+            const float alpha0 = alpha_of[row0], alpha1 = alpha_of[row0 + 8];
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                o[4 * j] *= alpha0;
+                o[4 * j + 1] *= alpha0;
+                o[4 * j + 2] *= alpha1;
+                o[4 * j + 3] *= alpha1;
+            }
+            wgmma_fence();
+            value_mmas<Q_BF16>(o, base + kP, tile, 1);
+            wgmma_commit();
+            if (i + 1 < count) {
+                copy_wait<0>();  // the next tile (the newest group)
+                fence_async_proxy();
+                bar_arrive(kFull + (t ^ 1));
+            }
+            wgmma_wait<0>();
+            fence_registers(o);
+            if (i + 1 < count) bar_arrive(kPFree);
+            bar_sync(kEmpty + t);  // warpgroup 0 is done with this tile too
+            if (i + 2 < count) load_step(step + 2, block_next, tile);
+            block_next = block_after;
+            copy_commit();
+        }
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r, head = head0 + row;
+        if (head >= num_heads) continue;
+        const float total = sum_of[row];
         const i64 flat = (i64)token * num_heads + head;
         if (part_acc != nullptr) {
             float* acc = part_acc + ((i64)split * num_tokens * num_heads + flat) * kRank + wg * 256 + 2 * quad;

@@ -1,4 +1,5 @@
-"""What each part of the cuda backend's Hopper MLA kernel costs: the kernel timed as built, then
+"""What each part of the cuda backend's Hopper MLA kernel costs: the kernel timed as built (and the
+plan's other kernel), then
 rebuilt with one part left out at a time (KERNELMUX_SKIP_* in mla_decode_sm90.cu: the score
 MMAs, the value MMAs, the cache loads after the first two tiles, the barrier of the row-max
 exchange). The left-out builds compute wrong results; only their times mean anything. Times
@@ -24,6 +25,7 @@ from kernelmux.perf.timing import graph_replay_time
 CASES = ["deepseek_v3_h128_decode_b64_ctx4096", "deepseek_v3_h128_decode_b128_ctx4096"]
 VARIANTS = {
     "as built": (),
+    "split kernel": (),  # mla_decode_sm90: both warpgroups share every part (the plan's other kernel)
     "no score MMAs": ("KERNELMUX_SKIP_SCORES",),
     "no value MMAs": ("KERNELMUX_SKIP_VALUES",),
     "no MMAs": ("KERNELMUX_SKIP_SCORES", "KERNELMUX_SKIP_VALUES"),
@@ -41,6 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", nargs="*", default=CASES + list(EXTRA_CASES))
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), help="labels of VARIANTS to run")
     args = parser.parse_args()
     copy = ceilings_module.measure("cuda")["memory_gbps"]
     rows = []
@@ -50,9 +53,11 @@ def main() -> None:
         kwargs = case.build("cuda", 0)
         nbytes = mla_spec.SPEC.cost(kwargs).bytes
         floor_us = nbytes / (copy * 1e3)
-        for label, defines in VARIANTS.items():
+        for label in args.variants:
+            defines = VARIANTS[label]
             mla._DEFINES = defines
-            timing = graph_replay_time(mla.mla_decode, [kwargs], calls_per_graph=8, trials=10)
+            with mla.override_plan(specialized=label != "split kernel"):
+                timing = graph_replay_time(mla.mla_decode, [kwargs], calls_per_graph=8, trials=10)
             rows.append({"case": name, "variant": label, "defines": list(defines), "us": timing.median_us,
                          "pct_of_copy": 100 * floor_us / timing.median_us})
             print(f"{name:40s} {label:26s} {timing.median_us:8.1f} us  "
