@@ -27,6 +27,8 @@
 #                in CUDA-graph replay                                -> attention_timeline.json
 #   sweep-cuda-decode  perf/diag/cuda_decode_sweep.py: the cuda backend's fp8 decode plans (splits
 #                $CUDA_SWEEP_SPLITS, read-ahead, 8 warps) and the triton kernel -> cuda_decode_sweep.{json,txt}
+#   ablation-cuda-mla  perf/diag/cuda_mla_ablation.py: the cuda backend's Hopper MLA kernel as built and with
+#                its score MMAs, value MMAs or loads left out, over $ABLATION_CASES -> cuda_mla_ablation.json
 #   trace-cuda-decode  perf/diag/cuda_decode_trace.py: per-CTA %globaltimer marks of the cuda fp8 decode
 #                kernel over $TRACE_CASES (default its list), $TRACE_SPLITS splits if set
 #                                                                     -> cuda_decode_trace.{json,txt}
@@ -99,6 +101,9 @@ for step in "$@"; do
     trace-cuda-decode)
         timeout 200 python3 perf/diag/cuda_decode_trace.py --out "$out" ${TRACE_CASES:+--cases $TRACE_CASES} \
             ${TRACE_SPLITS:+--splits $TRACE_SPLITS} 2>&1 | tee "$out/cuda_decode_trace.log" | tail -60 ;;
+    ablation-cuda-mla)
+        timeout 300 python3 perf/diag/cuda_mla_ablation.py --out "$out" ${ABLATION_CASES:+--cases $ABLATION_CASES} 2>&1 \
+            | tee "$out/cuda_mla_ablation.txt" | tail -20 ;;
     timeline-attention)
         timeout 300 python3 perf/diag/attention_timeline.py --out "$out" ${TIMELINE_CASES:+--cases $TIMELINE_CASES} \
             --backend "${TIMELINE_BACKEND:-triton}" 2>&1 \

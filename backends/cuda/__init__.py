@@ -41,7 +41,7 @@ def kernelmux_implementations() -> list[Implementation]:
                                             min_capability=mla.CAPABILITY),
             devices=frozenset({"cuda"}),
             description="Hopper, 16-bit latent cache: 64-head CTAs, Q and two 64-position cache tiles "
-                        "in shared memory (cp.async), Q K^T and P V on wgmma, two warpgroups splitting "
-                        "the values",
+                        "in shared memory; warpgroup 0 runs Q K^T (wgmma) and the softmax, warpgroup 1 the "
+                        "loads, each half of P V",
         ),
     ]

@@ -8,7 +8,7 @@ CTA per query token and head tile, so decode and MTP alike), with or without lse
 other widths and other GPUs are the triton backend's: ``mla_decode_supports`` says why per call,
 and dispatch moves on.
 
-Launch: one CTA (256 threads, 226 KiB of shared memory, so one per SM) per head tile, query
+Launch: one CTA (two warpgroups, 225 KiB of shared memory, so one per SM) per head tile, query
 token and KV split. Splits come from host ints only (``attention.split_count`` with one CTA per
 SM and shares of at least four 64-position steps) and are merged by a second kernel, so CUDA
 graphs stay valid when lengths and tables change under them. First call per (arch, dtype): one
@@ -40,9 +40,9 @@ STEP = 64  # positions per step; cache blocks must hold a multiple
 MIN_SPLIT_LEN = 4 * STEP  # shorter shares spend more on partials and the merge than they gain
 MAX_SPLITS = 64
 # kSharedBytes in the .cu file: Q and two cache tiles (64 x 576 x 2 bytes each), P (64 x 64 x 2),
-# row maxima and sums (4 x 64 x 4), 1024 bytes of room to align the base. The kernel traps when
-# launched with less.
-SHARED_BYTES = 3 * 73728 + 8192 + 1024 + 1024
+# the rows' rescale factors and sums (2 x 64 x 4), 1024 bytes of room to align the base. The
+# kernel traps when launched with less.
+SHARED_BYTES = 3 * 73728 + 8192 + 512 + 1024
 THREADS = 256
 _SOURCE = pathlib.Path(__file__).with_name("mla_decode_sm90.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
@@ -58,12 +58,9 @@ _sm_count = probes.compute_units
 
 @dataclass(frozen=True)
 class MlaPlan:
-    """A launch's choices: KV splits (None: split_count's) and the kernel: warpgroups specialized
-    (one computes the scores and softmax, the other loads; mla_decode_sm90_ws) or splitting every
-    part between them (mla_decode_sm90)."""
+    """A launch's choices: KV splits (None: split_count's)."""
 
     num_splits: Optional[int] = None
-    specialized: bool = True
 
 
 DEFAULT_PLAN = MlaPlan()
@@ -79,8 +76,6 @@ def override_plan(**fields) -> Iterator[None]:
     if splits is not None and (type(splits) is not int or not 1 <= splits <= MAX_SPLITS):
         raise ValueError(f"override_plan: num_splits must be an int in [1, {MAX_SPLITS}] or None, "
                          f"got {splits!r}")
-    if type(plan.specialized) is not bool:
-        raise ValueError(f"override_plan: specialized must be a bool, got {plan.specialized!r}")
     previous, _override = _override, plan
     try:
         yield
@@ -156,13 +151,12 @@ def mla_decode_supports(
 
 
 @functools.cache
-def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool,
-              specialized: bool) -> tuple[_nvrtc.CompiledModule, str, str]:
-    """One NVRTC compilation per arch, macro set, q dtype and kernel: (module, decode kernel name,
-    merge kernel name)."""
+def _compiled(arch: tuple[int, int], defines: tuple[str, ...],
+              bf16: bool) -> tuple[_nvrtc.CompiledModule, str, str]:
+    """One NVRTC compilation per arch, macro set and q dtype: (module, decode kernel name, merge
+    kernel name)."""
     flag = str(bf16).lower()
-    decode = f"mla_decode_sm90{'_ws' if specialized else ''}<{flag}>"
-    merge = f"merge_mla_splits<{flag}>"
+    decode, merge = f"mla_decode_sm90<{flag}>", f"merge_mla_splits<{flag}>"
     prefix = "".join(f"#define {name} 1\n" for name in defines) + ("#line 1\n" if defines else "")
     module = _nvrtc.compile_module_cached(prefix + _SOURCE.read_text(), [decode, merge], arch,
                                           filename=_SOURCE.name, arch_specific=True)
@@ -173,15 +167,15 @@ _LOADED: dict = {}
 _LOCK = threading.Lock()
 
 
-def _kernels(device: torch.device, bf16: bool, specialized: bool) -> tuple[_nvrtc.Kernel, _nvrtc.Kernel]:
+def _kernels(device: torch.device, bf16: bool) -> tuple[_nvrtc.Kernel, _nvrtc.Kernel]:
     """The decode and merge kernels loaded on ``device`` (cached per device)."""
-    key = (device, _DEFINES, bf16, specialized)
+    key = (device, _DEFINES, bf16)
     kernels = _LOADED.get(key)
     if kernels is None:
         with _LOCK:
             if key in _LOADED:  # another thread loaded them while this one waited
                 return _LOADED[key]
-            module, decode_name, merge_name = _compiled(_capability(device), _DEFINES, bf16, specialized)
+            module, decode_name, merge_name = _compiled(_capability(device), _DEFINES, bf16)
             decode, handle = _nvrtc.load_kernel(module, decode_name, _DECODE_SIGNATURE, THREADS,
                                                 shared_bytes=SHARED_BYTES)
             merge, _ = _nvrtc.load_kernel(module, merge_name, _MERGE_SIGNATURE, RANK // 4, loaded=handle)
@@ -216,7 +210,7 @@ def mla_decode(
     tiles = math.ceil(num_heads / HEAD_TILE)
     plan = _override or DEFAULT_PLAN
     with torch.cuda.device(device):
-        decode, merge = _kernels(device, q.dtype == torch.bfloat16, plan.specialized)
+        decode, merge = _kernels(device, q.dtype == torch.bfloat16)
         splits = plan.num_splits
         if splits is None:
             splits = split_count(tiles * num_tokens, decode.blocks_per_sm * _sm_count(device), max_seq_len,

@@ -6,27 +6,34 @@
 // dots at 40% of bandwidth: the op is compute-balanced at 128 heads).
 //
 // One CTA takes 64 heads of one query token (one KV split of it when the host splits) and walks
-// the token's visible positions in 64-position steps:
+// the token's visible positions in 64-position steps, its two warpgroups specialized (FlashMLA's
+// division of labour; this is our own code):
 //
 //   - The 64 x 576 query tile and two 64 x 576 cache tiles live in shared memory in the layout
 //     wgmma reads directly: nine 64-column blocks of 64 rows x 128 bytes, each row's 16-byte
-//     chunks swizzled by the row's low three bits (128-byte swizzle). Every thread fills them
-//     with 16-byte cp.async copies, so step s + 1's tile streams in while step s is computed.
-//     Positions past the token's visible length are zero-filled, never read (unread cache slots
-//     may hold NaN), and masked out of the softmax.
-//   - Two warpgroups. Warpgroup w computes the scores of positions 32w .. 32w + 31 of the step
-//     (36 wgmma m64n32k16, Q and K both K-major), the two trade row maxima through shared memory,
-//     each writes its probabilities (q's dtype) into a 64 x 64 tile, and each then accumulates
-//     P V for its 256 of the 512 value dims (4 wgmma m64n256k16, V read from the same cache tile
-//     as an N-major operand): 128 fp32 accumulators a thread.
-//   - The end divides by the row sums (each warpgroup's partial sums, added through shared
-//     memory) and writes the output and log-sum-exp, or, split, the unnormalized partial with
-//     its running max and sum for merge_mla_splits.
+//     chunks swizzled by the row's low three bits (128-byte swizzle). Warpgroup 1 fills them with
+//     16-byte cp.async copies, step s + 2's tile streaming in while step s + 1's waits and step s
+//     is computed. Positions past the token's visible length are zero-filled, never read (unread
+//     cache slots may hold NaN), and masked out of the softmax.
+//   - Warpgroup 0 computes the step's scores for all 64 positions (36 wgmma m64n64k16, Q and K
+//     K-major, each read once from shared memory) and the softmax over whole rows, and writes the
+//     probabilities (q's dtype) into a 64 x 64 tile and the rows' rescale factors beside it.
+//   - Each warpgroup then accumulates P V for its 256 of the 512 value dims (4 wgmma
+//     m64n256k16, V read from the same cache tile as an N-major operand): 128 fp32 accumulators
+//     a thread.
+//   - They hand work over through named barriers, each an arrive by one warpgroup and a sync by
+//     the other: kFull + t (tile t landed: 1 -> 0), kPReady (P and the factors written: 0 -> 1),
+//     kPFree (P read: 1 -> 0), kEmpty + t (warpgroup 0 done with tile t: 0 -> 1).
+//   - The end divides by the row sums and writes the output and log-sum-exp, or, split, the
+//     unnormalized partial with its running max and sum for merge_mla_splits.
+//
+// The first version split every part between the warpgroups (each warpgroup the scores of 32
+// positions, reading all of Q: the score MMAs were bound by shared-memory reads; row maxima
+// traded every step): 187 us against 138 at DeepSeek-V3 B64 x 4096 (perf/notes/attention.md).
 //
 // Compiled at runtime by NVRTC for sm_90a (wgmma is an arch-specific feature); see mla.py.
-// perf/diag/cuda_mla_ablation.py builds it with KERNELMUX_SKIP_{SCORES,VALUES,LOADS,EXCHANGE}
-// defined, each leaving one part out, and KERNELMUX_HALF_LOADS (half of each tile's rows read)
-// (the results are then wrong) to time what it costs.
+// perf/diag/cuda_mla_ablation.py builds it with KERNELMUX_SKIP_{SCORES,VALUES,LOADS} defined, each
+// leaving one part out (the results are then wrong), to time what it costs.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -42,9 +49,9 @@ constexpr int kThreads = 256;  // two warpgroups
 constexpr int kColumnBlock = 64 * 128;              // 64 rows x 128 bytes (64 dims)
 constexpr int kTile = kDim / 64 * kColumnBlock;     // a 64 x 576 tile: 73728 bytes
 // Shared memory, from a 1024-byte aligned base (the swizzle pattern repeats every 1024 bytes):
-// Q, two cache tiles, P (one column block), row maxima [2][64] and row sums [2][64].
+// Q, two cache tiles, P (one column block), the rows' rescale factors [64] and sums [64].
 constexpr int kQ = 0, kKV = kTile, kP = 3 * kTile, kStats = kP + kColumnBlock;
-constexpr int kSharedBytes = kStats + 4 * kHeads * 4 + 1024;  // + room to align the base
+constexpr int kSharedBytes = kStats + 2 * kHeads * 4 + 1024;  // + room to align the base
 constexpr float kLn2 = 0.6931471805599453f;
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -91,7 +98,9 @@ __device__ __forceinline__ void copy_wait() {
 
 // Shared-memory writes of the generic proxy (cp.async, st.shared) made visible to the async
 // proxy wgmma reads through; then a barrier makes every thread's visible to every warpgroup.
-__device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void fence_async_proxy() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
 
 // Byte offset of 16-byte chunk `chunk` (0 .. 71) of row `row` (0 .. 63) in a tile: its column
 // block, the row, and the chunk's slot XOR the row's low three bits (the 128-byte swizzle
@@ -105,7 +114,8 @@ __device__ __forceinline__ u32 tile_offset(int row, int chunk) {
 // and t / 8 + 32 (a warp: four whole 128-byte row segments a copy), so its 18 addresses are one
 // per-thread offset plus constants.
 template <int THREADS = kThreads>
-__device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i64 stride, int valid, int tid) {
+__device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i64 stride, int valid,
+                                          int tid) {
     constexpr int kRowsAtOnce = THREADS / 8;
     const int row = tid >> 3, slot = tid & 7;
     const u32 dst = tile + tile_offset(row, slot);
@@ -116,7 +126,8 @@ __device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i
         const unsigned char* from = live ? src + kRowsAtOnce * part * stride : rows;
 #pragma unroll
         for (int block = 0; block < kDim / 64; ++block)
-            copy16(dst + part * kRowsAtOnce * 128 + block * kColumnBlock, from + block * 128, live ? 16u : 0u);
+            copy16(dst + part * kRowsAtOnce * 128 + block * kColumnBlock, from + block * 128,
+                   live ? 16u : 0u);
     }
 }
 
@@ -129,7 +140,9 @@ __device__ __forceinline__ u64 descriptor(u32 address, u32 leading, u32 stride) 
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
@@ -146,24 +159,6 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
 #define KM_ACC8(d, i)                                                                                   \
     "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),       \
         "+f"(d[i + 6]), "+f"(d[i + 7])
-
-// d[16] (+)= A (64 x 16, K-major) B (16 x 32, K-major); accumulate 0 overwrites d.
-template <bool BF16>
-__device__ __forceinline__ void mma_m64n32k16(float (&d)[16], u64 a, u64 b, int accumulate) {
-#define KM_MMA_N32(T)                                                                                  \
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %18, 0;\n\t"                                    \
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32." T "." T " "                             \
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "            \
-                 "%16, %17, p, 1, 1, 0, 0;\n\t}"                                                       \
-                 : KM_ACC8(d, 0), KM_ACC8(d, 8)                                                        \
-                 : "l"(a), "l"(b), "r"(accumulate))
-    if constexpr (BF16) {
-        KM_MMA_N32("bf16");
-    } else {
-        KM_MMA_N32("f16");
-    }
-#undef KM_MMA_N32
-}
 
 // d[32] (+)= A (64 x 16, K-major) B (16 x 64, K-major); accumulate 0 overwrites d.
 template <bool BF16>
@@ -219,17 +214,6 @@ __device__ __forceinline__ void mma_m64n256k16_bn(float (&d)[128], u64 a, u64 b)
 // they stay in uniform registers. Per-thread descriptors cost register-to-uniform moves before
 // every wgmma, and branching on the warpgroup makes ptxas serialize the wgmmas.
 
-// s = Q K^T for positions 32 wg .. 32 wg + 31 of the tile, over all 576 dims.
-template <bool BF16>
-__device__ __forceinline__ void score_mmas(float (&s)[16], u32 q_tile, u32 kv_tile, int wg) {
-    const u64 q_desc = descriptor(q_tile, 16, 1024), k_desc = descriptor(kv_tile + wg * 32 * 128, 16, 1024);
-#pragma unroll
-    for (int k = 0; k < kDim / 16; ++k) {
-        const u64 offset = ((k >> 2) * kColumnBlock + (k & 3) * 32) >> 4;
-        mma_m64n32k16<BF16>(s, q_desc + offset, k_desc + offset, k);
-    }
-}
-
 // s = Q K^T for all 64 positions of the tile (one warpgroup).
 template <bool BF16>
 __device__ __forceinline__ void full_score_mmas(float (&s)[32], u32 q_tile, u32 kv_tile) {
@@ -241,8 +225,11 @@ __device__ __forceinline__ void full_score_mmas(float (&s)[32], u32 q_tile, u32 
     }
 }
 
+// Named barriers over both warpgroups (256 threads): one arrives without waiting, the other waits.
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id) {
+    asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
+}
 
 // o += P V[:, 256 wg .. 256 wg + 255] over the tile's 64 positions.
 template <bool BF16>
@@ -250,7 +237,8 @@ __device__ __forceinline__ void value_mmas(float (&o)[128], u32 p_tile, u32 kv_t
     const u64 p_desc = descriptor(p_tile, 16, 1024);
     const u64 v_desc = descriptor(kv_tile + wg * 4 * kColumnBlock, kColumnBlock, 1024);
 #pragma unroll
-    for (int k = 0; k < kStep / 16; ++k) mma_m64n256k16_bn<BF16>(o, p_desc + ((k * 32) >> 4), v_desc + ((k * 2048) >> 4));
+    for (int k = 0; k < kStep / 16; ++k)
+        mma_m64n256k16_bn<BF16>(o, p_desc + ((k * 32) >> 4), v_desc + ((k * 16 * 128) >> 4));
 }
 
 }  // namespace
@@ -262,31 +250,27 @@ __device__ __forceinline__ void value_mmas(float (&o)[128], u32 p_tile, u32 kv_t
 // sequence has that many queries (the host knows it from T == B * max_query_len).
 template <bool Q_BF16>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
-    const unsigned char* __restrict__ q, const unsigned char* __restrict__ kv, unsigned char* __restrict__ out,
-    float* __restrict__ lse, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
-    int num_seqs, int num_tokens, int num_heads, int num_splits, int block_size, int q_per_seq, float scale_log2,
+    const unsigned char* __restrict__ q, const unsigned char* __restrict__ kv,
+    unsigned char* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,
+    float* __restrict__ part_ml, const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_table,
+    const int* __restrict__ seq_lens, int num_seqs, int num_tokens, int num_heads, int num_splits,
+    int block_size, int q_per_seq, float scale_log2,
     i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h, i64 kv_stride_b, i64 kv_stride_p,
     i64 table_stride) {
+    constexpr int kFull = 1, kPReady = 3, kPFree = 4, kEmpty = 5;  // named barrier ids (0: __syncthreads)
     extern __shared__ unsigned char shared_raw[];
     u32 dynamic_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
     if (dynamic_bytes < (u32)kSharedBytes) __trap();  // the host launched it with too little
     unsigned char* shared = shared_raw + ((1024u - (shared_address(shared_raw) & 1023u)) & 1023u);
     const u32 base = shared_address(shared);
-    float* row_max = reinterpret_cast<float*>(shared + kStats);  // [warpgroup][row]
-    float* row_sum = row_max + 2 * kHeads;
+    float* alpha_of = reinterpret_cast<float*>(shared + kStats);  // [row]: this step's rescale factor
+    float* sum_of = alpha_of + kHeads;                             // [row]: the final row sums
 
     const int tid = threadIdx.x, lane = tid & 31, quad = lane & 3;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform as far as the compiler knows
-    // This thread's accumulator rows (heads of the CTA): row0 and row0 + 8; its columns 8j + 2quad
-    // (+1) of each 8-column group j.
     const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
     const int head0 = blockIdx.x * kHeads, token = blockIdx.y, split = blockIdx.z;
-
-    // The query first: it needs no index reads.
-    load_tile(base + kQ, q + ((i64)token * q_stride_t + (i64)head0 * q_stride_h) * 2, q_stride_h * 2,
-              num_heads - head0, tid);
 
     // The token's sequence: cu_seqlens_q[seq] <= token < cu_seqlens_q[seq + 1] (sequences
     // without queries have equal bounds and are never found). When the host knows every sequence
@@ -310,218 +294,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
     const int count = max(0, min(steps, first + per_split) - first);
     const int* table = block_table + (i64)seq * table_stride;
 
-    // Cache blocks hold a multiple of 64 positions (the host checks), so a step is one block's rows.
-    // Each step's block id is read a step before its tile load is issued: a table read waited
-    // for at the issue put a memory round trip on every step's critical path.
-    auto block_of = [&](int step) -> int { return step < first + count ? table[step * kStep / block_size] : 0; };
-    auto load_step = [&](int step, i64 block, u32 tile) {
-        const int position = step * kStep;
-        const unsigned char* rows = kv + (block * kv_stride_b + (i64)(position % block_size) * kv_stride_p) * 2;
-#ifdef KERNELMUX_HALF_LOADS
-        load_tile(tile, rows, kv_stride_p * 2, min(visible - position, kStep / 2), tid);
-#else
-        load_tile(tile, rows, kv_stride_p * 2, visible - position, tid);
-#endif
-    };
-    const int block0 = block_of(first), block1 = block_of(first + 1);
-    int block_next = block_of(first + 2);  // the block of the load issued at the end of this iteration
-    if (count > 0) load_step(first, block0, base + kKV);
-    copy_commit();
-    if (count > 1) load_step(first + 1, block1, base + kKV + kTile);
-    copy_commit();
-
-    float o[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] = 0.0f;
-    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.0f, 0.0f};  // l_run: this thread's columns only
-
-    for (int i = 0; i < count; ++i) {
-        const int step = first + i;
-        const u32 tile = base + kKV + (i & 1) * kTile;
-        const int block_after = block_of(step + 3);  // used one iteration later
-        copy_wait<1>();  // all groups but the newest: this step's tile (and Q) have landed
-        fence_async_proxy();
-        __syncthreads();
-
-        // Scores of positions 32wg .. 32wg + 31 for the 64 heads.
-        float s[16];
-#pragma unroll
-        for (int k = 0; k < 16; ++k) s[k] = 0.0f;
-        wgmma_fence();
-#ifndef KERNELMUX_SKIP_SCORES
-        score_mmas<Q_BF16>(s, base + kQ, tile, wg);
-#endif
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(s);
-
-        // Softmax in log2 units; the row max over both warpgroups' halves.
-        const int position0 = step * kStep + wg * 32;
-        float mx[2] = {neg_inf(), neg_inf()};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const bool live = position0 + 8 * j + 2 * quad + (e & 1) < visible;
-                s[4 * j + e] = live ? s[4 * j + e] * scale_log2 : neg_inf();
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        }
-        if (quad == 0) {
-            row_max[wg * kHeads + row0] = mx[0];
-            row_max[wg * kHeads + row0 + 8] = mx[1];
-        }
-#ifndef KERNELMUX_SKIP_EXCHANGE
-        __syncthreads();
-#endif
-        float alpha[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            // Both warpgroups take the same maximum: the previous one (equal in both) and both halves'.
-            const float m_new = fmaxf(m_run[r], fmaxf(mx[r], row_max[(1 - wg) * kHeads + row0 + 8 * r]));
-            alpha[r] = exp2_approx(m_run[r] - m_new);  // 0 at the first step (m_run = -inf)
-            m_run[r] = m_new;
-            l_run[r] *= alpha[r];
-        }
-        // P into the 64 x 64 tile (K-major, swizzled as the cache tiles), this warpgroup's 32 columns.
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float p0 = exp2_approx(s[4 * j + 2 * r] - m_run[r]);
-                const float p1 = exp2_approx(s[4 * j + 2 * r + 1] - m_run[r]);
-                l_run[r] += p0 + p1;
-                const int row = row0 + 8 * r;
-                *reinterpret_cast<u32*>(shared + kP + row * 128 + ((((wg * 4 + j) ^ (row & 7))) << 4) + quad * 4) =
-                    pack2<Q_BF16>(p0, p1);
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-            o[4 * j] *= alpha[0];
-            o[4 * j + 1] *= alpha[0];
-            o[4 * j + 2] *= alpha[1];
-            o[4 * j + 3] *= alpha[1];
-        }
-        fence_async_proxy();
-        __syncthreads();
-
-        // O[:, 256wg .. 256wg + 255] += P V.
-        wgmma_fence();
-#ifndef KERNELMUX_SKIP_VALUES
-        value_mmas<Q_BF16>(o, base + kP, tile, wg);
-#endif
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(o);
-        __syncthreads();  // this tile and P are free again
-#ifndef KERNELMUX_SKIP_LOADS
-        if (i + 2 < count) load_step(step + 2, block_next, tile);
-#endif
-        block_next = block_after;
-        copy_commit();
-    }
-
-    // Row sums: the quad's columns, then both warpgroups'.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-    }
-    if (quad == 0) {
-        row_sum[wg * kHeads + row0] = l_run[0];
-        row_sum[wg * kHeads + row0 + 8] = l_run[1];
-    }
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r, head = head0 + row;
-        if (head >= num_heads) continue;
-        const float total = row_sum[row] + row_sum[kHeads + row];
-        const i64 flat = (i64)token * num_heads + head;
-        if (part_acc != nullptr) {
-            float* acc = part_acc + ((i64)split * num_tokens * num_heads + flat) * kRank + wg * 256 + 2 * quad;
-#pragma unroll
-            for (int j = 0; j < 32; ++j)
-                *reinterpret_cast<float2*>(acc + 8 * j) = make_float2(o[4 * j + 2 * r], o[4 * j + 2 * r + 1]);
-            if (wg == 0 && quad == 0) {
-                const i64 stat = (i64)split * num_tokens * num_heads + flat;
-                part_ml[stat] = m_run[r];
-                part_ml[(i64)num_splits * num_tokens * num_heads + stat] = total;
-            }
-        } else {
-            const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-            unsigned char* row_out = out + ((i64)token * o_stride_t + (i64)head * o_stride_h + wg * 256 + 2 * quad) * 2;
-#pragma unroll
-            for (int j = 0; j < 32; ++j)
-                *reinterpret_cast<u32*>(row_out + 16 * j) =
-                    pack2<Q_BF16>(o[4 * j + 2 * r] * inverse, o[4 * j + 2 * r + 1] * inverse);
-            if (lse != nullptr && wg == 0 && quad == 0) lse[flat] = (m_run[r] + log2_approx(total)) * kLn2;
-        }
-    }
-}
-
-// The same contract as mla_decode_sm90 with the warpgroups specialized (FlashMLA's division of
-// labour): warpgroup 0 computes all 64 positions' scores (wgmma m64n64k16: Q and K each read once
-// from shared memory, where the split kernel reads Q twice) and the softmax (whole rows: no max
-// exchange), and hands P and the rescale factors to warpgroup 1 through shared memory; warpgroup 1
-// issues the cache loads; each accumulates P V for its 256 value dims. Named barriers, each an
-// arrive by one warpgroup and a sync by the other: kFull + t (tile t landed: 1 -> 0), kPReady
-// (P and alpha written: 0 -> 1), kPFree (P read: 1 -> 0), kEmpty + t (warpgroup 0 done with
-// tile t: 0 -> 1).
-template <bool Q_BF16>
-__global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_ws(
-    const unsigned char* __restrict__ q, const unsigned char* __restrict__ kv, unsigned char* __restrict__ out,
-    float* __restrict__ lse, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
-    int num_seqs, int num_tokens, int num_heads, int num_splits, int block_size, int q_per_seq, float scale_log2,
-    i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h, i64 kv_stride_b, i64 kv_stride_p,
-    i64 table_stride) {
-    constexpr int kFull = 1, kPReady = 3, kPFree = 4, kEmpty = 5;
-    extern __shared__ unsigned char shared_raw[];
-    u32 dynamic_bytes;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
-    if (dynamic_bytes < (u32)kSharedBytes) __trap();  // the host launched it with too little
-    unsigned char* shared = shared_raw + ((1024u - (shared_address(shared_raw) & 1023u)) & 1023u);
-    const u32 base = shared_address(shared);
-    float* alpha_of = reinterpret_cast<float*>(shared + kStats);  // [row]: this step's rescale factor
-    float* sum_of = alpha_of + kHeads;                             // [row]: the final row sums
-
-    const int tid = threadIdx.x, lane = tid & 31, quad = lane & 3;
-    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform as far as the compiler knows
-    const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
-    const int head0 = blockIdx.x * kHeads, token = blockIdx.y, split = blockIdx.z;
-
-    int seq = 0;
-    if (q_per_seq > 0) {
-        seq = token / q_per_seq;
-    } else {
-        int hi = num_seqs;
-        while (hi - seq > 1) {
-            const int mid = (seq + hi) >> 1;
-            if (cu_seqlens_q[mid] <= token) seq = mid; else hi = mid;
-        }
-    }
-    const int q_start = q_per_seq > 0 ? seq * q_per_seq : cu_seqlens_q[seq];
-    const int q_len = q_per_seq > 0 ? q_per_seq : cu_seqlens_q[seq + 1] - q_start;
-    const int visible = seq_lens[seq] - q_len + (token - q_start) + 1;
-    const int steps = (visible + kStep - 1) / kStep;
-    const int per_split = (steps + num_splits - 1) / num_splits;
-    const int first = split * per_split;
-    const int count = max(0, min(steps, first + per_split) - first);
-    const int* table = block_table + (i64)seq * table_stride;
-
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.0f;
     float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.0f, 0.0f};  // warpgroup 0's
 
-    if (wg == 0) {
+    if (wg == 0) {  // scores, softmax, values 0 .. 255
         for (int i = 0; i < count; ++i) {
             const int step = first + i, t = i & 1;
             const u32 tile = base + kKV + t * kTile;
@@ -530,11 +308,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_ws(
 #pragma unroll
             for (int k = 0; k < 32; ++k) s[k] = 0.0f;
             wgmma_fence();
+#ifndef KERNELMUX_SKIP_SCORES
             full_score_mmas<Q_BF16>(s, base + kQ, tile);
+#endif
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers(s);
 
+            // Softmax in log2 units over whole rows: this thread's 16 columns of each, then its quad's.
             const int position0 = step * kStep + 2 * quad;
             float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
@@ -583,7 +364,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_ws(
                 o[4 * j + 3] *= alpha[1];
             }
             wgmma_fence();
+#ifndef KERNELMUX_SKIP_VALUES
             value_mmas<Q_BF16>(o, base + kP, tile, 0);
+#endif
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers(o);
@@ -598,18 +381,24 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_ws(
             sum_of[row0] = l_run[0];
             sum_of[row0 + 8] = l_run[1];
         }
-    } else {
+    } else {  // loads, values 256 .. 511
         const int loader = tid - 128;
-        auto block_of = [&](int step) -> int { return step < first + count ? table[step * kStep / block_size] : 0; };
+        // Cache blocks hold a multiple of 64 positions (the host checks), so a step is one block's
+        // rows. Each step's block id is read a step before its tile load is issued, so the table
+        // read is off the load's critical path.
+        auto block_of = [&](int step) -> int {
+            return step < first + count ? table[step * kStep / block_size] : 0;
+        };
         auto load_step = [&](int step, i64 block, u32 tile) {
             const int position = step * kStep;
-            const unsigned char* rows = kv + (block * kv_stride_b + (i64)(position % block_size) * kv_stride_p) * 2;
+            const unsigned char* rows =
+                kv + (block * kv_stride_b + (i64)(position % block_size) * kv_stride_p) * 2;
             load_tile<128>(tile, rows, kv_stride_p * 2, visible - position, loader);
         };
         load_tile<128>(base + kQ, q + ((i64)token * q_stride_t + (i64)head0 * q_stride_h) * 2, q_stride_h * 2,
                        num_heads - head0, loader);
         const int block0 = block_of(first), block1 = block_of(first + 1);
-        int block_next = block_of(first + 2);
+        int block_next = block_of(first + 2);  // the block of the load issued at the end of this iteration
         if (count > 0) load_step(first, block0, base + kKV);
         copy_commit();
         if (count > 1) load_step(first + 1, block1, base + kKV + kTile);
@@ -623,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_ws(
         for (int i = 0; i < count; ++i) {
             const int step = first + i, t = i & 1;
             const u32 tile = base + kKV + t * kTile;
-            const int block_after = block_of(step + 3);
+            const int block_after = block_of(step + 3);  // used one iteration later
             bar_sync(kPReady);
             const float alpha0 = alpha_of[row0], alpha1 = alpha_of[row0 + 8];
 #pragma unroll
@@ -634,7 +423,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_ws(
                 o[4 * j + 3] *= alpha1;
             }
             wgmma_fence();
+#ifndef KERNELMUX_SKIP_VALUES
             value_mmas<Q_BF16>(o, base + kP, tile, 1);
+#endif
             wgmma_commit();
             if (i + 1 < count) {
                 copy_wait<0>();  // the next tile (the newest group)
@@ -645,7 +436,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_ws(
             fence_registers(o);
             if (i + 1 < count) bar_arrive(kPFree);
             bar_sync(kEmpty + t);  // warpgroup 0 is done with this tile too
+#ifndef KERNELMUX_SKIP_LOADS
             if (i + 2 < count) load_step(step + 2, block_next, tile);
+#endif
             block_next = block_after;
             copy_commit();
         }
@@ -659,7 +452,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_ws(
         const float total = sum_of[row];
         const i64 flat = (i64)token * num_heads + head;
         if (part_acc != nullptr) {
-            float* acc = part_acc + ((i64)split * num_tokens * num_heads + flat) * kRank + wg * 256 + 2 * quad;
+            float* acc =
+                part_acc + ((i64)split * num_tokens * num_heads + flat) * kRank + wg * 256 + 2 * quad;
 #pragma unroll
             for (int j = 0; j < 32; ++j)
                 *reinterpret_cast<float2*>(acc + 8 * j) = make_float2(o[4 * j + 2 * r], o[4 * j + 2 * r + 1]);
@@ -670,7 +464,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90_ws(
             }
         } else {
             const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-            unsigned char* row_out = out + ((i64)token * o_stride_t + (i64)head * o_stride_h + wg * 256 + 2 * quad) * 2;
+            unsigned char* row_out =
+                out + ((i64)token * o_stride_t + (i64)head * o_stride_h + wg * 256 + 2 * quad) * 2;
 #pragma unroll
             for (int j = 0; j < 32; ++j)
                 *reinterpret_cast<u32*>(row_out + 16 * j) =

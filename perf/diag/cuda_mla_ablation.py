@@ -1,11 +1,10 @@
-"""What each part of the cuda backend's Hopper MLA kernel costs: the kernel timed as built (and the
-plan's other kernel), then
+"""What each part of the cuda backend's Hopper MLA kernel costs: the kernel timed as built, then
 rebuilt with one part left out at a time (KERNELMUX_SKIP_* in mla_decode_sm90.cu: the score
-MMAs, the value MMAs, the cache loads after the first two tiles, the barrier of the row-max
-exchange). The left-out builds compute wrong results; only their times mean anything. Times
-are CUDA-graph replays; percentages are of the copy bandwidth measured in the same run.
+MMAs, the value MMAs, the cache loads after the first two tiles). The left-out builds compute
+wrong results; only their times mean anything. Times are CUDA-graph replays; percentages are of
+the copy bandwidth measured in the same run.
 
-    python perf/diag/cuda_mla_ablation.py --out DIR [--cases NAME ...]
+    python perf/diag/cuda_mla_ablation.py --out DIR [--cases NAME ...] [--variants LABEL ...]
 """
 
 from __future__ import annotations
@@ -25,13 +24,10 @@ from kernelmux.perf.timing import graph_replay_time
 CASES = ["deepseek_v3_h128_decode_b64_ctx4096", "deepseek_v3_h128_decode_b128_ctx4096"]
 VARIANTS = {
     "as built": (),
-    "split kernel": (),  # mla_decode_sm90: both warpgroups share every part (the plan's other kernel)
     "no score MMAs": ("KERNELMUX_SKIP_SCORES",),
     "no value MMAs": ("KERNELMUX_SKIP_VALUES",),
     "no MMAs": ("KERNELMUX_SKIP_SCORES", "KERNELMUX_SKIP_VALUES"),
     "no loads after two tiles": ("KERNELMUX_SKIP_LOADS",),
-    "no max-exchange barrier": ("KERNELMUX_SKIP_EXCHANGE",),
-    "half of each tile's rows read": ("KERNELMUX_HALF_LOADS",),
 }
 # Beyond the spec's cases: 64 heads (one CTA a sequence, so no second CTA reading the same tiles).
 EXTRA_CASES = {
@@ -56,8 +52,7 @@ def main() -> None:
         for label in args.variants:
             defines = VARIANTS[label]
             mla._DEFINES = defines
-            with mla.override_plan(specialized=label != "split kernel"):
-                timing = graph_replay_time(mla.mla_decode, [kwargs], calls_per_graph=8, trials=10)
+            timing = graph_replay_time(mla.mla_decode, [kwargs], calls_per_graph=8, trials=10)
             rows.append({"case": name, "variant": label, "defines": list(defines), "us": timing.median_us,
                          "pct_of_copy": 100 * floor_us / timing.median_us})
             print(f"{name:40s} {label:26s} {timing.median_us:8.1f} us  "
