@@ -21,10 +21,10 @@ import re
 import tempfile
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
-__all__ = ["CompiledModule", "Kernel", "NvrtcError", "cache_dir", "compile_module", "compile_module_cached",
-           "find_nvrtc", "load_kernel"]
+__all__ = ["CompiledModule", "Kernel", "KernelSpec", "LoadedKernels", "NvrtcError", "cache_dir",
+           "compile_module", "compile_module_cached", "find_nvrtc", "load_kernel"]
 
 
 class NvrtcError(RuntimeError):
@@ -309,3 +309,49 @@ def load_kernel(module: CompiledModule, name: str, signature: str, block: int,
                                          ctypes.c_int(shared_bytes)),
                   f"cuFuncSetAttribute({name}, {shared_bytes} B)")
     return Kernel(function, signature, block, loaded, shared_bytes), loaded
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """How to load and launch one kernel of a module: its C++ name expression, argument kinds
+    (Kernel's signature), threads per CTA and dynamic shared memory."""
+
+    name: str
+    signature: str
+    block: int
+    shared_bytes: int = 0
+
+
+class LoadedKernels:
+    """A backend's kernels, loaded once per (device, key) and kept: ``get`` builds the module on
+    the first call for a key (``build`` returns the compiled module and the specs of the kernels to
+    load from it, in order) and loads it on that device; later calls return the same Kernels.
+    Thread-safe: concurrent first calls build once."""
+
+    def __init__(self) -> None:
+        self._loaded: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, device, key: Hashable,
+            build: Callable[[], tuple[CompiledModule, Sequence[KernelSpec]]]) -> tuple[Kernel, ...]:
+        kernels = self._loaded.get((device, key))
+        if kernels is None:
+            with self._lock:
+                kernels = self._loaded.get((device, key))  # another thread may have loaded them
+                if kernels is None:
+                    module, specs = build()
+                    handle, loaded = None, []
+                    for spec in specs:
+                        kernel, handle = load_kernel(module, spec.name, spec.signature, spec.block,
+                                                     loaded=handle, shared_bytes=spec.shared_bytes)
+                        loaded.append(kernel)
+                    kernels = self._loaded[(device, key)] = tuple(loaded)
+        return kernels
+
+    def loaded(self) -> list[tuple[Kernel, ...]]:
+        """Every key's kernels, in the order they were loaded (diagnostics)."""
+        return list(self._loaded.values())
+
+    def clear(self) -> None:
+        with self._lock:
+            self._loaded.clear()

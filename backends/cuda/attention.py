@@ -22,7 +22,6 @@ import contextlib
 import functools
 import math
 import pathlib
-import threading
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
@@ -191,23 +190,17 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...],
     return module, decode, merge
 
 
-_LOADED: dict = {}
-_LOCK = threading.Lock()
+_LOADED = _nvrtc.LoadedKernels()
 
 
-def _kernels(device: torch.device, *template: bool | int) -> tuple[_nvrtc.Kernel, _nvrtc.Kernel]:
+def _kernels(device: torch.device, *template: bool | int) -> tuple[_nvrtc.Kernel, ...]:
     """The decode and merge kernels for ``template`` loaded on ``device`` (cached per device)."""
-    key = (device, _DEFINES, template)
-    kernels = _LOADED.get(key)
-    if kernels is None:
-        with _LOCK:
-            if key in _LOADED:  # another thread loaded them while this one waited
-                return _LOADED[key]
-            module, decode_name, merge_name = _compiled(_capability(device), _DEFINES, *template)
-            decode, handle = _nvrtc.load_kernel(module, decode_name, _DECODE_SIGNATURE, template[-1] * 32)
-            merge, _ = _nvrtc.load_kernel(module, merge_name, _MERGE_SIGNATURE, 2 * HEAD_DIM, loaded=handle)
-            kernels = _LOADED[key] = (decode, merge)
-    return kernels
+    def build():
+        module, decode, merge = _compiled(_capability(device), _DEFINES, *template)
+        return module, [_nvrtc.KernelSpec(decode, _DECODE_SIGNATURE, template[-1] * 32),
+                        _nvrtc.KernelSpec(merge, _MERGE_SIGNATURE, 2 * HEAD_DIM)]
+
+    return _LOADED.get(device, (_DEFINES, template), build)
 
 
 def paged_attention(

@@ -21,7 +21,6 @@ import contextlib
 import functools
 import math
 import pathlib
-import threading
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
@@ -163,24 +162,17 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...],
     return module, decode, merge
 
 
-_LOADED: dict = {}
-_LOCK = threading.Lock()
+_LOADED = _nvrtc.LoadedKernels()
 
 
-def _kernels(device: torch.device, bf16: bool) -> tuple[_nvrtc.Kernel, _nvrtc.Kernel]:
+def _kernels(device: torch.device, bf16: bool) -> tuple[_nvrtc.Kernel, ...]:
     """The decode and merge kernels loaded on ``device`` (cached per device)."""
-    key = (device, _DEFINES, bf16)
-    kernels = _LOADED.get(key)
-    if kernels is None:
-        with _LOCK:
-            if key in _LOADED:  # another thread loaded them while this one waited
-                return _LOADED[key]
-            module, decode_name, merge_name = _compiled(_capability(device), _DEFINES, bf16)
-            decode, handle = _nvrtc.load_kernel(module, decode_name, _DECODE_SIGNATURE, THREADS,
-                                                shared_bytes=SHARED_BYTES)
-            merge, _ = _nvrtc.load_kernel(module, merge_name, _MERGE_SIGNATURE, RANK // 4, loaded=handle)
-            kernels = _LOADED[key] = (decode, merge)
-    return kernels
+    def build():
+        module, decode, merge = _compiled(_capability(device), _DEFINES, bf16)
+        return module, [_nvrtc.KernelSpec(decode, _DECODE_SIGNATURE, THREADS, SHARED_BYTES),
+                        _nvrtc.KernelSpec(merge, _MERGE_SIGNATURE, RANK // 4)]
+
+    return _LOADED.get(device, (_DEFINES, bf16), build)
 
 
 def mla_decode(

@@ -110,10 +110,10 @@ __device__ __forceinline__ u32 tile_offset(int row, int chunk) {
 }
 
 // Rows 0 .. 63 of a tile, row r from rows + r * stride (bytes); rows >= valid are zero-filled
-// and nothing is read for them. Thread t copies chunk t % 8 of every column block of rows t / 8
-// and t / 8 + 32 (a warp: four whole 128-byte row segments a copy), so its 18 addresses are one
-// per-thread offset plus constants.
-template <int THREADS = kThreads>
+// and nothing is read for them, by THREADS threads. Thread t copies chunk t % 8 of every column
+// block of rows t / 8 + k THREADS / 8 (a warp: four whole 128-byte row segments a copy), so its
+// addresses are one per-thread offset plus constants.
+template <int THREADS>
 __device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i64 stride, int valid,
                                           int tid) {
     constexpr int kRowsAtOnce = THREADS / 8;
@@ -269,6 +269,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
 
     const int tid = threadIdx.x, lane = tid & 31, quad = lane & 3;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform as far as the compiler knows
+    // This thread's accumulator rows (heads of the CTA): row0 and row0 + 8; its columns 8j + 2quad
+    // (+1) of each 8-column group j.
     const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
     const int head0 = blockIdx.x * kHeads, token = blockIdx.y, split = blockIdx.z;
 

@@ -88,7 +88,7 @@ def main() -> None:
         with cuda_attention.override_plan(num_splits=args.splits):
             expected = pa_spec.SPEC.reference(**kwargs)
             pa_spec.SPEC.check_close(cuda_attention.paged_attention(**kwargs), expected, kwargs)
-            decode = list(cuda_attention._LOADED.values())[-1][0]
+            decode = cuda_attention._LOADED.loaded()[-1][0]
             module = decode._module
             runs = []
             for _ in range(5):

@@ -282,3 +282,39 @@ def test_launch_parameters_hold_each_argument_by_kind():
     assert ctypes.addressof(seen["params"]) != ctypes.addressof(kernel.parameters(other, other, 3, -1, 2.0))
     with pytest.raises(TypeError, match="kernel takes 5 arguments, got 2"):
         kernel.parameters(tensor, None)
+
+
+def test_loaded_kernels_build_once_per_device_and_key(monkeypatch):
+    # Both backends keep their kernels in a LoadedKernels: one build and one module load per
+    # (device, key), also when threads race for the first call; kernels of a module in spec order.
+    loads = []
+
+    def fake_load(module, name, signature, block, loaded=None, shared_bytes=0):
+        loads.append((name, loaded, shared_bytes))
+        return (name, block, shared_bytes), f"module of {name}" if loaded is None else loaded
+
+    monkeypatch.setattr(_nvrtc, "load_kernel", fake_load)
+    builds = []
+    specs = [_nvrtc.KernelSpec("decode<true>", "pi", 256, 4096), _nvrtc.KernelSpec("merge<true>", "pi", 128)]
+
+    def build():
+        builds.append(1)
+        return "module", specs
+
+    cache = _nvrtc.LoadedKernels()
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(cache.get("cuda:0", ("key",), build)))
+               for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(builds) == 1 and len(set(results)) == 1
+    assert results[0] == (("decode<true>", 256, 4096), ("merge<true>", 128, 0))
+    # The second kernel loads from the first one's module.
+    assert loads == [("decode<true>", None, 4096), ("merge<true>", "module of decode<true>", 0)]
+    cache.get("cuda:1", ("key",), build)
+    cache.get("cuda:0", ("other",), build)
+    assert len(builds) == 3 and len(cache.loaded()) == 3
+    cache.clear()
+    assert cache.loaded() == []
