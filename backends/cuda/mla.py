@@ -2,11 +2,12 @@
 576/512 widths (kernel: mla_decode_sm90.cu, which says how it works).
 
 Scope: sm_90 GPUs (the kernel is built for sm_90a: warpgroup MMAs), bf16 or fp16 q over a cache
-of the same dtype, 576-wide rows of which the first 512 are the values, cache blocks of a
+of the same dtype or of fp8 e4m3 (with or without kv_scale: converted exactly to q's dtype on the
+way into shared memory), 576-wide rows of which the first 512 are the values, cache blocks of a
 multiple of 64 positions, any head count (64-head tiles, the last one padded), any q_len (one
-CTA per query token and head tile, so decode and MTP alike), with or without lse. fp8 caches,
-other widths and other GPUs are the triton backend's: ``mla_decode_supports`` says why per call,
-and dispatch moves on.
+CTA per query token and head tile, so decode and MTP alike), with or without lse. Other widths
+and other GPUs are the triton backend's: ``mla_decode_supports`` says why per call, and dispatch
+moves on.
 
 Launch: one CTA (two warpgroups, 225 KiB of shared memory, so one per SM) per head tile, query
 token and KV split. Splits come from host ints only (``attention.split_count`` with one CTA per
@@ -32,6 +33,7 @@ from kernelmux.engine import probes
 
 __all__ = ["CAPABILITY", "MlaPlan", "mla_decode", "mla_decode_supports", "override_plan", "shape_reason"]
 
+FP8 = torch.float8_e4m3fn
 CAPABILITY = (9, 0)  # wgmma: sm_90a cubins run on sm_90 only
 ROW_WIDTH, RANK = 576, 512  # the kernel's tiles are laid out for these
 HEAD_TILE = 64  # heads per CTA (the wgmma M)
@@ -45,7 +47,7 @@ SHARED_BYTES = 3 * 73728 + 8192 + 512 + 1024
 THREADS = 256
 _SOURCE = pathlib.Path(__file__).with_name("mla_decode_sm90.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
-_DECODE_SIGNATURE = "ppppppppp" + "iiiiii" + "f" + "qqqqqqq"
+_DECODE_SIGNATURE = "pppppppppp" + "iiiiii" + "f" + "qqqqqqq"
 _MERGE_SIGNATURE = "pppp" + "iii" + "qq"
 _LOG2E = 1.4426950408889634
 # Macros defined for the compilation (perf/diag/cuda_mla_ablation.py sets them).
@@ -87,9 +89,8 @@ def shape_reason(q_dtype: torch.dtype, cache_dtype: torch.dtype, width: int, ran
     """Why the kernel does not take a call of this kind (None when it does); no device needed."""
     if q_dtype not in (torch.bfloat16, torch.float16):
         return f"bf16 or fp16 q only, got {q_dtype}"
-    if cache_dtype != q_dtype:
-        return (f"a cache of q's dtype ({q_dtype}) only, this cache is {cache_dtype} (fp8 caches: the "
-                "triton backend)")
+    if cache_dtype not in (q_dtype, FP8):
+        return f"a cache of q's dtype ({q_dtype}) or fp8 e4m3 only, this cache is {cache_dtype}"
     if (width, rank) != (ROW_WIDTH, RANK):
         return f"rows of {ROW_WIDTH} with kv_lora_rank {RANK} only (the tile layouts), got {width} and {rank}"
     if block_size % STEP:
@@ -150,12 +151,12 @@ def mla_decode_supports(
 
 
 @functools.cache
-def _compiled(arch: tuple[int, int], defines: tuple[str, ...],
-              bf16: bool) -> tuple[_nvrtc.CompiledModule, str, str]:
-    """One NVRTC compilation per arch, macro set and q dtype: (module, decode kernel name, merge
-    kernel name)."""
+def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool,
+              fp8: bool) -> tuple[_nvrtc.CompiledModule, str, str]:
+    """One NVRTC compilation per arch, macro set, q dtype and cache kind: (module, decode kernel
+    name, merge kernel name)."""
     flag = str(bf16).lower()
-    decode, merge = f"mla_decode_sm90<{flag}>", f"merge_mla_splits<{flag}>"
+    decode, merge = f"mla_decode_sm90<{flag}, {str(fp8).lower()}>", f"merge_mla_splits<{flag}>"
     prefix = "".join(f"#define {name} 1\n" for name in defines) + ("#line 1\n" if defines else "")
     module = _nvrtc.compile_module_cached(prefix + _SOURCE.read_text(), [decode, merge], arch,
                                           filename=_SOURCE.name, arch_specific=True)
@@ -165,14 +166,14 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...],
 _LOADED = _nvrtc.LoadedKernels()
 
 
-def _kernels(device: torch.device, bf16: bool) -> tuple[_nvrtc.Kernel, ...]:
+def _kernels(device: torch.device, bf16: bool, fp8: bool) -> tuple[_nvrtc.Kernel, ...]:
     """The decode and merge kernels loaded on ``device`` (cached per device)."""
     def build():
-        module, decode, merge = _compiled(_capability(device), _DEFINES, bf16)
+        module, decode, merge = _compiled(_capability(device), _DEFINES, bf16, fp8)
         return module, [_nvrtc.KernelSpec(decode, _DECODE_SIGNATURE, THREADS, SHARED_BYTES),
                         _nvrtc.KernelSpec(merge, _MERGE_SIGNATURE, RANK // 4)]
 
-    return _LOADED.get(device, (_DEFINES, bf16), build)
+    return _LOADED.get(device, (_DEFINES, bf16, fp8), build)
 
 
 def mla_decode(
@@ -202,7 +203,8 @@ def mla_decode(
     tiles = math.ceil(num_heads / HEAD_TILE)
     plan = _override or DEFAULT_PLAN
     with torch.cuda.device(device):
-        decode, merge = _kernels(device, q.dtype == torch.bfloat16)
+        fp8 = kv_cache.dtype == FP8
+        decode, merge = _kernels(device, q.dtype == torch.bfloat16, fp8)
         splits = plan.num_splits
         if splits is None:
             splits = split_count(tiles * num_tokens, decode.blocks_per_sm * _sm_count(device), max_seq_len,
@@ -215,13 +217,14 @@ def mla_decode(
         decode(
             (tiles, num_tokens, splits),
             q, kv_cache, out, lse if return_lse else None, part_acc, part_ml, cu_seqlens_q, block_table,
-            seq_lens,
+            seq_lens, kv_scale if fp8 else None,
             seq_lens.shape[0], num_tokens, num_heads, splits, kv_cache.shape[1],
             # Every sequence has max_query_len queries when T == B * max_query_len (none has more):
             # the kernel then finds a token's sequence by a division instead of a search.
             max_query_len if num_tokens == seq_lens.shape[0] * max_query_len else 0,
             float(scale) * _LOG2E,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kv_cache.stride(0) * kv_cache.element_size(), kv_cache.stride(1) * kv_cache.element_size(),
             block_table.stride(0),
         )
         if splits > 1:

@@ -79,6 +79,19 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return d;
 }
 
+// Two e4m3 values (the low and high byte) -> the MMA's 16-bit pair, low value in the low half.
+// fp16: exact. bf16: the f16 bits re-based (magnitude >> 3 puts f16's 5-bit exponent, bias 15,
+// where bf16's 8-bit one, bias 127, sits): the value times 2^-112, exact and never subnormal for
+// e4m3's range, and zero stays zero; the kernel folds 2^112 into its scales.
+template <bool BF16>
+__device__ __forceinline__ u32 e4m3x2_to_mma(u32 two) {
+    u32 h;
+    asm("{\n\t.reg .b16 l;\n\tcvt.u16.u32 l, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(h) : "r"(two));
+    if constexpr (BF16) h = (h & 0x80008000u) | ((h >> 3) & 0x0fff0fffu);
+    return h;
+}
+constexpr float kBf16Rebase = 5192296858534827628530496329220096.0f;  // 2^112
+
 __device__ __forceinline__ u32 shared_address(const void* p) {
     u64 a;
     asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
@@ -107,6 +120,62 @@ __device__ __forceinline__ void fence_async_proxy() {
 // wgmma undoes when it reads; it also spreads a column's rows over all 32 banks).
 __device__ __forceinline__ u32 tile_offset(int row, int chunk) {
     return (chunk >> 3) * kColumnBlock + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+struct __align__(16) Bytes16 {
+    u32 w[4];
+};
+
+__device__ __forceinline__ Bytes16 load16(const unsigned char* p) {
+    Bytes16 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
+                 : "l"(p));
+    return v;
+}
+
+// An fp8 tile in two halves: loader l (of 128) reads 16-byte chunks l % 4 + 4k (k < 9) of rows
+// l / 4 and l / 4 + 32, 576-byte rows from rows + r * stride; rows >= valid read as zeros.
+__device__ __forceinline__ void fetch_fp8_tile(Bytes16 (&raw)[18], const unsigned char* rows, i64 stride, int valid,
+                                               int loader) {
+    const int row = loader >> 2, slot = loader & 3;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const bool live = row + 32 * half < valid;
+        const unsigned char* src = rows + (row + 32 * half) * stride + slot * 16;
+#pragma unroll
+        for (int k = 0; k < 9; ++k) {
+            if (live) {
+                raw[9 * half + k] = load16(src + 64 * k);
+            } else {
+#pragma unroll
+                for (int x = 0; x < 4; ++x) raw[9 * half + k].w[x] = 0u;
+            }
+        }
+    }
+}
+
+// fetch_fp8_tile's chunks converted (e4m3x2_to_mma) into the 16-bit tile layout: fp8 chunk c of a
+// row is 16-bit chunks 2c and 2c + 1.
+template <bool BF16>
+__device__ __forceinline__ void store_fp8_tile(u32 tile, const Bytes16 (&raw)[18], int loader) {
+    const int row = loader >> 2, slot = loader & 3;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int k = 0; k < 9; ++k) {
+            const Bytes16& v = raw[9 * half + k];
+            const int r = row + 32 * half, chunk = 2 * (slot + 4 * k);
+#pragma unroll
+            for (int part = 0; part < 2; ++part) {
+                const u32 w0 = v.w[2 * part], w1 = v.w[2 * part + 1];
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(tile + tile_offset(r, chunk + part)),
+                             "r"(e4m3x2_to_mma<BF16>(w0)), "r"(e4m3x2_to_mma<BF16>(w0 >> 16)),
+                             "r"(e4m3x2_to_mma<BF16>(w1)), "r"(e4m3x2_to_mma<BF16>(w1 >> 16))
+                             : "memory");
+            }
+        }
+    }
 }
 
 // Rows 0 .. 63 of a tile, row r from rows + r * stride (bytes); rows >= valid are zero-filled
@@ -247,14 +316,16 @@ __device__ __forceinline__ void value_mmas(float (&o)[128], u32 p_tile, u32 kv_t
 // are in elements. part_acc == nullptr: one split, out and lse (if not null) written here;
 // otherwise part_acc [splits, T, H, 512] and part_ml [2, splits, T, H] (running max in log2
 // units of the scaled scores, then the row sum) for merge_mla_splits. q_per_seq > 0 says every
-// sequence has that many queries (the host knows it from T == B * max_query_len).
-template <bool Q_BF16>
+// sequence has that many queries (the host knows it from T == B * max_query_len). The cache's
+// strides are in bytes. CACHE_FP8: an e4m3 cache, converted by warpgroup 1 on its way into the
+// 16-bit tiles; its scale (kv_scale, null for 1) multiplies the scores and the output.
+template <bool Q_BF16, bool CACHE_FP8>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
     const unsigned char* __restrict__ q, const unsigned char* __restrict__ kv,
     unsigned char* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc,
     float* __restrict__ part_ml, const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_table,
-    const int* __restrict__ seq_lens, int num_seqs, int num_tokens, int num_heads, int num_splits,
-    int block_size, int q_per_seq, float scale_log2,
+    const int* __restrict__ seq_lens, const float* __restrict__ kv_scale, int num_seqs, int num_tokens,
+    int num_heads, int num_splits, int block_size, int q_per_seq, float scale_log2,
     i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h, i64 kv_stride_b, i64 kv_stride_p,
     i64 table_stride) {
     constexpr int kFull = 1, kPReady = 3, kPFree = 4, kEmpty = 5;  // named barrier ids (0: __syncthreads)
@@ -273,6 +344,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
     // (+1) of each 8-column group j.
     const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
     const int head0 = blockIdx.x * kHeads, token = blockIdx.y, split = blockIdx.z;
+    // The cache's values are value_scale times what the tiles hold (fp8: its scale, and 2^112 for
+    // the bf16 re-basing): scores and output carry it.
+    float value_scale = 1.0f;
+    if constexpr (CACHE_FP8) {
+        value_scale = (kv_scale != nullptr ? *kv_scale : 1.0f) * (Q_BF16 ? kBf16Rebase : 1.0f);
+        scale_log2 *= value_scale;
+    }
 
     // The token's sequence: cu_seqlens_q[seq] <= token < cu_seqlens_q[seq + 1] (sequences
     // without queries have equal bounds and are never found). When the host knows every sequence
@@ -393,28 +471,57 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
         };
         auto load_step = [&](int step, i64 block, u32 tile) {
             const int position = step * kStep;
-            const unsigned char* rows =
-                kv + (block * kv_stride_b + (i64)(position % block_size) * kv_stride_p) * 2;
-            load_tile<128>(tile, rows, kv_stride_p * 2, visible - position, loader);
+            const unsigned char* rows = kv + block * kv_stride_b + (i64)(position % block_size) * kv_stride_p;
+            load_tile<128>(tile, rows, kv_stride_p, visible - position, loader);
+        };
+        auto fetch_step = [&](int step, i64 block, Bytes16 (&raw)[18]) {
+            const int position = step * kStep;
+            const unsigned char* rows = kv + block * kv_stride_b + (i64)(position % block_size) * kv_stride_p;
+            fetch_fp8_tile(raw, rows, kv_stride_p, visible - position, loader);
         };
         load_tile<128>(base + kQ, q + ((i64)token * q_stride_t + (i64)head0 * q_stride_h) * 2, q_stride_h * 2,
                        num_heads - head0, loader);
         const int block0 = block_of(first), block1 = block_of(first + 1);
         int block_next = block_of(first + 2);  // the block of the load issued at the end of this iteration
-        if (count > 0) load_step(first, block0, base + kKV);
-        copy_commit();
-        if (count > 1) load_step(first + 1, block1, base + kKV + kTile);
-        copy_commit();
-        if (count > 0) {
-            copy_wait<1>();  // Q and the first tile
-            fence_async_proxy();
-            bar_arrive(kFull);
-            bar_arrive(kPFree);
+        if constexpr (CACHE_FP8) {
+            // Tiles arrive through registers: fetched at the top of the iteration before the one
+            // that stores them (so a step's compute hides the loads), converted and stored once
+            // warpgroup 0 is done with the tile.
+            copy_commit();  // Q
+            if (count > 0) {
+                Bytes16 raw[18];
+                fetch_step(first, block0, raw);
+                store_fp8_tile<Q_BF16>(base + kKV, raw, loader);
+                if (count > 1) {
+                    fetch_step(first + 1, block1, raw);
+                    store_fp8_tile<Q_BF16>(base + kKV + kTile, raw, loader);
+                }
+                copy_wait<0>();
+                fence_async_proxy();
+                bar_arrive(kFull);
+                if (count > 1) bar_arrive(kFull + 1);
+                bar_arrive(kPFree);
+            }
+        } else {
+            if (count > 0) load_step(first, block0, base + kKV);
+            copy_commit();
+            if (count > 1) load_step(first + 1, block1, base + kKV + kTile);
+            copy_commit();
+            if (count > 0) {
+                copy_wait<1>();  // Q and the first tile
+                fence_async_proxy();
+                bar_arrive(kFull);
+                bar_arrive(kPFree);
+            }
         }
         for (int i = 0; i < count; ++i) {
             const int step = first + i, t = i & 1;
             const u32 tile = base + kKV + t * kTile;
             const int block_after = block_of(step + 3);  // used one iteration later
+            Bytes16 raw[CACHE_FP8 ? 18 : 1];
+            if constexpr (CACHE_FP8) {
+                if (i + 2 < count) fetch_step(step + 2, block_next, raw);
+            }
             bar_sync(kPReady);
             const float alpha0 = alpha_of[row0], alpha1 = alpha_of[row0 + 8];
 #pragma unroll
@@ -429,7 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             value_mmas<Q_BF16>(o, base + kP, tile, 1);
 #endif
             wgmma_commit();
-            if (i + 1 < count) {
+            if (!CACHE_FP8 && i + 1 < count) {
                 copy_wait<0>();  // the next tile (the newest group)
                 fence_async_proxy();
                 bar_arrive(kFull + (t ^ 1));
@@ -439,7 +546,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             if (i + 1 < count) bar_arrive(kPFree);
             bar_sync(kEmpty + t);  // warpgroup 0 is done with this tile too
 #ifndef KERNELMUX_SKIP_LOADS
-            if (i + 2 < count) load_step(step + 2, block_next, tile);
+            if constexpr (CACHE_FP8) {
+                if (i + 2 < count) {
+                    store_fp8_tile<Q_BF16>(tile, raw, loader);
+                    fence_async_proxy();
+                    bar_arrive(kFull + t);  // step i + 2's tile
+                }
+            } else {
+                if (i + 2 < count) load_step(step + 2, block_next, tile);
+            }
 #endif
             block_next = block_after;
             copy_commit();
@@ -453,6 +568,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
         if (head >= num_heads) continue;
         const float total = sum_of[row];
         const i64 flat = (i64)token * num_heads + head;
+        if constexpr (CACHE_FP8) {
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+                o[4 * j + 2 * r] *= value_scale;
+                o[4 * j + 2 * r + 1] *= value_scale;
+            }
+        }
         if (part_acc != nullptr) {
             float* acc =
                 part_acc + ((i64)split * num_tokens * num_heads + flat) * kRank + wg * 256 + 2 * quad;

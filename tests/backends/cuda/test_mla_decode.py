@@ -14,8 +14,8 @@ from kernelmux.backends.cuda import _nvrtc, attention, mla
 from kernelmux.ops.specs import mla_decode as mla_spec
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
-NAMES = [f"{kernel}<{flag}>" for kernel in ("mla_decode_sm90", "merge_mla_splits")
-         for flag in ("true", "false")]
+NAMES = ([f"mla_decode_sm90<{q}, {fp8}>" for q in ("true", "false") for fp8 in ("true", "false")]
+         + [f"merge_mla_splits<{q}>" for q in ("true", "false")])
 
 
 def _on_hopper() -> bool:
@@ -34,8 +34,9 @@ needs_nvrtc = pytest.mark.skipif(
 
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(q_dtype=torch.float32, cache_dtype=torch.float32), "bf16 or fp16 q only"),
-    (dict(cache_dtype=FP8), "a cache of q's dtype (torch.bfloat16) only, this cache is torch.float8_e4m3fn"),
-    (dict(cache_dtype=FP16), "a cache of q's dtype"),
+    (dict(cache_dtype=FP16), "a cache of q's dtype (torch.bfloat16) or fp8 e4m3 only, this cache is "
+                             "torch.float16"),
+    (dict(q_dtype=FP16, cache_dtype=BF16), "or fp8 e4m3 only, this cache is torch.bfloat16"),
     (dict(width=192, rank=128), "rows of 576 with kv_lora_rank 512 only"),
     (dict(rank=448), "got 576 and 448"),
     (dict(block_size=16), "multiple of 64 positions only, got 16"),
@@ -51,6 +52,7 @@ def test_shape_reason_names_what_it_refuses(kwargs, reason):
 @pytest.mark.parametrize("dtype, block_size", [(BF16, 64), (FP16, 64), (BF16, 128), (BF16, 256)])
 def test_shape_reason_takes_deepseek_shapes(dtype, block_size):
     assert mla.shape_reason(dtype, dtype, 576, 512, block_size) is None
+    assert mla.shape_reason(dtype, FP8, 576, 512, block_size) is None
 
 
 def test_split_count_on_the_goal_shapes():
@@ -130,15 +132,20 @@ def _check(kwargs, seed):
 Q_LENS, KV_LENS = (1, 1, 1, 0, 1, 1, 1), (1, 63, 64, 9, 128, 300, 1029)
 
 
+# The cache: q's dtype, or fp8 e4m3 with and without a scale.
+CACHES = {"same": {}, "fp8_scaled": {"cache_dtype": FP8, "kv_scale": 0.23}, "fp8": {"cache_dtype": FP8}}
+
+
 @needs_hopper
 @pytest.mark.parametrize("num_heads", [128, 16, 100])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("block_size", [64, 128])
 @pytest.mark.parametrize("return_lse", [True, False], ids=["lse", "no_lse"])
-def test_decode_against_reference(num_heads, dtype, block_size, return_lse):
+@pytest.mark.parametrize("cache", CACHES)
+def test_decode_against_reference(num_heads, dtype, block_size, return_lse, cache):
     seed = num_heads + block_size + (dtype == FP16)
     make = mla_spec._maker(Q_LENS, KV_LENS, num_heads, block_size=block_size, dtype=dtype,
-                           return_lse=return_lse, scale=mla_spec.DEEPSEEK_V3_SCALE)
+                           return_lse=return_lse, scale=mla_spec.DEEPSEEK_V3_SCALE, **CACHES[cache])
     _check(build(make, seed, DEVICE), seed)
 
 
@@ -148,9 +155,10 @@ def test_decode_against_reference(num_heads, dtype, block_size, return_lse):
 ], ids=["mtp2", "mtp_mixed", "mtp_empty"])
 @pytest.mark.parametrize("num_heads", [128, 16])
 @pytest.mark.parametrize("splits", [None, 1, 3])
-def test_mtp_against_reference(q_lens, kv_lens, num_heads, splits):
+@pytest.mark.parametrize("cache", ["same", "fp8_scaled"])
+def test_mtp_against_reference(q_lens, kv_lens, num_heads, splits, cache):
     seed = 7 * num_heads + sum(kv_lens)
-    make = mla_spec._maker(q_lens, kv_lens, num_heads, scale=mla_spec.DEEPSEEK_V3_SCALE)
+    make = mla_spec._maker(q_lens, kv_lens, num_heads, scale=mla_spec.DEEPSEEK_V3_SCALE, **CACHES[cache])
     with mla.override_plan(num_splits=splits):
         _check(build(make, seed, DEVICE), seed)
 
@@ -158,26 +166,30 @@ def test_mtp_against_reference(q_lens, kv_lens, num_heads, splits):
 @needs_hopper
 @pytest.mark.parametrize("splits", [1, 2, 3, 8, 17, 64])
 @pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
-def test_every_split_count_against_reference(splits, dtype):
+@pytest.mark.parametrize("cache", ["same", "fp8_scaled"])
+def test_every_split_count_against_reference(splits, dtype, cache):
     # 17 and 64 splits leave empty splits on the short sequences (1029 positions: 17 steps).
     seed = splits
-    make = mla_spec._maker(Q_LENS, KV_LENS, 128, dtype=dtype, scale=mla_spec.DEEPSEEK_V3_SCALE)
+    make = mla_spec._maker(Q_LENS, KV_LENS, 128, dtype=dtype, scale=mla_spec.DEEPSEEK_V3_SCALE,
+                           **CACHES[cache])
     with mla.override_plan(num_splits=splits):
         _check(build(make, seed, DEVICE), seed)
 
 
 @needs_hopper
 @pytest.mark.parametrize("splits", [1, 4])
-def test_nan_in_unread_slots_is_never_read(splits):
-    make = mla_spec._maker((1, 1, 2), (13, 100, 77), 128, nan_in_unused=True, spare_blocks=4)
+@pytest.mark.parametrize("cache", ["same", "fp8"])
+def test_nan_in_unread_slots_is_never_read(splits, cache):
+    make = mla_spec._maker((1, 1, 2), (13, 100, 77), 128, nan_in_unused=True, spare_blocks=4, **CACHES[cache])
     with mla.override_plan(num_splits=splits):
         _check(build(make, 5, DEVICE), 5)
 
 
 @needs_hopper
-def test_goal_shape_against_reference():
+@pytest.mark.parametrize("cache", ["same", "fp8_scaled"])
+def test_goal_shape_against_reference(cache):
     # DeepSeek-V3 B 16 x 4096 at 128 heads (the bench's shape at a quarter of the batch).
-    make = mla_spec._deepseek(16, 4096, 128)
+    make = mla_spec._deepseek(16, 4096, 128, **CACHES[cache])
     _check(build(make, 11, DEVICE), 11)
 
 
@@ -201,10 +213,11 @@ def test_misaligned_q_view_is_refused_by_name():
 
 @needs_hopper
 @pytest.mark.parametrize("splits", [None, 1, 3])
-def test_decode_graph_replays_new_inputs(splits):
+@pytest.mark.parametrize("cache", ["same", "fp8_scaled"])
+def test_decode_graph_replays_new_inputs(splits, cache):
     batch, max_len = 8, 1024
     make = mla_spec._maker((1,) * batch, (max_len,) * batch, 128, scale=mla_spec.DEEPSEEK_V3_SCALE,
-                           spare_blocks=16)
+                           spare_blocks=16, **CACHES[cache])
     static = build(make, 0, DEVICE)
     with mla.override_plan(num_splits=splits):
         graph, result = capture(mla.mla_decode, static)
