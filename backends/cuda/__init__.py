@@ -1,7 +1,7 @@
 """The cuda backend: hand-written CUDA C++ kernels for NVIDIA GPUs, compiled at runtime by NVRTC
 and launched through the driver API (_nvrtc.py), for the cases where a Triton kernel leaves
 bandwidth on the table. Now: paged_attention decode over fp8 e4m3 caches (attention.py) and
-mla_decode over 16-bit latent caches on Hopper (mla.py)."""
+mla_decode over bf16/fp16 and fp8 latent caches on Hopper (mla.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def kernelmux_implementations() -> list[Implementation]:
             requirement=PlatformRequirement(kinds=frozenset({PlatformKind.CUDA}),
                                             min_capability=mla.CAPABILITY),
             devices=frozenset({"cuda"}),
-            description="Hopper, 16-bit latent cache: 64-head CTAs, Q and two 64-position cache tiles "
+            description="Hopper, 16-bit or fp8 latent cache: 64-head CTAs, Q and two 64-position cache tiles "
                         "in shared memory; warpgroup 0 runs Q K^T (wgmma) and the softmax, warpgroup 1 the "
                         "loads, each half of P V",
         ),
