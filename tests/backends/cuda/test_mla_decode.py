@@ -1,7 +1,8 @@
 """The cuda backend's Hopper mla_decode kernel: what it accepts and why not, its compilation for
-sm_90a (NVRTC runs on CPU-only machines), and on an sm_90 GPU every head count, q_len, dtype,
-block size and split count against the spec's reference, with NaN in unread cache slots,
-NaN-poisoned output memory and CUDA-graph replays with new inputs."""
+sm_90a (NVRTC runs on CPU-only machines), and on an sm_90 GPU every head count, q_len, q dtype,
+cache kind (q's dtype, fp8 e4m3 with and without a scale), block size and split count against
+the spec's reference, with NaN in unread cache slots, NaN-poisoned output memory and CUDA-graph
+replays with new inputs."""
 
 from __future__ import annotations
 
