@@ -137,9 +137,13 @@ def arch_name(arch: tuple[int, int], arch_specific: bool = False) -> str:
 
 
 def compile_module(source: str, names: Sequence[str], arch: tuple[int, int], filename: str = "kernel.cu",
-                   verbose: bool = False, arch_specific: bool = False) -> CompiledModule:
+                   verbose: bool = False, arch_specific: bool = False,
+                   defines: Sequence[str] = ()) -> CompiledModule:
     """Compile ``source`` for ``sm_<major><minor>`` (``...a`` when ``arch_specific``),
-    instantiating the kernels ``names`` (C++ name expressions, e.g. ``"merge_splits<true>"``)."""
+    instantiating the kernels ``names`` (C++ name expressions, e.g. ``"merge_splits<true>"``),
+    with each macro of ``defines`` defined to 1 (diagnostic builds; line numbers stay the file's)."""
+    if defines:
+        source = "".join(f"#define {name} 1\n" for name in defines) + "#line 1\n" + source
     lib = find_nvrtc()
     if lib is None:
         raise NvrtcError("NVRTC not found: install nvidia-cuda-nvrtc (torch's CUDA wheels bring it) or a "
@@ -183,11 +187,12 @@ def cache_dir() -> str:
 
 
 def compile_module_cached(source: str, names: Sequence[str], arch: tuple[int, int],
-                          filename: str = "kernel.cu", arch_specific: bool = False) -> CompiledModule:
+                          filename: str = "kernel.cu", arch_specific: bool = False,
+                          defines: Sequence[str] = ()) -> CompiledModule:
     """compile_module through an on-disk cache keyed by the source, the kernel names, the arch
     and the NVRTC version, so a new process loads a cubin instead of compiling (0.3-1 s a
     template set). An unreadable or unwritable cache only costs the compilation."""
-    key = hashlib.sha256(json.dumps([source, list(names), arch_name(arch, arch_specific),
+    key = hashlib.sha256(json.dumps([source, list(defines), list(names), arch_name(arch, arch_specific),
                                      nvrtc_version()]).encode()).hexdigest()
     path = os.path.join(cache_dir(), f"{key}.json")
     try:
@@ -197,7 +202,7 @@ def compile_module_cached(source: str, names: Sequence[str], arch: tuple[int, in
             return CompiledModule(cubin=f.read(), names=entry["names"], log="")
     except (OSError, ValueError, KeyError):
         pass
-    module = compile_module(source, names, arch, filename, arch_specific=arch_specific)
+    module = compile_module(source, names, arch, filename, arch_specific=arch_specific, defines=defines)
     try:
         os.makedirs(cache_dir(), exist_ok=True)
         # Cubin first, then the entry that points at it, each renamed into place whole: a

@@ -23,7 +23,7 @@ import functools
 import math
 import pathlib
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -120,18 +120,25 @@ def shape_reason(query_dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: 
     return None
 
 
-def _alignment_problem(query, k_cache, v_cache) -> Optional[tuple[str, str, str]]:
-    """(argument, expected, actual) when a tensor breaks the kernel's 16-byte vector loads."""
-    for name, tensor, strides in (("query", query, query.stride()[:2]),
-                                  ("k_cache", k_cache, k_cache.stride()[:3]),
-                                  ("v_cache", v_cache, v_cache.stride()[:3])):
+def vector_alignment_problem(tensors: Iterable[tuple[str, torch.Tensor, int]],
+                             row: str) -> Optional[tuple[str, str, str]]:
+    """(argument, expected, actual) for the first of ``tensors`` (name, tensor, leading dims whose
+    strides the kernel steps by) that breaks 16-byte vector loads of its rows (``row`` names the
+    last dim in the message); None when all are fine. Both cuda kernels' host sides use it."""
+    for name, tensor, dims in tensors:
         if tensor.stride(-1) != 1:
-            return name, "a unit stride along the head dim", f"stride {tensor.stride(-1)}"
-        size = tensor.element_size()
+            return name, f"a unit stride along {row}", f"stride {tensor.stride(-1)}"
+        size, strides = tensor.element_size(), tensor.stride()[:dims]
         if tensor.data_ptr() % 16 or any(s * size % 16 for s in strides):
             return (name, "16-byte aligned data and row strides",
                     f"address {tensor.data_ptr():#x}, byte strides {[s * size for s in strides]}")
     return None
+
+
+def _alignment_problem(query, k_cache, v_cache) -> Optional[tuple[str, str, str]]:
+    """(argument, expected, actual) when a tensor breaks the kernel's 16-byte vector loads."""
+    return vector_alignment_problem((("query", query, 2), ("k_cache", k_cache, 3), ("v_cache", v_cache, 3)),
+                                    "the head dim")
 
 
 def paged_attention_supports(
@@ -184,9 +191,8 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...],
     args = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in template)
     decode = f"paged_decode_fp8<{args}>"
     merge = f"merge_splits<{str(template[1]).lower()}>"
-    prefix = "".join(f"#define {name} 1\n" for name in defines) + ("#line 1\n" if defines else "")
-    source = prefix + _SOURCE.read_text()
-    module = _nvrtc.compile_module_cached(source, [decode, merge], arch, filename=_SOURCE.name)
+    module = _nvrtc.compile_module_cached(_SOURCE.read_text(), [decode, merge], arch, filename=_SOURCE.name,
+                                          defines=defines)
     return module, decode, merge
 
 

@@ -29,7 +29,7 @@ from typing import Iterator, Optional
 import torch
 
 from kernelmux.backends.cuda import _nvrtc
-from kernelmux.backends.cuda.attention import split_count
+from kernelmux.backends.cuda.attention import split_count, vector_alignment_problem
 from kernelmux.engine import probes
 
 __all__ = ["CAPABILITY", "MlaPlan", "mla_decode", "mla_decode_supports", "override_plan", "shape_reason"]
@@ -103,13 +103,9 @@ def _alignment_problem(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
                        cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> Optional[tuple[str, str, str]]:
     """(argument, expected, actual) when a tensor breaks the kernel's 16-byte copies or its
     unit-stride index reads."""
-    for name, tensor in (("q", q), ("kv_cache", kv_cache)):
-        if tensor.stride(-1) != 1:
-            return name, "a unit stride along the row", f"stride {tensor.stride(-1)}"
-        size = tensor.element_size()
-        if tensor.data_ptr() % 16 or any(s * size % 16 for s in tensor.stride()[:2]):
-            return (name, "16-byte aligned data and row strides",
-                    f"address {tensor.data_ptr():#x}, byte strides {[s * size for s in tensor.stride()[:2]]}")
+    problem = vector_alignment_problem((("q", q, 2), ("kv_cache", kv_cache, 2)), "the row")
+    if problem is not None:
+        return problem
     indices = (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens))
     for name, tensor in indices:
         if tensor.stride(-1) != 1 and tensor.shape[-1] > 1:
@@ -158,9 +154,8 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool,
     name, merge kernel name)."""
     flag = str(bf16).lower()
     decode, merge = f"mla_decode_sm90<{flag}, {str(fp8).lower()}>", f"merge_mla_splits<{flag}>"
-    prefix = "".join(f"#define {name} 1\n" for name in defines) + ("#line 1\n" if defines else "")
-    module = _nvrtc.compile_module_cached(prefix + _SOURCE.read_text(), [decode, merge], arch,
-                                          filename=_SOURCE.name, arch_specific=True)
+    module = _nvrtc.compile_module_cached(_SOURCE.read_text(), [decode, merge], arch, filename=_SOURCE.name,
+                                          arch_specific=True, defines=defines)
     return module, decode, merge
 
 
