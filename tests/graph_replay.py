@@ -28,13 +28,14 @@ def capture(fn, kwargs):
     return graph, result
 
 
-def replay_on_new_inputs(spec_module, make, static: dict, graph, result, batch: int, max_len: int) -> None:
-    """Refill the captured inputs with fresh draws and new lengths (1 .. max_len: a new block
-    table, queries and caches of the same shapes), poison the captured ``result``, replay, and
-    check it against the spec's reference."""
+def replay_on_new_inputs(spec_module, make, static: dict, graph, result, batch: int, max_len: int,
+                         min_len: int = 1) -> None:
+    """Refill the captured inputs with fresh draws and new lengths (min_len .. max_len: a new
+    block table, queries and caches of the same shapes), poison the captured ``result``, replay,
+    and check it against the spec's reference."""
     for seed in (1, 2):
         fresh = build(make, seed, "cuda")
-        lens = torch.randint(1, max_len + 1, (batch,), generator=torch.Generator().manual_seed(seed))
+        lens = torch.randint(min_len, max_len + 1, (batch,), generator=torch.Generator().manual_seed(seed))
         fresh["seq_lens"] = lens.to(torch.int32).to("cuda")
         for name, value in fresh.items():
             if isinstance(value, torch.Tensor):

@@ -1,11 +1,14 @@
-"""Host side of the cuda backend's paged_attention: fp8 e4m3 decode, head dim 128 (kernel:
-paged_decode_fp8.cu, which says how it works).
+"""Host side of the cuda backend's paged_attention: the entry point for both of its kernels,
+chosen by the host int ``max_query_len``, and the fp8 e4m3 decode kernel's launch (kernel:
+paged_decode_fp8.cu, which says how it works). Batches with prefill queries go to the Hopper
+prefill kernel (prefill.py).
 
-Scope: one query per sequence (``max_query_len <= 1``), e4m3 K and V caches with any
+Decode scope: one query per sequence (``max_query_len <= 1``), e4m3 K and V caches with any
 power-of-two block size, GQA groups of up to 16 query heads per KV head, bf16 or fp16 queries,
 and every option of the spec (sliding window, soft cap, sinks, k/v scales; causal or not is the
-same at one query). Everything else (16-bit caches, prefill, other head dims) is the triton
-backend's: ``paged_attention_supports`` says why per call, and dispatch moves on.
+same at one query). Everything else (16-bit caches at decode, other head dims, and what
+prefill.py declines) is the triton backend's: ``paged_attention_supports`` says why per call,
+and dispatch moves on.
 
 The launch plan comes from host ints only: one CTA per (KV head, sequence) and, when those are
 short of one wave of the GPU (the driver's occupancy for the compiled kernel times the SMs),
@@ -23,11 +26,12 @@ import functools
 import math
 import pathlib
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
-from kernelmux.backends.cuda import _nvrtc
+from kernelmux.backends.cuda import _nvrtc, prefill
+from kernelmux.backends.cuda._layout import page_shift, vector_alignment_problem
 from kernelmux.engine import probes
 
 __all__ = ["DecodePlan", "HEAD_DIM", "MAX_GROUP", "override_plan", "paged_attention",
@@ -95,17 +99,12 @@ def override_plan(**fields) -> Iterator[None]:
         _override = previous
 
 
-def _page_shift(block_size: int) -> Optional[int]:
-    if block_size < 1 or block_size & (block_size - 1):
-        return None
-    return block_size.bit_length() - 1
-
-
 def shape_reason(query_dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                  head_dim: int, block_size: int, decode: bool) -> Optional[str]:
-    """Why the kernel does not take a call of this kind (None when it does); no device needed."""
+    """Why the decode kernel does not take a call of this kind (None when it does); no device
+    needed."""
     if not decode:
-        return "decode only (max_query_len <= 1): prefill is the triton backend's"
+        return "decode only (max_query_len <= 1): prefill is prefill.py's kernel"
     if cache_dtype != FP8:
         return f"fp8 e4m3 caches only, this cache is {cache_dtype} (16-bit caches: the triton backend)"
     if query_dtype not in (torch.bfloat16, torch.float16):
@@ -115,28 +114,14 @@ def shape_reason(query_dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: 
     group = num_heads // num_kv_heads
     if group > MAX_GROUP:
         return f"at most {MAX_GROUP} query heads per KV head, got {group}"
-    if _page_shift(block_size) is None:
+    if page_shift(block_size) is None:
         return f"power-of-two cache block sizes only, got {block_size}"
     return None
 
 
-def vector_alignment_problem(tensors: Iterable[tuple[str, torch.Tensor, int]],
-                             row: str) -> Optional[tuple[str, str, str]]:
-    """(argument, expected, actual) for the first of ``tensors`` (name, tensor, leading dims whose
-    strides the kernel steps by) that breaks 16-byte vector loads of its rows (``row`` names the
-    last dim in the message); None when all are fine. Both cuda kernels' host sides use it."""
-    for name, tensor, dims in tensors:
-        if tensor.stride(-1) != 1:
-            return name, f"a unit stride along {row}", f"stride {tensor.stride(-1)}"
-        size, strides = tensor.element_size(), tensor.stride()[:dims]
-        if tensor.data_ptr() % 16 or any(s * size % 16 for s in strides):
-            return (name, "16-byte aligned data and row strides",
-                    f"address {tensor.data_ptr():#x}, byte strides {[s * size for s in strides]}")
-    return None
-
-
 def _alignment_problem(query, k_cache, v_cache) -> Optional[tuple[str, str, str]]:
-    """(argument, expected, actual) when a tensor breaks the kernel's 16-byte vector loads."""
+    """(argument, expected, actual) when a tensor breaks the kernels' 16-byte vector loads (the
+    decode and the prefill kernel read the same tensors the same way)."""
     return vector_alignment_problem((("query", query, 2), ("k_cache", k_cache, 3), ("v_cache", v_cache, 3)),
                                     "the head dim")
 
@@ -158,7 +143,11 @@ def paged_attention_supports(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
 ) -> Optional[str]:
-    """None when the kernel handles this (already validated) call, else why not."""
+    """None when one of the backend's kernels handles this (already validated) call, else why not."""
+    if max_query_len > 1:
+        reason = prefill.prefill_supports(query, k_cache, seq_lens, max_query_len)
+        problem = _alignment_problem(query, k_cache, v_cache) if reason is None else None
+        return f"{problem[0]} needs {problem[1]}, got {problem[2]}" if problem is not None else reason
     reason = shape_reason(query.dtype, k_cache.dtype, query.shape[1], k_cache.shape[2], query.shape[2],
                           k_cache.shape[1], max_query_len <= 1)
     if reason is not None:
@@ -226,11 +215,15 @@ def paged_attention(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The spec's paged_attention for fp8 decode: one kernel, plus a merge when it splits;
-    arguments are validated by the caller and accepted by paged_attention_supports."""
+    """The spec's paged_attention: prefill batches on prefill.py's kernel; fp8 decode on one
+    kernel, plus a merge when it splits. Arguments are validated by the caller and accepted by
+    paged_attention_supports."""
     problem = _alignment_problem(query, k_cache, v_cache)
     if problem is not None:  # supports' answer is cached per dispatch key, which strides are not
         raise ValueError(f"paged_attention (cuda): {problem[0]} needs {problem[1]}, got {problem[2]}")
+    if max_query_len > 1:
+        return prefill.paged_prefill(query, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, max_query_len,
+                                     scale, causal, sliding_window, logits_soft_cap, sinks)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_tokens, num_q_heads, _ = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
@@ -239,7 +232,7 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     device = query.device
     plan = _override or DEFAULT_PLAN
-    template = (-(-group // 8), query.dtype == torch.bfloat16, _page_shift(k_cache.shape[1]),
+    template = (-(-group // 8), query.dtype == torch.bfloat16, page_shift(k_cache.shape[1]),
                 logits_soft_cap > 0)
     warps = plan.warps if template[0] == 1 else 4  # two head tiles: the combine fits 4 warps' smem
     with torch.cuda.device(device):

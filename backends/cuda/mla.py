@@ -29,7 +29,8 @@ from typing import Iterator, Optional
 import torch
 
 from kernelmux.backends.cuda import _nvrtc
-from kernelmux.backends.cuda.attention import split_count, vector_alignment_problem
+from kernelmux.backends.cuda._layout import vector_alignment_problem
+from kernelmux.backends.cuda.attention import split_count
 from kernelmux.engine import probes
 
 __all__ = ["CAPABILITY", "MlaPlan", "mla_decode", "mla_decode_supports", "override_plan", "shape_reason"]

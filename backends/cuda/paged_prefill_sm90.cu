@@ -1,0 +1,415 @@
+// kernelmux cuda backend: paged-attention prefill on Hopper (sm_90a) over 16-bit caches, head dim 128.
+//
+// Prefill is matmul-bound (2 x 128 FLOPs per query, position and head for q . k and p . v): the
+// triton kernel's mma.sync dots stop at about 50% of the bf16 rate because nothing overlaps one
+// tile's softmax with another's MMAs inside an SM. This kernel puts both products on warpgroup
+// MMAs (wgmma) and gives each of three warpgroups one job (FlashAttention-3's division of labour,
+// written from scratch on the MLA kernel's machinery, mla_decode_sm90.cu):
+//
+//   - One CTA takes 128 queries of one sequence and one query head, and walks the KV positions
+//     they see in 128-position steps. Query tile and STAGES K and V tiles (128 rows x 256 bytes
+//     each) live in shared memory in the layout wgmma reads: two 64-dim column blocks of
+//     128 rows x 128 bytes, each row's 16-byte chunks swizzled by the row's low three bits.
+//   - Warpgroup 0 (the producer) gathers the tiles through the block table with 16-byte cp.async
+//     copies (positions past the sequence are zero-filled, never read: unread slots may hold
+//     NaN), STAGES - 1 steps ahead of the consumers. It gives up registers (setmaxnreg) to them.
+//   - Warpgroups 1 and 2 (the consumers) take 64 query rows each: S = Q K^T (8 wgmma
+//     m64n128k16, both operands from shared memory), the online softmax on their own rows in
+//     registers, then O += P V (8 wgmma m64n128k16, P from registers as the A operand, V read
+//     N-major from its tile). The two consumers run unsynchronized, so one's softmax overlaps
+//     the other's MMAs.
+//   - Hand-offs are named barriers, each an arrive by one side and a sync by the other:
+//     kKFull + s / kVFull + s (the producer's K / V copies into stage s landed: producer -> consumers),
+//     kEmpty + s (both consumers are done with stage s: consumers -> producer).
+//
+// Masks (causal diagonal, sliding window, the sequence's end) are applied only on the steps that
+// cross one; soft cap is a template flag (it touches every score); sinks join the denominator at
+// the end. Compiled at runtime by NVRTC for sm_90a (wgmma and setmaxnreg are arch-specific);
+// see prefill.py.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+namespace {
+
+constexpr int kDim = 128;         // head dim
+constexpr int kRows = 128;        // query rows per CTA: two consumer warpgroups of 64 (the wgmma M)
+constexpr int kStep = 128;        // KV positions per step (the score wgmma's N)
+constexpr int kThreads = 384;     // producer + two consumers
+constexpr int kColumnBlock = 128 * 128;            // 128 rows x 128 bytes (64 dims)
+constexpr int kTile = kDim / 64 * kColumnBlock;    // a 128 x 128 16-bit tile: 32 KiB
+constexpr int kProducerRegisters = 72, kConsumerRegisters = 216;  // 128 x 72 + 256 x 216 <= 64K, no spills
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Shared memory from a 1024-byte aligned base (the swizzle repeats every 1024 bytes): Q, then
+// STAGES pairs of K and V tiles.
+template <int STAGES>
+__device__ constexpr int shared_bytes() { return (1 + 2 * STAGES) * kTile + 1024; }
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+template <bool BF16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 d;
+    if constexpr (BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    }
+    return d;
+}
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+
+__device__ __forceinline__ void copy16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void copy_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Copies (generic proxy) made visible to the async proxy that wgmma reads shared memory through.
+__device__ __forceinline__ void fence_async_proxy() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Named barriers over all three warpgroups: one side arrives without waiting, the other waits.
+__device__ __forceinline__ void bar_sync(int id) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
+}
+
+// 128 rows x 256 bytes into a tile, by the producer's 128 threads: thread t copies chunk t % 16 of
+// rows t / 16 + 8 p (p < 16; a warp: two whole rows a copy). The row's low three bits are then
+// t / 16 for every p, so the swizzled destination is one per-thread offset plus constants.
+// row_address(r) gives row r's source, or null for a row to zero-fill (its copy reads nothing
+// but still names a valid address: `anywhere`).
+template <typename RowAddress>
+__device__ __forceinline__ void load_tile(u32 tile, int tid, const unsigned char* anywhere, RowAddress row_address) {
+    const int chunk = tid & 15, row = tid >> 4;
+    const u32 dst = tile + (chunk >> 3) * kColumnBlock + row * 128 + (((chunk & 7) ^ row) << 4);
+#pragma unroll
+    for (int p = 0; p < kStep / 8; ++p) {
+        const unsigned char* src = row_address(row + 8 * p);
+        copy16(dst + p * 1024, src != nullptr ? src + chunk * 16 : anywhere, src != nullptr ? 16u : 0u);
+    }
+}
+
+// A wgmma shared-memory matrix descriptor with the 128-byte swizzle. K-major operands: `stride`
+// steps 8 rows (1024 bytes), `leading` unused. N-major: `leading` steps 64 columns (one column
+// block), `stride` 8 rows of K.
+__device__ __forceinline__ u64 descriptor(u32 address, u32 leading, u32 stride) {
+    return (u64)((address & 0x3FFFF) >> 4) | ((u64)((leading & 0x3FFFF) >> 4) << 16) |
+           ((u64)((stride & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Ties accumulators to the wait before them: without it the compiler may read a register between
+// the wgmma that writes it (asynchronously) and the wait.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define KM_ACC8(d, i)                                                                                   \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),       \
+        "+f"(d[i + 6]), "+f"(d[i + 7])
+#define KM_ACC64(d)                                                                                     \
+    KM_ACC8(d, 0), KM_ACC8(d, 8), KM_ACC8(d, 16), KM_ACC8(d, 24), KM_ACC8(d, 32), KM_ACC8(d, 40),     \
+        KM_ACC8(d, 48), KM_ACC8(d, 56)
+#define KM_REGS64                                                                                       \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "   \
+    "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "    \
+    "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "    \
+    "%59, %60, %61, %62, %63}"
+
+// d (+)= A (64 x 16, K-major, shared) B (16 x 128, K-major, shared); accumulate 0 overwrites d.
+template <bool BF16>
+__device__ __forceinline__ void mma_ss_m64n128k16(float (&d)[64], u64 a, u64 b, int accumulate) {
+#define KM_MMA(T)                                                                                      \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %66, 0;\n\t"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " " KM_REGS64                  \
+                 ", %64, %65, p, 1, 1, 0, 0;\n\t}"                                                    \
+                 : KM_ACC64(d)                                                                         \
+                 : "l"(a), "l"(b), "r"(accumulate))
+    if constexpr (BF16) {
+        KM_MMA("bf16");
+    } else {
+        KM_MMA("f16");
+    }
+#undef KM_MMA
+}
+
+// d += A (64 x 16, from registers: the accumulator layout's pairs packed) B (16 x 128, N-major).
+template <bool BF16>
+__device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const u32 (&a)[4], u64 b) {
+#define KM_MMA(T)                                                                                      \
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %69, 0;\n\t"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " " KM_REGS64                  \
+                 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n\t}"                                        \
+                 : KM_ACC64(d)                                                                         \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1))
+    if constexpr (BF16) {
+        KM_MMA("bf16");
+    } else {
+        KM_MMA("f16");
+    }
+#undef KM_MMA
+}
+
+#undef KM_REGS64
+#undef KM_ACC64
+#undef KM_ACC8
+
+}  // namespace
+
+// Grid (Hq, ceil(max_query_len / 128), B), 384 threads, shared_bytes<STAGES>() of dynamic shared
+// memory. Query tile y of a sequence is launched as y' = gridDim.y - 1 - y, so the causal
+// diagonal's longest tiles start first. Strides are in elements. page_shift = log2(block_size).
+// scale_log2 = scale * log2(e), or scale / soft_cap with SOFT_CAP. window: W > 0, or 0 for none.
+template <bool Q_BF16, bool SOFT_CAP, int STAGES>
+__global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
+    const unsigned char* __restrict__ query, const unsigned char* __restrict__ k_cache,
+    const unsigned char* __restrict__ v_cache, unsigned char* __restrict__ out,
+    const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
+    const float* __restrict__ sinks, int group, int page_shift, int causal, int window, float scale_log2,
+    float soft_cap, i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h, i64 k_stride_b,
+    i64 k_stride_p, i64 k_stride_h, i64 v_stride_b, i64 v_stride_p, i64 v_stride_h, i64 table_stride) {
+    constexpr int kKFull = 1, kVFull = 1 + STAGES, kEmpty = 1 + 2 * STAGES;  // named barrier ids (0: __syncthreads)
+    static_assert(STAGES >= 2 && kEmpty + STAGES <= 16, "the producer runs a step ahead; 16 named barriers");
+    extern __shared__ unsigned char shared_raw[];
+    u32 dynamic_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
+    if (dynamic_bytes < (u32)shared_bytes<STAGES>()) __trap();  // the host launched it with too little
+    const u32 base = shared_address(shared_raw);
+    const u32 q_tile = (base + 1023u) & ~1023u;
+    auto k_tile = [&](int stage) { return q_tile + (1 + 2 * stage) * kTile; };
+    auto v_tile = [&](int stage) { return q_tile + (2 + 2 * stage) * kTile; };
+
+    const int tid = threadIdx.x;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform as far as the compiler knows
+    const int head = blockIdx.x, seq = blockIdx.z;
+    const int kv_head = head / group;
+    const int q_start = cu_seqlens_q[seq], q_len = cu_seqlens_q[seq + 1] - q_start;
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * kRows;  // this CTA's first query of the sequence
+    if (m0 >= q_len) return;  // the whole CTA, before any barrier
+    const int kv_len = seq_lens[seq];
+    // Query i of the sequence sits at position context + i (causal); it sees positions
+    // [context + i - window + 1, context + i] (window), [0, context + i] (causal), or all.
+    const int context = kv_len - q_len;
+    const int rows = min(kRows, q_len - m0);
+    const int hi = causal ? min(kv_len, context + m0 + rows) : kv_len;  // positions [lo, hi) are read
+    const int lo = window > 0 ? max(0, context + m0 - window + 1) : 0;
+    const int first = lo / kStep, steps = hi > lo ? (hi + kStep - 1) / kStep - first : 0;
+
+    if (wg == 0) {  // the producer
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
+        const int* table = block_table + (i64)seq * table_stride;
+        const int block_mask = (1 << page_shift) - 1;
+        auto kv_rows = [&](const unsigned char* cache, i64 stride_b, i64 stride_p, i64 stride_h, int step) {
+            return [=](int r) -> const unsigned char* {
+                const int position = step * kStep + r;
+                if (position >= kv_len) return nullptr;
+                const i64 block = table[position >> page_shift];
+                return cache + (block * stride_b + (i64)(position & block_mask) * stride_p + kv_head * stride_h) * 2;
+            };
+        };
+        for (int i = 0; i < steps; ++i) {
+            const int stage = i % STAGES, step = first + i;
+            if (i >= STAGES) bar_sync(kEmpty + stage);  // the consumers are done with step i - STAGES
+            if (i == 0) {
+                load_tile(q_tile, tid, query, [&](int r) -> const unsigned char* {
+                    return r < rows ? query + ((i64)(q_start + m0 + r) * q_stride_t + (i64)head * q_stride_h) * 2
+                                    : nullptr;
+                });
+            }
+            load_tile(k_tile(stage), tid, query, kv_rows(k_cache, k_stride_b, k_stride_p, k_stride_h, step));
+            copy_commit();
+            load_tile(v_tile(stage), tid, query, kv_rows(v_cache, v_stride_b, v_stride_p, v_stride_h, step));
+            copy_commit();
+            if (i > 0) {  // step i - 1 has landed once only step i's two groups are in flight
+                const int previous = (i - 1) % STAGES;
+                copy_wait<3>();
+                fence_async_proxy();
+                bar_arrive(kKFull + previous);
+                copy_wait<2>();
+                fence_async_proxy();
+                bar_arrive(kVFull + previous);
+            }
+        }
+        if (steps > 0) {
+            const int last = (steps - 1) % STAGES;
+            copy_wait<1>();
+            fence_async_proxy();
+            bar_arrive(kKFull + last);
+            copy_wait<0>();
+            fence_async_proxy();
+            bar_arrive(kVFull + last);
+        }
+        // Match the consumers' arrivals on the last stages' kEmpty, so every barrier completes.
+        for (int i = max(0, steps - STAGES); i < steps; ++i) bar_sync(kEmpty + i % STAGES);
+        return;
+    }
+
+    // A consumer: query rows 64 c .. 64 c + 63 of the tile. This thread's accumulator rows are
+    // row0 and row0 + 8 of those; its columns 8 j + 2 quad (+1) of each 8-column group j.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
+    const int c = wg - 1, lane = tid & 31, quad = lane & 3;
+    const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
+    const int first_row = m0 + 64 * c;  // the warpgroup's first query of the sequence
+    int position_of[2];                 // this thread's rows' own positions (causal)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) position_of[r] = context + first_row + row0 + 8 * r;
+    // Steps whose positions all lie inside every row's range of this warpgroup need no mask.
+    const int full_hi = min(kv_len, causal ? context + first_row + 1 : kv_len);  // [.., full_hi) seen by all rows
+    const int full_lo = window > 0 ? context + first_row + 63 - window + 1 : 0;  // [full_lo, ..) likewise
+
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.0f, 0.0f};
+    const u64 q_desc = descriptor(q_tile + c * 64 * 128, 16, 1024);
+
+    for (int i = 0; i < steps; ++i) {
+        const int stage = i % STAGES, step = first + i;
+        float s[64];
+#pragma unroll
+        for (int k = 0; k < 64; ++k) s[k] = 0.0f;
+        bar_sync(kKFull + stage);
+        wgmma_fence();
+        {
+            const u64 k_desc = descriptor(k_tile(stage), 16, 1024);
+#pragma unroll
+            for (int k = 0; k < kDim / 16; ++k) {
+                const u64 offset = ((k >> 2) * kColumnBlock + (k & 3) * 32) >> 4;
+                mma_ss_m64n128k16<Q_BF16>(s, q_desc + offset, k_desc + offset, k);
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(s);
+
+        // Scores in log2 units (soft-capped first), masked where the step crosses a boundary.
+#pragma unroll
+        for (int k = 0; k < 64; ++k) {
+            float x = s[k] * scale_log2;
+            if constexpr (SOFT_CAP) {
+                // cap * tanh(x), tanh from one exp2 of -2|x|: no overflow for any x.
+                const float e = exp2_approx(fabsf(x) * (-2.0f * kLog2e));
+                const float t = (1.0f - e) / (1.0f + e);
+                x = (x < 0.0f ? -t : t) * (soft_cap * kLog2e);
+            }
+            s[k] = x;
+        }
+        const int step_lo = step * kStep, step_hi = step_lo + kStep;
+        if (step_hi > full_hi || step_lo < full_lo) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int position = step_lo + 8 * j + 2 * quad + (e & 1), own = position_of[e >> 1];
+                    const bool live = position < kv_len && (!causal || position <= own) &&
+                                      (window <= 0 || position > own - window);
+                    if (!live) s[4 * j + e] = neg_inf();
+                }
+            }
+        }
+        float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+        }
+        float m_use[2], alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m_run[r], mx[r]);
+            // A row that has seen nothing yet (window) keeps m = -inf: exponents against 0 then
+            // give p = 0 and alpha = 0 rather than NaN.
+            m_use[r] = m_new == neg_inf() ? 0.0f : m_new;
+            alpha[r] = exp2_approx(m_run[r] - m_use[r]);
+            m_run[r] = m_new;
+            l_run[r] *= alpha[r];
+        }
+        u32 p[kStep / 16][4];  // P as the value MMAs' A operand: 16 positions a slice
+#pragma unroll
+        for (int k = 0; k < kStep / 16; ++k) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {  // positions 16 k + 8 half + 2 quad (+1)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int at = 4 * (2 * k + half) + 2 * r;
+                    const float p0 = exp2_approx(s[at] - m_use[r]), p1 = exp2_approx(s[at + 1] - m_use[r]);
+                    l_run[r] += p0 + p1;
+                    p[k][2 * half + r] = pack2<Q_BF16>(p0, p1);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            o[4 * j] *= alpha[0];
+            o[4 * j + 1] *= alpha[0];
+            o[4 * j + 2] *= alpha[1];
+            o[4 * j + 3] *= alpha[1];
+        }
+        bar_sync(kVFull + stage);
+        wgmma_fence();
+        {
+            const u64 v_desc = descriptor(v_tile(stage), kColumnBlock, 1024);
+#pragma unroll
+            for (int k = 0; k < kStep / 16; ++k) mma_rs_m64n128k16<Q_BF16>(o, p[k], v_desc + ((k * 16 * 128) >> 4));
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(o);
+        bar_arrive(kEmpty + stage);
+    }
+
+    // Row sums over the quad; sinks join the denominator; normalize and store this thread's pairs.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+        float factor = 1.0f;
+        if (sinks != nullptr) {
+            const float sink = sinks[head] * kLog2e, m_all = fmaxf(m_run[r], sink);
+            factor = exp2_approx(m_run[r] - m_all);  // 0 when no position was seen
+            l_run[r] = l_run[r] * factor + exp2_approx(sink - m_all);
+        }
+        const float inverse = l_run[r] > 0.0f ? factor / l_run[r] : 0.0f;
+        const int row = first_row + row0 + 8 * r;
+        if (row >= q_len) continue;
+        unsigned char* row_out =
+            out + ((i64)(q_start + row) * o_stride_t + (i64)head * o_stride_h + 2 * quad) * 2;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+            *reinterpret_cast<u32*>(row_out + 16 * j) =
+                pack2<Q_BF16>(o[4 * j + 2 * r] * inverse, o[4 * j + 2 * r + 1] * inverse);
+    }
+}

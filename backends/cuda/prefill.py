@@ -1,0 +1,182 @@
+"""Host side of the cuda backend's paged_attention prefill on Hopper: 16-bit caches, head dim 128
+(kernel: paged_prefill_sm90.cu, which says how it works).
+
+Scope: sm_90 GPUs (the kernel is built for sm_90a: warpgroup MMAs and register reallocation), calls
+with ``max_query_len > 1`` (prefill, chunked prefill, and decodes mixed into such a batch), bf16
+or fp16 queries over caches of the same dtype, head dim 128, any power-of-two block size, any GQA
+group, causal or not, and every option of the spec (sliding window, soft cap, sinks). fp8 caches,
+other head dims and other GPUs are the triton backend's: ``prefill_supports`` says why per call,
+and dispatch moves on. Decode (``max_query_len <= 1``) is attention.py's.
+
+Launch: one CTA (three warpgroups; (1 + 2 x stages) x 32 KiB of shared memory, so one per SM) per
+query head, 128-query tile and sequence, from host ints only (``max_query_len`` sizes the grid;
+tiles past a sequence's queries exit at once), so CUDA graphs stay valid when lengths and tables
+change under them. First call per (arch, query dtype, soft cap or not, stages): one NVRTC
+compilation, about 3 s on a 2-core VM, kept on disk (_nvrtc.compile_module_cached: later processes
+load the cubin), then one module load per device. No autotuning: the stage count comes from
+perf/diag measurements recorded in perf/notes/attention.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import pathlib
+from dataclasses import dataclass, replace
+from typing import Iterator, Optional
+
+import torch
+
+from kernelmux.backends.cuda import _nvrtc
+from kernelmux.backends.cuda._layout import page_shift
+from kernelmux.engine import probes
+
+__all__ = ["CAPABILITY", "HEAD_DIM", "PrefillPlan", "override_plan", "paged_prefill", "prefill_supports",
+           "shape_reason", "shared_bytes"]
+
+CAPABILITY = (9, 0)  # wgmma and setmaxnreg: sm_90a cubins run on sm_90 only
+HEAD_DIM = 128  # the tiles' layout (two 64-dim column blocks)
+ROWS = 128  # query rows per CTA: two consumer warpgroups of 64
+THREADS = 384  # a producer warpgroup and two consumers
+TILE_BYTES = 128 * HEAD_DIM * 2
+STAGES = (2, 3)  # K/V stages the kernel is instantiated for (3 fills 225 KiB of the 227)
+_SOURCE = pathlib.Path(__file__).with_name("paged_prefill_sm90.cu")
+# The kernel's arguments (see the .cu file): p pointer, i int32, q int64, f float32.
+_SIGNATURE = "pppppppp" + "iiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
+_LOG2E = 1.4426950408889634
+_DEFINES: tuple[str, ...] = ()
+
+_capability = probes.device_capability
+
+
+def shared_bytes(stages: int) -> int:
+    """shared_bytes<STAGES>() in the .cu file: the query tile, ``stages`` K and V tiles, and 1024
+    bytes of room to align the base (the kernel traps when launched with less)."""
+    return (1 + 2 * stages) * TILE_BYTES + 1024
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """A launch's choices: K/V stages in shared memory (one of STAGES)."""
+
+    stages: int = 2
+
+
+DEFAULT_PLAN = PrefillPlan()
+_override: Optional[PrefillPlan] = None
+
+
+@contextlib.contextmanager
+def override_plan(**fields) -> Iterator[None]:
+    """Within the block, calls launch with DEFAULT_PLAN's fields replaced (tests, sweeps)."""
+    global _override
+    plan = replace(DEFAULT_PLAN, **fields)
+    if plan.stages not in STAGES:
+        raise ValueError(f"override_plan: stages must be one of {STAGES}, got {plan.stages!r}")
+    previous, _override = _override, plan
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def shape_reason(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
+                 block_size: int) -> Optional[str]:
+    """Why the prefill kernel does not take a call of this kind (None when it does); no device
+    needed."""
+    if query_dtype not in (torch.bfloat16, torch.float16):
+        return f"prefill: bf16 or fp16 queries only, got {query_dtype}"
+    if cache_dtype != query_dtype:
+        return (f"prefill: caches of the query's dtype ({query_dtype}) only, this cache is {cache_dtype} "
+                "(fp8 caches: the triton backend)")
+    if head_dim != HEAD_DIM:
+        return f"prefill: head dim {HEAD_DIM} only (the tiles' layout), got {head_dim}"
+    if page_shift(block_size) is None:
+        return f"prefill: power-of-two cache block sizes only, got {block_size}"
+    return None
+
+
+def prefill_supports(query: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor,
+                     max_query_len: int) -> Optional[str]:
+    """None when the prefill kernel handles this (already validated) call, else why not; the
+    tensors' alignment is attention.py's check, shared with the decode kernel."""
+    reason = shape_reason(query.dtype, k_cache.dtype, query.shape[2], k_cache.shape[1])
+    if reason is not None:
+        return reason
+    if query.device.type != "cuda" or probes.is_rocm():
+        return f"needs an NVIDIA GPU, the tensors are on {query.device}"
+    capability = _capability(query.device)
+    if capability != CAPABILITY:
+        return (f"prefill needs sm_{CAPABILITY[0]}{CAPABILITY[1]} (Hopper: the kernel is built on its wgmma), "
+                f"this GPU is sm_{capability[0]}{capability[1]}")
+    if _nvrtc.find_nvrtc() is None:
+        return ("NVRTC not found (pip install nvidia-cuda-nvrtc, which torch's CUDA wheels bring, or a CUDA "
+                "toolkit)")
+    if seq_lens.shape[0] > 65535:
+        return f"{seq_lens.shape[0]} sequences > 65535, CUDA's limit on grid axis 2 (split the batch)"
+    if math.ceil(max_query_len / ROWS) > 65535:
+        return f"max_query_len {max_query_len} > {65535 * ROWS}, CUDA's limit on grid axis 1 in 128-query tiles"
+    return None
+
+
+@functools.cache
+def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, soft_cap: bool,
+              stages: int) -> tuple[_nvrtc.CompiledModule, str]:
+    """One NVRTC compilation per arch, macro set and template set: (module, kernel name)."""
+    name = f"paged_prefill_sm90<{str(bf16).lower()}, {str(soft_cap).lower()}, {stages}>"
+    module = _nvrtc.compile_module_cached(_SOURCE.read_text(), [name], arch, filename=_SOURCE.name,
+                                          arch_specific=True, defines=defines)
+    return module, name
+
+
+_LOADED = _nvrtc.LoadedKernels()
+
+
+def _kernel(device: torch.device, bf16: bool, soft_cap: bool, stages: int) -> _nvrtc.Kernel:
+    """The prefill kernel for the template set, loaded on ``device`` (cached per device)."""
+    def build():
+        module, name = _compiled(_capability(device), _DEFINES, bf16, soft_cap, stages)
+        return module, [_nvrtc.KernelSpec(name, _SIGNATURE, THREADS, shared_bytes(stages))]
+
+    return _LOADED.get(device, (_DEFINES, bf16, soft_cap, stages), build)[0]
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    causal: bool,
+    sliding_window: int,
+    logits_soft_cap: float,
+    sinks: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """The spec's paged_attention for a batch with prefill queries, on the wgmma kernel;
+    arguments are validated by the caller and accepted by prefill_supports (and attention.py's
+    alignment check)."""
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    num_tokens, num_q_heads, _ = query.shape
+    num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    if num_tokens == 0 or max_query_len == 0 or num_seqs == 0:
+        return out.zero_()
+    plan = _override or DEFAULT_PLAN
+    soft_cap = logits_soft_cap > 0
+    device = query.device
+    with torch.cuda.device(device):
+        kernel = _kernel(device, query.dtype == torch.bfloat16, soft_cap, plan.stages)
+        kernel(
+            (num_q_heads, math.ceil(max_query_len / ROWS), num_seqs),
+            query, k_cache, v_cache, out, cu_seqlens_q, block_table, seq_lens, sinks,
+            num_q_heads // num_kv_heads, page_shift(k_cache.shape[1]), int(causal), int(sliding_window),
+            float(scale) / logits_soft_cap if soft_cap else float(scale) * _LOG2E, float(logits_soft_cap),
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_table.stride(0),
+        )
+    return out

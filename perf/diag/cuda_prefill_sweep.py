@@ -1,0 +1,95 @@
+"""Plan sweep for the cuda backend's Hopper prefill kernel on the prefill cases: each stage count
+checked against the spec's reference before it is timed (CUDA-graph replay), with the triton
+backend's kernel and torch's SDPA (FlashAttention on dense, unpaged K and V: the peer) on the same
+inputs. Rates are the spec's FLOP count (causal pairs counted once) over the median time, as a
+percent of the bf16 matmul rate measured in the same run. prefill.DEFAULT_PLAN is chosen from
+these numbers.
+
+    python perf/diag/cuda_prefill_sweep.py --out DIR [--cases NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from kernelmux.backends.cuda import attention as cuda_attention
+from kernelmux.backends.cuda import prefill
+from kernelmux.backends.triton import attention as triton_attention
+from kernelmux.engine.report import distribution_version
+from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.perf import ceilings as ceilings_module
+from kernelmux.perf.timing import graph_replay_time
+
+CASES = ["llama3_8b_prefill_t8192", "llama3_8b_prefill_t1024", "llama3_8b_prefill_t1024_4seqs",
+         "llama3_8b_chunked_prefill"]
+
+
+def _dense_sdpa(kwargs):
+    """The peer: torch's SDPA over the one sequence's K and V gathered densely (outside the
+    timing), causal, GQA heads expanded by SDPA itself. None for batches of several sequences."""
+    if kwargs["seq_lens"].shape[0] != 1 or not kwargs["causal"]:
+        return None
+    length, block = int(kwargs["seq_lens"][0]), kwargs["k_cache"].shape[1]
+    blocks = kwargs["block_table"][0, : -(-length // block)].long()
+    k = kwargs["k_cache"][blocks].flatten(0, 1)[:length].transpose(0, 1)[None]
+    v = kwargs["v_cache"][blocks].flatten(0, 1)[:length].transpose(0, 1)[None]
+    q = kwargs["query"].transpose(0, 1)[None]
+    if q.shape[2] != length:
+        return None
+
+    def run(**_):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=kwargs["scale"],
+                                                                enable_gqa=True)
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", nargs="*", default=CASES)
+    args = parser.parse_args()
+    ceilings = ceilings_module.measure("cuda")
+    matmul = ceilings["bf16_tflops"]
+    print(f"bf16 matmul {matmul:.1f} TFLOP/s", flush=True)
+    rows = []
+    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": distribution_version("triton"),
+              "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"),
+              "ceilings": ceilings, "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    for case in args.cases:
+        kwargs = pa_spec.SPEC.case(case).build(torch.device("cuda"), 0)
+        cost = pa_spec.SPEC.cost(kwargs)
+        expected = pa_spec.SPEC.reference(**kwargs)
+        variants = [("cuda", {"stages": s}) for s in prefill.STAGES] + [("triton", {})]
+        sdpa = _dense_sdpa(kwargs)
+        if sdpa is not None:
+            variants.append(("sdpa", {}))
+        for backend, fields in variants:
+            fn = {"cuda": cuda_attention.paged_attention, "triton": triton_attention.paged_attention,
+                  "sdpa": sdpa}[backend]
+            row = dict(case=case, backend=backend, plan=fields)
+            try:
+                with prefill.override_plan(**fields):
+                    if backend != "sdpa":
+                        pa_spec.SPEC.check_close(fn(**kwargs), expected, kwargs)
+                    us = graph_replay_time(fn, [kwargs], calls_per_graph=2, trials=10).median_us
+                row.update(us=us, tflops=cost.flops / us / 1e6, matmul_pct=100 * cost.flops / us / 1e6 / matmul,
+                           status="ok")
+            except AssertionError as error:
+                row.update(status="wrong", error=str(error)[:300])
+            rows.append(row)
+            shown = f"{row['us']:9.1f} us {row['matmul_pct']:5.1f}% of bf16" if "us" in row else row["error"]
+            print(f"{case:34s} {backend:6s} {str(fields):15s} {shown}", flush=True)
+        del kwargs, expected
+        torch.cuda.empty_cache()
+        with open(os.path.join(args.out, "cuda_prefill_sweep.json"), "w") as f:
+            json.dump(record, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The cuda backend's Hopper paged-attention prefill kernel: what it accepts and why not, how
+paged_attention routes between it and the decode kernel, its compilation for sm_90a (NVRTC runs on
+CPU-only machines), and on an sm_90 GPU every option, block size, GQA group, query dtype and
+stage count against the spec's reference, with query tiles cut by sequence ends, chunked prefill
+over cached context, decodes and empty sequences in the batch, NaN in unread cache slots,
+NaN-poisoned output memory and CUDA-graph replays with new inputs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from graph_replay import build, capture, replay_on_new_inputs
+from kernelmux.backends.cuda import _nvrtc, attention, prefill
+from kernelmux.ops.specs import paged_attention as pa_spec
+
+BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
+NAMES = [f"paged_prefill_sm90<{bf16}, {cap}, {stages}>"
+         for bf16, cap, stages in itertools.product(("true", "false"), ("false", "true"), prefill.STAGES)]
+
+
+def _on_hopper() -> bool:
+    return DEVICE == "cuda" and torch.cuda.get_device_capability() == prefill.CAPABILITY
+
+
+needs_hopper = pytest.mark.skipif(
+    not _on_hopper(), reason="runs the sm_90a (wgmma) kernel: needs an H100/H200; runs in the GPU suite")
+needs_nvrtc = pytest.mark.skipif(
+    _nvrtc.find_nvrtc() is None,
+    reason="NVRTC not installed (pip install nvidia-cuda-nvrtc; the test extra has it)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side (any machine)
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(query_dtype=torch.float32, cache_dtype=torch.float32), "bf16 or fp16 queries only"),
+    (dict(cache_dtype=FP8), "caches of the query's dtype (torch.bfloat16) only, this cache is "
+                            "torch.float8_e4m3fn"),
+    (dict(head_dim=64), "head dim 128 only (the tiles' layout), got 64"),
+    (dict(block_size=24), "power-of-two cache block sizes only, got 24"),
+])
+def test_shape_reason_names_what_it_refuses(kwargs, reason):
+    call = dict(query_dtype=BF16, cache_dtype=BF16, head_dim=128, block_size=16)
+    assert prefill.shape_reason(**call) is None
+    call.update(kwargs)
+    assert reason in prefill.shape_reason(**call)
+
+
+@pytest.mark.parametrize("dtype, block_size", [(BF16, 16), (FP16, 1), (BF16, 128), (FP16, 1024)])
+def test_shape_reason_takes_prefill_shapes(dtype, block_size):
+    assert prefill.shape_reason(dtype, dtype, 128, block_size) is None
+
+
+def test_paged_attention_routes_by_max_query_len():
+    # The host int max_query_len picks the kernel: > 1 asks the prefill kernel (here it declines
+    # the fp8 cache by its own reason), <= 1 the decode kernel (which declines the bf16 cache).
+    fp8 = build(pa_spec._maker((5, 1), (9, 20), 8, 1, 128, cache_dtype=FP8), 0, "cpu")
+    assert "caches of the query's dtype" in attention.paged_attention_supports(**fp8)
+    same = build(pa_spec._maker((1, 1), (9, 20), 8, 1, 128), 0, "cpu")
+    assert "fp8 e4m3 caches only" in attention.paged_attention_supports(**same)
+    prefill_call = build(pa_spec._maker((5, 1), (9, 20), 8, 1, 128), 0, "cpu")
+    assert "needs an NVIDIA GPU" in attention.paged_attention_supports(**prefill_call)
+
+
+def test_override_plan_checks_its_argument():
+    with pytest.raises(ValueError, match=r"stages must be one of \(2, 3\), got 4"):
+        with prefill.override_plan(stages=4):
+            pass
+    with prefill.override_plan(stages=3):
+        assert prefill._override == prefill.PrefillPlan(stages=3)
+    assert prefill._override is None
+
+
+def test_shared_memory_fits_hopper():
+    # sm_90's opt-in limit per CTA is 227 KiB; the kernel traps when launched with less than its
+    # shared_bytes<STAGES>(), which the GPU tests would show.
+    source = prefill._SOURCE.read_text()
+    assert "constexpr int shared_bytes() { return (1 + 2 * STAGES) * kTile + 1024; }" in source
+    for stages in prefill.STAGES:
+        assert prefill.shared_bytes(stages) == (1 + 2 * stages) * 128 * 128 * 2 + 1024 <= 227 * 1024
+
+
+@needs_nvrtc
+def test_kernels_compile_for_sm90a_without_spills():
+    # The producer warpgroup gives registers to the consumers (setmaxnreg): both sides must fit
+    # their share without spilling, and ptxas must not serialize the wgmmas.
+    module = _nvrtc.compile_module(prefill._SOURCE.read_text(), NAMES, (9, 0), verbose=True, arch_specific=True)
+    for name in NAMES:
+        assert module.spill_bytes(name) == 0, name
+        assert 0 < module.registers(name) <= 168, name  # 384 threads, one CTA per SM
+    assert "Performance Loss" not in module.log, module.log
+    assert "setmaxnreg" not in module.log, module.log  # ptxas says when it ignores it (C7508)
+
+
+@needs_nvrtc
+def test_sm90_without_the_arch_suffix_is_refused_by_ptxas():
+    with pytest.raises(_nvrtc.NvrtcError, match="sm_90"):
+        _nvrtc.compile_module(prefill._SOURCE.read_text(), NAMES[:1], (9, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel (sm_90 GPU)
+
+def _poison_allocator(nbytes: int) -> None:
+    """NaN-filled blocks left in the allocator's free lists: the output the kernel allocates
+    starts as NaN, so an element it never writes fails the comparison."""
+    blocks = [torch.full((nbytes // 4 + extra,), float("nan"), device=DEVICE) for extra in (0, 64, 4096)]
+    del blocks
+
+
+def _check(kwargs, seed):
+    assert attention.paged_attention_supports(**kwargs) is None
+    expected = pa_spec.SPEC.reference(**kwargs)
+    _poison_allocator(kwargs["query"].numel() * 2)
+    actual = attention.paged_attention(**kwargs)
+    try:
+        pa_spec.SPEC.check_close(actual, expected, kwargs)
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: {error}") from None
+
+
+OPTIONS = {
+    "causal": {},
+    "non_causal": {"causal": False},
+    "window": {"sliding_window": 70},
+    "wide_window": {"sliding_window": 300},
+    "sinks_cap": {"with_sinks": True, "logits_soft_cap": 2.0, "scale": 0.5},
+    "window_sinks_cap_fp16": {"sliding_window": 129, "with_sinks": True, "logits_soft_cap": 30.0,
+                              "dtype": FP16},
+}
+# One batch with: a prompt ending inside a query tile, a chunk starting part-way into its
+# sequence (its context not a multiple of a step), a prompt of exactly one tile, a sequence
+# without queries, a decode, a query over a single position, and a chunk of 300 queries over
+# 1029 positions (three tiles, the first two far from the diagonal).
+Q_LENS, KV_LENS = (200, 77, 128, 0, 1, 1, 300), (200, 333, 128, 9, 45, 1, 1029)
+
+
+@needs_hopper
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@pytest.mark.parametrize("block_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 1), (32, 8), (4, 4)])
+def test_prefill_against_reference(options, block_size, num_heads, num_kv_heads):
+    seed = 100 * block_size + num_heads
+    q_lens, kv_lens = Q_LENS, KV_LENS
+    if "causal" in OPTIONS[options]:  # non-causal: queries need not fit their sequence
+        q_lens, kv_lens = Q_LENS + (150,), KV_LENS + (20,)
+    make = pa_spec._maker(q_lens, kv_lens, num_heads, num_kv_heads, 128, block_size=block_size,
+                          **OPTIONS[options])
+    _check(build(make, seed, DEVICE), seed)
+
+
+@needs_hopper
+@pytest.mark.parametrize("stages", prefill.STAGES)
+@pytest.mark.parametrize("options", ["causal", "window_sinks_cap_fp16", "non_causal"])
+def test_every_plan_against_reference(stages, options):
+    make = pa_spec._maker((1000, 513, 64), (1000, 1500, 64), 8, 2, 128, **OPTIONS[options])
+    with prefill.override_plan(stages=stages):
+        _check(build(make, stages, DEVICE), stages)
+
+
+@needs_hopper
+def test_prefill_ignores_nan_in_unread_slots():
+    block = 16
+    kwargs = build(pa_spec._maker((13, 40, 130), (13, 77, 200), 8, 1, 128, block_size=block, spare_blocks=4),
+                   7, DEVICE)
+    expected = pa_spec.SPEC.reference(**kwargs)
+    read = torch.zeros(kwargs["k_cache"].shape[:2], dtype=torch.bool, device=DEVICE)
+    for b, length in enumerate(kwargs["seq_lens"].tolist()):
+        for j in range(length):
+            read[kwargs["block_table"][b, j // block], j % block] = True
+    for name in ("k_cache", "v_cache"):
+        kwargs[name][~read] = float("nan")
+    for stages in prefill.STAGES:
+        with prefill.override_plan(stages=stages):
+            pa_spec.SPEC.check_close(attention.paged_attention(**kwargs), expected, kwargs)
+
+
+@needs_hopper
+def test_llama3_prefill_shape_against_reference():
+    # The perf goal's shape, shortened: one causal prompt of 2048 tokens, 32 / 8 heads.
+    make = pa_spec._maker((2048,), (2048,), 32, 8, 128)
+    _check(build(make, 5, DEVICE), 5)
+
+
+@needs_hopper
+def test_misaligned_query_view_is_refused_by_name():
+    kwargs = build(pa_spec._maker((40,), (40,), 8, 1, 128), 1, DEVICE)
+    wide = torch.zeros(kwargs["query"].shape[:-1] + (136,), dtype=BF16, device=DEVICE)
+    kwargs["query"] = wide[..., 4:]
+    reason = attention.paged_attention_supports(**kwargs)
+    assert reason is not None and reason.startswith("query needs 16-byte aligned data and row strides")
+    with pytest.raises(ValueError, match="query needs 16-byte aligned"):
+        attention.paged_attention(**kwargs)
+
+
+@needs_hopper
+def test_prefill_graph_replays_new_inputs():
+    # Captured with 150 queries per sequence; replays change the lengths (each at least its query
+    # count: causal), the table, queries and caches.
+    batch, max_len, q_len = 4, 700, 150
+    make = pa_spec._maker((q_len,) * batch, (max_len,) * batch, 8, 2, 128, spare_blocks=64)
+    static = build(make, 0, DEVICE)
+    graph, out = capture(attention.paged_attention, static)
+    replay_on_new_inputs(pa_spec, make, static, graph, out, batch, max_len, min_len=q_len)
