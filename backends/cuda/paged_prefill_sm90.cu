@@ -19,8 +19,13 @@
 //     N-major from its tile). The two consumers run unsynchronized, so one's softmax overlaps
 //     the other's MMAs.
 //   - Hand-offs are named barriers, each an arrive by one side and a sync by the other:
-//     kKFull + s / kVFull + s (the producer's K / V copies into stage s landed: producer -> consumers),
-//     kEmpty + s (both consumers are done with stage s: consumers -> producer).
+//     kKFull + 2 s + c / kVFull + 2 s + c (the producer's K / V copies into stage s landed: producer
+//     -> consumer c; one barrier per consumer, since a barrier shared by both would hold each
+//     consumer until the other arrives and put their softmaxes in lockstep: measured 37% of the
+//     matmul rate that way), kEmpty + s (both consumers are done with stage s: consumers -> producer).
+//   - OVERLAP: each consumer issues step i + 1's scores before waiting for step i's P V, so the
+//     softmax of step i + 1 runs under the value MMAs of step i (FlashAttention-3's
+//     intra-warpgroup overlap); O's rescale waits for the MMAs.
 //
 // Masks (causal diagonal, sliding window, the sequence's end) are applied only on the steps that
 // cross one; soft cap is a template flag (it touches every score); sinks join the denominator at
@@ -88,12 +93,15 @@ __device__ __forceinline__ void fence_async_proxy() {
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// Named barriers over all three warpgroups: one side arrives without waiting, the other waits.
+// Named barriers: one side arrives without waiting, the other waits; THREADS counts both sides
+// (256: the producer and one consumer; 384: all three warpgroups).
+template <int THREADS>
 __device__ __forceinline__ void bar_sync(int id) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
 }
+template <int THREADS>
 __device__ __forceinline__ void bar_arrive(int id) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
 }
 
 // 128 rows x 256 bytes into a tile, by the producer's 128 threads: thread t copies chunk t % 16 of
@@ -191,7 +199,7 @@ __device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const u32 (&a)
 // memory. Query tile y of a sequence is launched as y' = gridDim.y - 1 - y, so the causal
 // diagonal's longest tiles start first. Strides are in elements. page_shift = log2(block_size).
 // scale_log2 = scale * log2(e), or scale / soft_cap with SOFT_CAP. window: W > 0, or 0 for none.
-template <bool Q_BF16, bool SOFT_CAP, int STAGES>
+template <bool Q_BF16, bool SOFT_CAP, int STAGES, bool OVERLAP>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     const unsigned char* __restrict__ query, const unsigned char* __restrict__ k_cache,
     const unsigned char* __restrict__ v_cache, unsigned char* __restrict__ out,
@@ -199,7 +207,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     const float* __restrict__ sinks, int group, int page_shift, int causal, int window, float scale_log2,
     float soft_cap, i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h, i64 k_stride_b,
     i64 k_stride_p, i64 k_stride_h, i64 v_stride_b, i64 v_stride_p, i64 v_stride_h, i64 table_stride) {
-    constexpr int kKFull = 1, kVFull = 1 + STAGES, kEmpty = 1 + 2 * STAGES;  // named barrier ids (0: __syncthreads)
+    // Named barrier ids (0 is __syncthreads'): kKFull + 2 stage + consumer, kVFull likewise, kEmpty + stage.
+    constexpr int kKFull = 1, kVFull = 1 + 2 * STAGES, kEmpty = 1 + 4 * STAGES;
     static_assert(STAGES >= 2 && kEmpty + STAGES <= 16, "the producer runs a step ahead; 16 named barriers");
     extern __shared__ unsigned char shared_raw[];
     u32 dynamic_bytes;
@@ -240,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
         };
         for (int i = 0; i < steps; ++i) {
             const int stage = i % STAGES, step = first + i;
-            if (i >= STAGES) bar_sync(kEmpty + stage);  // the consumers are done with step i - STAGES
+            if (i >= STAGES) bar_sync<kThreads>(kEmpty + stage);  // the consumers are done with step i - STAGES
             if (i == 0) {
                 load_tile(q_tile, tid, query, [&](int r) -> const unsigned char* {
                     return r < rows ? query + ((i64)(q_start + m0 + r) * q_stride_t + (i64)head * q_stride_h) * 2
@@ -255,23 +264,27 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
                 const int previous = (i - 1) % STAGES;
                 copy_wait<3>();
                 fence_async_proxy();
-                bar_arrive(kKFull + previous);
+                bar_arrive<256>(kKFull + 2 * previous);
+                bar_arrive<256>(kKFull + 2 * previous + 1);
                 copy_wait<2>();
                 fence_async_proxy();
-                bar_arrive(kVFull + previous);
+                bar_arrive<256>(kVFull + 2 * previous);
+                bar_arrive<256>(kVFull + 2 * previous + 1);
             }
         }
         if (steps > 0) {
             const int last = (steps - 1) % STAGES;
             copy_wait<1>();
             fence_async_proxy();
-            bar_arrive(kKFull + last);
+            bar_arrive<256>(kKFull + 2 * last);
+            bar_arrive<256>(kKFull + 2 * last + 1);
             copy_wait<0>();
             fence_async_proxy();
-            bar_arrive(kVFull + last);
+            bar_arrive<256>(kVFull + 2 * last);
+            bar_arrive<256>(kVFull + 2 * last + 1);
         }
         // Match the consumers' arrivals on the last stages' kEmpty, so every barrier completes.
-        for (int i = max(0, steps - STAGES); i < steps; ++i) bar_sync(kEmpty + i % STAGES);
+        for (int i = max(0, steps - STAGES); i < steps; ++i) bar_sync<kThreads>(kEmpty + i % STAGES);
         return;
     }
 
@@ -294,26 +307,33 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.0f, 0.0f};
     const u64 q_desc = descriptor(q_tile + c * 64 * 128, 16, 1024);
 
-    for (int i = 0; i < steps; ++i) {
-        const int stage = i % STAGES, step = first + i;
-        float s[64];
-#pragma unroll
-        for (int k = 0; k < 64; ++k) s[k] = 0.0f;
-        bar_sync(kKFull + stage);
+    // s = Q K^T of step i (issued, not waited for).
+    auto issue_scores = [&](float (&s)[64], int i) {
+        const int stage = i % STAGES;
+        bar_sync<256>(kKFull + 2 * stage + c);
         wgmma_fence();
-        {
-            const u64 k_desc = descriptor(k_tile(stage), 16, 1024);
+        const u64 k_desc = descriptor(k_tile(stage), 16, 1024);
 #pragma unroll
-            for (int k = 0; k < kDim / 16; ++k) {
-                const u64 offset = ((k >> 2) * kColumnBlock + (k & 3) * 32) >> 4;
-                mma_ss_m64n128k16<Q_BF16>(s, q_desc + offset, k_desc + offset, k);
-            }
+        for (int k = 0; k < kDim / 16; ++k) {
+            const u64 offset = ((k >> 2) * kColumnBlock + (k & 3) * 32) >> 4;
+            mma_ss_m64n128k16<Q_BF16>(s, q_desc + offset, k_desc + offset, k);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(s);
-
-        // Scores in log2 units (soft-capped first), masked where the step crosses a boundary.
+    };
+    // o += P V of step i (issued, not waited for).
+    auto issue_values = [&](const u32 (&p)[kStep / 16][4], int i) {
+        const int stage = i % STAGES;
+        bar_sync<256>(kVFull + 2 * stage + c);
+        wgmma_fence();
+        const u64 v_desc = descriptor(v_tile(stage), kColumnBlock, 1024);
+#pragma unroll
+        for (int k = 0; k < kStep / 16; ++k) mma_rs_m64n128k16<Q_BF16>(o, p[k], v_desc + ((k * 16 * 128) >> 4));
+        wgmma_commit();
+    };
+    // Step i's scores (landed in s) -> unnormalized probabilities in s, in place: log2 units,
+    // soft cap, the masks where the step crosses a boundary, the running max and sum updated;
+    // alpha gets the factor the accumulator must be rescaled by.
+    auto softmax = [&](float (&s)[64], int i, float (&alpha)[2]) {
 #pragma unroll
         for (int k = 0; k < 64; ++k) {
             float x = s[k] * scale_log2;
@@ -325,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             }
             s[k] = x;
         }
-        const int step_lo = step * kStep, step_hi = step_lo + kStep;
+        const int step_lo = (first + i) * kStep, step_hi = step_lo + kStep;
         if (step_hi > full_hi || step_lo < full_lo) {
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
@@ -344,7 +364,6 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
 #pragma unroll
             for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
         }
-        float m_use[2], alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
@@ -352,25 +371,29 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             const float m_new = fmaxf(m_run[r], mx[r]);
             // A row that has seen nothing yet (window) keeps m = -inf: exponents against 0 then
             // give p = 0 and alpha = 0 rather than NaN.
-            m_use[r] = m_new == neg_inf() ? 0.0f : m_new;
-            alpha[r] = exp2_approx(m_run[r] - m_use[r]);
+            const float m_use = m_new == neg_inf() ? 0.0f : m_new;
+            alpha[r] = exp2_approx(m_run[r] - m_use);
             m_run[r] = m_new;
-            l_run[r] *= alpha[r];
+            float sum = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                s[4 * j + 2 * r] = exp2_approx(s[4 * j + 2 * r] - m_use);
+                s[4 * j + 2 * r + 1] = exp2_approx(s[4 * j + 2 * r + 1] - m_use);
+                sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
+            }
+            l_run[r] = l_run[r] * alpha[r] + sum;
         }
-        u32 p[kStep / 16][4];  // P as the value MMAs' A operand: 16 positions a slice
+    };
+    // Probabilities as the value MMAs' A operand (16 positions a slice: the accumulator's column
+    // groups 2k and 2k + 1), and the accumulator rescaled.
+    auto pack = [&](const float (&s)[64], u32 (&p)[kStep / 16][4]) {
 #pragma unroll
         for (int k = 0; k < kStep / 16; ++k) {
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {  // positions 16 k + 8 half + 2 quad (+1)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int at = 4 * (2 * k + half) + 2 * r;
-                    const float p0 = exp2_approx(s[at] - m_use[r]), p1 = exp2_approx(s[at + 1] - m_use[r]);
-                    l_run[r] += p0 + p1;
-                    p[k][2 * half + r] = pack2<Q_BF16>(p0, p1);
-                }
-            }
+            for (int q = 0; q < 4; ++q) p[k][q] = pack2<Q_BF16>(s[8 * k + 2 * q], s[8 * k + 2 * q + 1]);
         }
+    };
+    auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
             o[4 * j] *= alpha[0];
@@ -378,17 +401,57 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             o[4 * j + 2] *= alpha[1];
             o[4 * j + 3] *= alpha[1];
         }
-        bar_sync(kVFull + stage);
-        wgmma_fence();
-        {
-            const u64 v_desc = descriptor(v_tile(stage), kColumnBlock, 1024);
+    };
+
+    if constexpr (OVERLAP) {
+        float s[64], alpha[2];
+        u32 p[kStep / 16][4];
 #pragma unroll
-            for (int k = 0; k < kStep / 16; ++k) mma_rs_m64n128k16<Q_BF16>(o, p[k], v_desc + ((k * 16 * 128) >> 4));
+        for (int k = 0; k < 64; ++k) s[k] = 0.0f;  // defined values for the first wgmma's operand list
+        if (steps > 0) {
+            issue_scores(s, 0);
+            wgmma_wait<0>();
+            fence_registers(s);
+            softmax(s, 0, alpha);
+            pack(s, p);
         }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(o);
-        bar_arrive(kEmpty + stage);
+        // Every step but the last: the next step's scores are issued first (no branch around
+        // a wgmma: ptxas serializes them when it cannot pair issues with waits).
+        for (int i = 0; i + 1 < steps; ++i) {
+            issue_scores(s, i + 1);
+            issue_values(p, i);
+            wgmma_wait<1>();  // the scores (the older group)
+            fence_registers(s);
+            softmax(s, i + 1, alpha);
+            wgmma_wait<0>();
+            fence_registers(o);
+            bar_arrive<kThreads>(kEmpty + i % STAGES);
+            rescale(alpha);
+            pack(s, p);
+        }
+        if (steps > 0) {
+            issue_values(p, steps - 1);
+            wgmma_wait<0>();
+            fence_registers(o);
+            bar_arrive<kThreads>(kEmpty + (steps - 1) % STAGES);
+        }
+    } else {
+        for (int i = 0; i < steps; ++i) {
+            float s[64], alpha[2];
+            u32 p[kStep / 16][4];
+#pragma unroll
+            for (int k = 0; k < 64; ++k) s[k] = 0.0f;
+            issue_scores(s, i);
+            wgmma_wait<0>();
+            fence_registers(s);
+            softmax(s, i, alpha);
+            pack(s, p);
+            rescale(alpha);
+            issue_values(p, i);
+            wgmma_wait<0>();
+            fence_registers(o);
+            bar_arrive<kThreads>(kEmpty + i % STAGES);
+        }
     }
 
     // Row sums over the quad; sinks join the denominator; normalize and store this thread's pairs.

@@ -12,7 +12,7 @@ Launch: one CTA (three warpgroups; (1 + 2 x stages) x 32 KiB of shared memory, s
 query head, 128-query tile and sequence, from host ints only (``max_query_len`` sizes the grid;
 tiles past a sequence's queries exit at once), so CUDA graphs stay valid when lengths and tables
 change under them. First call per (arch, query dtype, soft cap or not, stages): one NVRTC
-compilation, about 3 s on a 2-core VM, kept on disk (_nvrtc.compile_module_cached: later processes
+compilation, about 2 s on a 2-core VM, kept on disk (_nvrtc.compile_module_cached: later processes
 load the cubin), then one module load per device. No autotuning: the stage count comes from
 perf/diag measurements recorded in perf/notes/attention.md.
 """
@@ -33,7 +33,7 @@ from kernelmux.backends.cuda._layout import page_shift
 from kernelmux.engine import probes
 
 __all__ = ["CAPABILITY", "HEAD_DIM", "PrefillPlan", "override_plan", "paged_prefill", "prefill_supports",
-           "shape_reason", "shared_bytes"]
+           "kernel_name", "shape_reason", "shared_bytes"]
 
 CAPABILITY = (9, 0)  # wgmma and setmaxnreg: sm_90a cubins run on sm_90 only
 HEAD_DIM = 128  # the tiles' layout (two 64-dim column blocks)
@@ -58,9 +58,12 @@ def shared_bytes(stages: int) -> int:
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """A launch's choices: K/V stages in shared memory (one of STAGES)."""
+    """A launch's choices: K/V stages in shared memory (one of STAGES), and whether each consumer
+    issues the next step's scores before waiting for this step's values (``overlap``: the
+    softmax runs under the value MMAs)."""
 
     stages: int = 2
+    overlap: bool = True
 
 
 DEFAULT_PLAN = PrefillPlan()
@@ -74,6 +77,8 @@ def override_plan(**fields) -> Iterator[None]:
     plan = replace(DEFAULT_PLAN, **fields)
     if plan.stages not in STAGES:
         raise ValueError(f"override_plan: stages must be one of {STAGES}, got {plan.stages!r}")
+    if type(plan.overlap) is not bool:
+        raise ValueError(f"override_plan: overlap must be a bool, got {plan.overlap!r}")
     previous, _override = _override, plan
     try:
         yield
@@ -122,24 +127,30 @@ def prefill_supports(query: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch
 
 @functools.cache
 def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, soft_cap: bool,
-              stages: int) -> tuple[_nvrtc.CompiledModule, str]:
+              stages: int, overlap: bool) -> tuple[_nvrtc.CompiledModule, str]:
     """One NVRTC compilation per arch, macro set and template set: (module, kernel name)."""
-    name = f"paged_prefill_sm90<{str(bf16).lower()}, {str(soft_cap).lower()}, {stages}>"
+    name = kernel_name(bf16, soft_cap, stages, overlap)
     module = _nvrtc.compile_module_cached(_SOURCE.read_text(), [name], arch, filename=_SOURCE.name,
                                           arch_specific=True, defines=defines)
     return module, name
 
 
+def kernel_name(bf16: bool, soft_cap: bool, stages: int, overlap: bool) -> str:
+    """The C++ name of the kernel instantiated for a template set."""
+    flags = ", ".join(str(flag).lower() for flag in (bf16, soft_cap))
+    return f"paged_prefill_sm90<{flags}, {stages}, {str(overlap).lower()}>"
+
+
 _LOADED = _nvrtc.LoadedKernels()
 
 
-def _kernel(device: torch.device, bf16: bool, soft_cap: bool, stages: int) -> _nvrtc.Kernel:
+def _kernel(device: torch.device, bf16: bool, soft_cap: bool, plan: PrefillPlan) -> _nvrtc.Kernel:
     """The prefill kernel for the template set, loaded on ``device`` (cached per device)."""
     def build():
-        module, name = _compiled(_capability(device), _DEFINES, bf16, soft_cap, stages)
-        return module, [_nvrtc.KernelSpec(name, _SIGNATURE, THREADS, shared_bytes(stages))]
+        module, name = _compiled(_capability(device), _DEFINES, bf16, soft_cap, plan.stages, plan.overlap)
+        return module, [_nvrtc.KernelSpec(name, _SIGNATURE, THREADS, shared_bytes(plan.stages))]
 
-    return _LOADED.get(device, (_DEFINES, bf16, soft_cap, stages), build)[0]
+    return _LOADED.get(device, (_DEFINES, bf16, soft_cap, plan.stages, plan.overlap), build)[0]
 
 
 def paged_prefill(
@@ -168,7 +179,7 @@ def paged_prefill(
     soft_cap = logits_soft_cap > 0
     device = query.device
     with torch.cuda.device(device):
-        kernel = _kernel(device, query.dtype == torch.bfloat16, soft_cap, plan.stages)
+        kernel = _kernel(device, query.dtype == torch.bfloat16, soft_cap, plan)
         kernel(
             (num_q_heads, math.ceil(max_query_len / ROWS), num_seqs),
             query, k_cache, v_cache, out, cu_seqlens_q, block_table, seq_lens, sinks,

@@ -2,8 +2,8 @@
 checked against the spec's reference before it is timed (CUDA-graph replay), with the triton
 backend's kernel and torch's SDPA (FlashAttention on dense, unpaged K and V: the peer) on the same
 inputs. Rates are the spec's FLOP count (causal pairs counted once) over the median time, as a
-percent of the bf16 matmul rate measured in the same run. prefill.DEFAULT_PLAN is chosen from
-these numbers.
+percent of the bf16 matmul rate measured in the same run. prefill.DEFAULT_PLAN is chosen
+from these numbers.
 
     python perf/diag/cuda_prefill_sweep.py --out DIR [--cases NAME ...]
 """
@@ -65,7 +65,8 @@ def main() -> None:
         kwargs = pa_spec.SPEC.case(case).build(torch.device("cuda"), 0)
         cost = pa_spec.SPEC.cost(kwargs)
         expected = pa_spec.SPEC.reference(**kwargs)
-        variants = [("cuda", {"stages": s}) for s in prefill.STAGES] + [("triton", {})]
+        variants = [("cuda", {"stages": s, "overlap": o}) for s in prefill.STAGES for o in (False, True)]
+        variants.append(("triton", {}))
         sdpa = _dense_sdpa(kwargs)
         if sdpa is not None:
             variants.append(("sdpa", {}))
@@ -84,7 +85,7 @@ def main() -> None:
                 row.update(status="wrong", error=str(error)[:300])
             rows.append(row)
             shown = f"{row['us']:9.1f} us {row['matmul_pct']:5.1f}% of bf16" if "us" in row else row["error"]
-            print(f"{case:34s} {backend:6s} {str(fields):15s} {shown}", flush=True)
+            print(f"{case:34s} {backend:6s} {str(fields):34s} {shown}", flush=True)
         del kwargs, expected
         torch.cuda.empty_cache()
         with open(os.path.join(args.out, "cuda_prefill_sweep.json"), "w") as f:
