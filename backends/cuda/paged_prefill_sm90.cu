@@ -247,9 +247,35 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
                 return cache + (block * stride_b + (i64)(position & block_mask) * stride_p + kv_head * stride_h) * 2;
             };
         };
+        // Step k is announced (kKFull, then kVFull, for both consumers) once its copies land, at
+        // iteration k + 1 after step k + 1's copies are issued (two steps in flight). The
+        // overlapped consumers hold step k - 1's stage until step k's scores are issued, so with
+        // two stages the producer must announce step k before it waits for a free stage (one
+        // step in flight; with three, step k - 1 was announced an iteration before).
+        constexpr bool kEarly = OVERLAP && STAGES == 2;
+        auto announce = [&](int step) {
+            const int stage = step % STAGES;
+            bar_arrive<256>(kKFull + 2 * stage);
+            bar_arrive<256>(kKFull + 2 * stage + 1);
+        };
+        auto announce_values = [&](int step) {
+            const int stage = step % STAGES;
+            bar_arrive<256>(kVFull + 2 * stage);
+            bar_arrive<256>(kVFull + 2 * stage + 1);
+        };
         for (int i = 0; i < steps; ++i) {
             const int stage = i % STAGES, step = first + i;
-            if (i >= STAGES) bar_sync<kThreads>(kEmpty + stage);  // the consumers are done with step i - STAGES
+            if (i >= STAGES) {
+                if constexpr (kEarly) {  // step i - 1's two groups are the only ones in flight
+                    copy_wait<1>();
+                    fence_async_proxy();
+                    announce(i - 1);
+                    copy_wait<0>();
+                    fence_async_proxy();
+                    announce_values(i - 1);
+                }
+                bar_sync<kThreads>(kEmpty + stage);  // the consumers are done with step i - STAGES
+            }
             if (i == 0) {
                 load_tile(q_tile, tid, query, [&](int r) -> const unsigned char* {
                     return r < rows ? query + ((i64)(q_start + m0 + r) * q_stride_t + (i64)head * q_stride_h) * 2
@@ -260,28 +286,22 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             copy_commit();
             load_tile(v_tile(stage), tid, query, kv_rows(v_cache, v_stride_b, v_stride_p, v_stride_h, step));
             copy_commit();
-            if (i > 0) {  // step i - 1 has landed once only step i's two groups are in flight
-                const int previous = (i - 1) % STAGES;
+            if (i > 0 && (!kEarly || i < STAGES)) {  // step i - 1 landed once only step i's groups are in flight
                 copy_wait<3>();
                 fence_async_proxy();
-                bar_arrive<256>(kKFull + 2 * previous);
-                bar_arrive<256>(kKFull + 2 * previous + 1);
+                announce(i - 1);
                 copy_wait<2>();
                 fence_async_proxy();
-                bar_arrive<256>(kVFull + 2 * previous);
-                bar_arrive<256>(kVFull + 2 * previous + 1);
+                announce_values(i - 1);
             }
         }
         if (steps > 0) {
-            const int last = (steps - 1) % STAGES;
             copy_wait<1>();
             fence_async_proxy();
-            bar_arrive<256>(kKFull + 2 * last);
-            bar_arrive<256>(kKFull + 2 * last + 1);
+            announce(steps - 1);
             copy_wait<0>();
             fence_async_proxy();
-            bar_arrive<256>(kVFull + 2 * last);
-            bar_arrive<256>(kVFull + 2 * last + 1);
+            announce_values(steps - 1);
         }
         // Match the consumers' arrivals on the last stages' kEmpty, so every barrier completes.
         for (int i = max(0, steps - STAGES); i < steps; ++i) bar_sync<kThreads>(kEmpty + i % STAGES);
