@@ -104,19 +104,25 @@ __device__ __forceinline__ void bar_arrive(int id) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
 }
 
-// 128 rows x 256 bytes into a tile, by the producer's 128 threads: thread t copies chunk t % 16 of
-// rows t / 16 + 8 p (p < 16; a warp: two whole rows a copy). The row's low three bits are then
-// t / 16 for every p, so the swizzled destination is one per-thread offset plus constants.
-// row_address(r) gives row r's source, or null for a row to zero-fill (its copy reads nothing
-// but still names a valid address: `anywhere`).
-template <typename RowAddress>
-__device__ __forceinline__ void load_tile(u32 tile, int tid, const unsigned char* anywhere, RowAddress row_address) {
-    const int chunk = tid & 15, row = tid >> 4;
-    const u32 dst = tile + (chunk >> 3) * kColumnBlock + row * 128 + (((chunk & 7) ^ row) << 4);
+// 128 rows x 256 bytes into a tile, by the producer's 128 threads: thread t copies chunks
+// t % 4 + 4 k (k < 4) of rows t / 4 + 32 p (p < 4), so it needs four rows' addresses a tile (one
+// block-table entry each, read a step ahead: per-row lookups on the copies' critical path held
+// the first version to 38% of the matmul rate) and a warp covers eight rows' 64-byte runs a copy.
+// The row's low three bits are (t / 4) % 8 for every p, so the swizzled destinations are two
+// per-thread offsets plus constants. rows[p] is row t / 4 + 32 p's source, or null for a row to
+// zero-fill (its copies read nothing but still name a valid address: `anywhere`).
+__device__ __forceinline__ void load_tile(u32 tile, int tid, const unsigned char* anywhere,
+                                          const unsigned char* const (&rows)[4]) {
+    const int quarter = tid & 3, row = tid >> 2, low = row & 7;
+    const u32 dst = tile + row * 128;
 #pragma unroll
-    for (int p = 0; p < kStep / 8; ++p) {
-        const unsigned char* src = row_address(row + 8 * p);
-        copy16(dst + p * 1024, src != nullptr ? src + chunk * 16 : anywhere, src != nullptr ? 16u : 0u);
+    for (int p = 0; p < 4; ++p) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int chunk = quarter + 4 * k;
+            copy16(dst + p * 32 * 128 + (k >> 1) * kColumnBlock + (((chunk & 7) ^ low) << 4),
+                   rows[p] != nullptr ? rows[p] + chunk * 16 : anywhere, rows[p] != nullptr ? 16u : 0u);
+        }
     }
 }
 
@@ -238,15 +244,27 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     if (wg == 0) {  // the producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
         const int* table = block_table + (i64)seq * table_stride;
-        const int block_mask = (1 << page_shift) - 1;
-        auto kv_rows = [&](const unsigned char* cache, i64 stride_b, i64 stride_p, i64 stride_h, int step) {
-            return [=](int r) -> const unsigned char* {
-                const int position = step * kStep + r;
-                if (position >= kv_len) return nullptr;
-                const i64 block = table[position >> page_shift];
-                return cache + (block * stride_b + (i64)(position & block_mask) * stride_p + kv_head * stride_h) * 2;
-            };
+        const int block_mask = (1 << page_shift) - 1, row = tid >> 2;
+        // This thread's four rows' cache blocks for a step (0 past the sequence: never used).
+        auto blocks_of = [&](int step, int (&blocks)[4]) {
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                const int position = step * kStep + row + 32 * p;
+                blocks[p] = position < kv_len ? table[position >> page_shift] : 0;
+            }
         };
+        auto kv_rows = [&](const unsigned char* cache, i64 stride_b, i64 stride_p, i64 stride_h, int step,
+                           const int (&blocks)[4], const unsigned char* (&rows)[4]) {
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                const int position = step * kStep + row + 32 * p;
+                rows[p] = position < kv_len ? cache + ((i64)blocks[p] * stride_b + (i64)(position & block_mask) *
+                                                       stride_p + kv_head * stride_h) * 2
+                                            : nullptr;
+            }
+        };
+        int blocks[4], next_blocks[4];
+        if (steps > 0) blocks_of(first, next_blocks);
         // Step k is announced (kKFull, then kVFull, for both consumers) once its copies land, at
         // iteration k + 1 after step k + 1's copies are issued (two steps in flight). The
         // overlapped consumers hold step k - 1's stage until step k's scores are issued, so with
@@ -276,15 +294,24 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
                 }
                 bar_sync<kThreads>(kEmpty + stage);  // the consumers are done with step i - STAGES
             }
+#pragma unroll
+            for (int p = 0; p < 4; ++p) blocks[p] = next_blocks[p];
+            if (i + 1 < steps) blocks_of(step + 1, next_blocks);  // used an iteration later
+            const unsigned char* sources[4];
             if (i == 0) {
-                load_tile(q_tile, tid, query, [&](int r) -> const unsigned char* {
-                    return r < rows ? query + ((i64)(q_start + m0 + r) * q_stride_t + (i64)head * q_stride_h) * 2
-                                    : nullptr;
-                });
+#pragma unroll
+                for (int p = 0; p < 4; ++p) {
+                    const int r = row + 32 * p;
+                    sources[p] = r < rows ? query + ((i64)(q_start + m0 + r) * q_stride_t + (i64)head * q_stride_h) * 2
+                                          : nullptr;
+                }
+                load_tile(q_tile, tid, query, sources);
             }
-            load_tile(k_tile(stage), tid, query, kv_rows(k_cache, k_stride_b, k_stride_p, k_stride_h, step));
+            kv_rows(k_cache, k_stride_b, k_stride_p, k_stride_h, step, blocks, sources);
+            load_tile(k_tile(stage), tid, query, sources);
             copy_commit();
-            load_tile(v_tile(stage), tid, query, kv_rows(v_cache, v_stride_b, v_stride_p, v_stride_h, step));
+            kv_rows(v_cache, v_stride_b, v_stride_p, v_stride_h, step, blocks, sources);
+            load_tile(v_tile(stage), tid, query, sources);
             copy_commit();
             if (i > 0 && (!kEarly || i < STAGES)) {  // step i - 1 landed once only step i's groups are in flight
                 copy_wait<3>();
