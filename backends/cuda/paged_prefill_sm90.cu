@@ -267,10 +267,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
         if (steps > 0) blocks_of(first, next_blocks);
         // Step k is announced (kKFull, then kVFull, for both consumers) once its copies land, at
         // iteration k + 1 after step k + 1's copies are issued (two steps in flight). The
-        // overlapped consumers hold step k - 1's stage until step k's scores are issued, so with
-        // two stages the producer must announce step k before it waits for a free stage (one
-        // step in flight; with three, step k - 1 was announced an iteration before).
-        constexpr bool kEarly = OVERLAP && STAGES == 2;
+        // overlapped consumers hold step k - 1's stage until step k's scores are issued, so for
+        // them the producer announces step k before it waits for a free stage (one step in
+        // flight): with two stages anything else deadlocks, and with three the announcement
+        // would wait for a stage the consumers free only when they need it.
+        constexpr bool kEarly = OVERLAP;
         auto announce = [&](int step) {
             const int stage = step % STAGES;
             bar_arrive<256>(kKFull + 2 * stage);
