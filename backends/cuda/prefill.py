@@ -13,8 +13,8 @@ query head, 128-query tile and sequence, from host ints only (``max_query_len`` 
 tiles past a sequence's queries exit at once), so CUDA graphs stay valid when lengths and tables
 change under them. First call per (arch, query dtype, soft cap or not, stages): one NVRTC
 compilation, about 2 s on a 2-core VM, kept on disk (_nvrtc.compile_module_cached: later processes
-load the cubin), then one module load per device. No autotuning: the stage count comes from
-perf/diag measurements recorded in perf/notes/attention.md.
+load the cubin), then one module load per device. No autotuning: the plan comes from
+perf/diag/cuda_prefill_sweep.py's measurements (DEFAULT_PLAN), recorded in perf/notes/attention.md.
 """
 
 from __future__ import annotations
@@ -62,8 +62,10 @@ class PrefillPlan:
     issues the next step's scores before waiting for this step's values (``overlap``: the
     softmax runs under the value MMAs)."""
 
-    stages: int = 2
-    overlap: bool = True
+    # Three stages without overlap: 1055 us (69.8% of bf16) at Llama-3-8B 8192 on the H100, with
+    # overlap 1065, two stages 1281 / 1372 (perf/results/cuda_prefill_sweep_h100_*.json).
+    stages: int = 3
+    overlap: bool = False
 
 
 DEFAULT_PLAN = PrefillPlan()
