@@ -29,6 +29,8 @@
 #                $CUDA_SWEEP_SPLITS, read-ahead, 8 warps) and the triton kernel -> cuda_decode_sweep.{json,txt}
 #   ablation-cuda-mla  perf/diag/cuda_mla_ablation.py: the cuda backend's Hopper MLA kernel as built and with
 #                its score MMAs, value MMAs or loads left out, over $ABLATION_CASES -> cuda_mla_ablation.json
+#   sweep-cuda-prefill  perf/diag/cuda_prefill_sweep.py: the cuda backend's Hopper prefill plans (stages,
+#                overlap), the triton kernel and dense SDPA on the prefill cases -> cuda_prefill_sweep.json
 #   trace-cuda-decode  perf/diag/cuda_decode_trace.py: per-CTA %globaltimer marks of the cuda fp8 decode
 #                kernel over $TRACE_CASES (default its list), $TRACE_SPLITS splits if set
 #                                                                     -> cuda_decode_trace.{json,txt}
@@ -98,6 +100,8 @@ for step in "$@"; do
     sweep-cuda-decode)
         timeout 300 python3 perf/diag/cuda_decode_sweep.py --out "$out" --splits ${CUDA_SWEEP_SPLITS:-4 8 16 32 64} 2>&1 \
             | tee "$out/cuda_decode_sweep.txt" ;;
+    sweep-cuda-prefill)
+        timeout 300 python3 perf/diag/cuda_prefill_sweep.py --out "$out" 2>&1 | tee "$out/cuda_prefill_sweep.txt" ;;
     trace-cuda-decode)
         timeout 200 python3 perf/diag/cuda_decode_trace.py --out "$out" ${TRACE_CASES:+--cases $TRACE_CASES} \
             ${TRACE_SPLITS:+--splits $TRACE_SPLITS} 2>&1 | tee "$out/cuda_decode_trace.log" | tail -60 ;;

@@ -21,16 +21,16 @@ and plan come from perf/diag/cuda_decode_sweep.py's measurements (DEFAULT_PLAN, 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import pathlib
-from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from kernelmux.backends.cuda import _nvrtc, prefill
+from kernelmux.backends.cuda import _plans as _plans_module
 from kernelmux.backends.cuda._layout import page_shift, vector_alignment_problem
 from kernelmux.engine import probes
 
@@ -78,25 +78,19 @@ class DecodePlan:
 
 
 DEFAULT_PLAN = DecodePlan()
-_override: Optional[DecodePlan] = None
 
 
-@contextlib.contextmanager
-def override_plan(**fields) -> Iterator[None]:
-    """Within the block, calls launch with DEFAULT_PLAN's fields replaced (tests, sweeps)."""
-    global _override
-    plan = replace(DEFAULT_PLAN, **fields)
+def _plan_problem(plan: DecodePlan) -> Optional[str]:
     splits = plan.num_splits
     if splits is not None and (type(splits) is not int or not 1 <= splits <= _MAX_SPLITS):
-        raise ValueError(f"override_plan: num_splits must be an int in [1, {_MAX_SPLITS}] or None, "
-                         f"got {plan.num_splits!r}")
+        return f"num_splits must be an int in [1, {_MAX_SPLITS}] or None, got {splits!r}"
     if plan.warps not in (4, 8):
-        raise ValueError(f"override_plan: warps must be 4 or 8, got {plan.warps!r}")
-    previous, _override = _override, plan
-    try:
-        yield
-    finally:
-        _override = previous
+        return f"warps must be 4 or 8, got {plan.warps!r}"
+    return None
+
+
+_plans = _plans_module.PlanOverride(DEFAULT_PLAN, _plan_problem)
+override_plan = _plans.override
 
 
 def shape_reason(query_dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -231,7 +225,7 @@ def paged_attention(
         return out.zero_()
     group = num_q_heads // num_kv_heads
     device = query.device
-    plan = _override or DEFAULT_PLAN
+    plan = _plans.current
     template = (-(-group // 8), query.dtype == torch.bfloat16, page_shift(k_cache.shape[1]),
                 logits_soft_cap > 0)
     warps = plan.warps if template[0] == 1 else 4  # two head tiles: the combine fits 4 warps' smem

@@ -19,16 +19,16 @@ later processes load the cubin), then one module load per device. No autotuning.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import pathlib
-from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from kernelmux.backends.cuda import _nvrtc
+from kernelmux.backends.cuda import _plans as _plans_module
 from kernelmux.backends.cuda._layout import vector_alignment_problem
 from kernelmux.backends.cuda.attention import split_count
 from kernelmux.engine import probes
@@ -67,23 +67,17 @@ class MlaPlan:
 
 
 DEFAULT_PLAN = MlaPlan()
-_override: Optional[MlaPlan] = None
 
 
-@contextlib.contextmanager
-def override_plan(**fields) -> Iterator[None]:
-    """Within the block, calls launch with DEFAULT_PLAN's fields replaced (tests, sweeps)."""
-    global _override
-    plan = replace(DEFAULT_PLAN, **fields)
+def _plan_problem(plan: MlaPlan) -> Optional[str]:
     splits = plan.num_splits
     if splits is not None and (type(splits) is not int or not 1 <= splits <= MAX_SPLITS):
-        raise ValueError(f"override_plan: num_splits must be an int in [1, {MAX_SPLITS}] or None, "
-                         f"got {splits!r}")
-    previous, _override = _override, plan
-    try:
-        yield
-    finally:
-        _override = previous
+        return f"num_splits must be an int in [1, {MAX_SPLITS}] or None, got {splits!r}"
+    return None
+
+
+_plans = _plans_module.PlanOverride(DEFAULT_PLAN, _plan_problem)
+override_plan = _plans.override
 
 
 def shape_reason(q_dtype: torch.dtype, cache_dtype: torch.dtype, width: int, rank: int,
@@ -198,7 +192,7 @@ def mla_decode(
     if num_tokens == 0:
         return out, lse
     tiles = math.ceil(num_heads / HEAD_TILE)
-    plan = _override or DEFAULT_PLAN
+    plan = _plans.current
     with torch.cuda.device(device):
         fp8 = kv_cache.dtype == FP8
         decode, merge = _kernels(device, q.dtype == torch.bfloat16, fp8)

@@ -19,16 +19,16 @@ perf/diag/cuda_prefill_sweep.py's measurements (DEFAULT_PLAN), recorded in perf/
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import pathlib
-from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from kernelmux.backends.cuda import _nvrtc
+from kernelmux.backends.cuda import _plans as _plans_module
 from kernelmux.backends.cuda._layout import page_shift
 from kernelmux.engine import probes
 
@@ -69,23 +69,18 @@ class PrefillPlan:
 
 
 DEFAULT_PLAN = PrefillPlan()
-_override: Optional[PrefillPlan] = None
 
 
-@contextlib.contextmanager
-def override_plan(**fields) -> Iterator[None]:
-    """Within the block, calls launch with DEFAULT_PLAN's fields replaced (tests, sweeps)."""
-    global _override
-    plan = replace(DEFAULT_PLAN, **fields)
+def _plan_problem(plan: PrefillPlan) -> Optional[str]:
     if plan.stages not in STAGES:
-        raise ValueError(f"override_plan: stages must be one of {STAGES}, got {plan.stages!r}")
+        return f"stages must be one of {STAGES}, got {plan.stages!r}"
     if type(plan.overlap) is not bool:
-        raise ValueError(f"override_plan: overlap must be a bool, got {plan.overlap!r}")
-    previous, _override = _override, plan
-    try:
-        yield
-    finally:
-        _override = previous
+        return f"overlap must be a bool, got {plan.overlap!r}"
+    return None
+
+
+_plans = _plans_module.PlanOverride(DEFAULT_PLAN, _plan_problem)
+override_plan = _plans.override
 
 
 def shape_reason(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
@@ -177,7 +172,7 @@ def paged_prefill(
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     if num_tokens == 0 or max_query_len == 0 or num_seqs == 0:
         return out.zero_()
-    plan = _override or DEFAULT_PLAN
+    plan = _plans.current
     soft_cap = logits_soft_cap > 0
     device = query.device
     with torch.cuda.device(device):

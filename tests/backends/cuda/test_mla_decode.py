@@ -74,8 +74,8 @@ def test_override_plan_checks_its_argument():
             with mla.override_plan(num_splits=bad):
                 pass
     with mla.override_plan(num_splits=3):
-        assert mla._override == mla.MlaPlan(3)
-    assert mla._override is None
+        assert mla._plans.current == mla.MlaPlan(3)
+    assert mla._plans.current == mla.DEFAULT_PLAN
 
 
 def test_shared_memory_fits_hopper():

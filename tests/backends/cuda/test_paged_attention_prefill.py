@@ -74,8 +74,8 @@ def test_override_plan_checks_its_argument():
         with prefill.override_plan(overlap=1):
             pass
     with prefill.override_plan(stages=3, overlap=False):
-        assert prefill._override == prefill.PrefillPlan(stages=3, overlap=False)
-    assert prefill._override is None
+        assert prefill._plans.current == prefill.PrefillPlan(stages=3, overlap=False)
+    assert prefill._plans.current == prefill.DEFAULT_PLAN
 
 
 def test_shared_memory_fits_hopper():
