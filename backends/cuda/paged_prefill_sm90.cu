@@ -12,7 +12,8 @@
 //     128 rows x 128 bytes, each row's 16-byte chunks swizzled by the row's low three bits.
 //   - Warpgroup 0 (the producer) gathers the tiles through the block table with 16-byte cp.async
 //     copies (positions past the sequence are zero-filled, never read: unread slots may hold
-//     NaN), STAGES - 1 steps ahead of the consumers. It gives up registers (setmaxnreg) to them.
+//     NaN) into a ring of STAGES steps, announcing each step once its copies land (it waits on
+//     its cp.async groups). It gives up registers (setmaxnreg) to the consumers.
 //   - Warpgroups 1 and 2 (the consumers) take 64 query rows each: S = Q K^T (8 wgmma
 //     m64n128k16, both operands from shared memory), the online softmax on their own rows in
 //     registers, then O += P V (8 wgmma m64n128k16, P from registers as the A operand, V read
@@ -21,8 +22,8 @@
 //   - Hand-offs are named barriers, each an arrive by one side and a sync by the other:
 //     kKFull + 2 s + c / kVFull + 2 s + c (the producer's K / V copies into stage s landed: producer
 //     -> consumer c; one barrier per consumer, since a barrier shared by both would hold each
-//     consumer until the other arrives and put their softmaxes in lockstep: measured 37% of the
-//     matmul rate that way), kEmpty + s (both consumers are done with stage s: consumers -> producer).
+//     consumer until the other arrives and put their softmaxes in lockstep), kEmpty + s (both
+//     consumers are done with stage s: consumers -> producer).
 //   - OVERLAP: each consumer issues step i + 1's scores before waiting for step i's P V, so the
 //     softmax of step i + 1 runs under the value MMAs of step i (FlashAttention-3's
 //     intra-warpgroup overlap); O's rescale waits for the MMAs.
