@@ -1,7 +1,7 @@
 """Runtime compilation and launch of the cuda backend's CUDA C++ kernels, through ctypes.
 
-NVRTC compiles a kernel source (no headers: the sources use inline PTX) straight to a cubin for
-the GPU's arch; the driver API loads it and launches on torch's current stream, so launches
+NVRTC compiles a kernel source (with the backend's own *.cuh headers, no CUDA or system headers:
+the sources use inline PTX) straight to a cubin for the GPU's arch; the driver API loads it and launches on torch's current stream, so launches
 order with torch's work and are captured by CUDA graphs. Nothing is built at install time and
 no Python package beyond torch is needed: NVRTC comes with torch's CUDA wheels
 (nvidia-cuda-nvrtc) or a CUDA toolkit, libcuda with the driver. On machines without NVRTC the
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable, Hashable, Optional, Sequence
 
 __all__ = ["CompiledModule", "Kernel", "KernelSpec", "LoadedKernels", "NvrtcError", "cache_dir",
-           "compile_module", "compile_module_cached", "find_nvrtc", "load_kernel"]
+           "compile_module", "compile_module_cached", "device_headers", "find_nvrtc", "load_kernel"]
 
 
 class NvrtcError(RuntimeError):
@@ -136,6 +136,15 @@ def arch_name(arch: tuple[int, int], arch_specific: bool = False) -> str:
     return f"sm_{arch[0]}{arch[1]}" + ("a" if arch_specific else "")
 
 
+@functools.cache
+def device_headers() -> tuple[tuple[str, str], ...]:
+    """The backend's device headers (the *.cuh files beside this module) as (include name, text):
+    every compilation gets them, so a kernel source includes one by its file name."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    return tuple((os.path.basename(path), open(path).read())
+                 for path in sorted(glob.glob(os.path.join(folder, "*.cuh"))))
+
+
 def compile_module(source: str, names: Sequence[str], arch: tuple[int, int], filename: str = "kernel.cu",
                    verbose: bool = False, arch_specific: bool = False,
                    defines: Sequence[str] = ()) -> CompiledModule:
@@ -149,7 +158,11 @@ def compile_module(source: str, names: Sequence[str], arch: tuple[int, int], fil
         raise NvrtcError("NVRTC not found: install nvidia-cuda-nvrtc (torch's CUDA wheels bring it) or a "
                          "CUDA toolkit")
     program = ctypes.c_void_p()
-    created = lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), filename.encode(), 0, None, None)
+    headers = device_headers()
+    texts = (ctypes.c_char_p * len(headers))(*[text.encode() for _, text in headers])
+    includes = (ctypes.c_char_p * len(headers))(*[name.encode() for name, _ in headers])
+    created = lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), filename.encode(), len(headers),
+                                     texts, includes)
     _check(lib, created,
            "nvrtcCreateProgram")
     try:
@@ -189,11 +202,11 @@ def cache_dir() -> str:
 def compile_module_cached(source: str, names: Sequence[str], arch: tuple[int, int],
                           filename: str = "kernel.cu", arch_specific: bool = False,
                           defines: Sequence[str] = ()) -> CompiledModule:
-    """compile_module through an on-disk cache keyed by the source, the kernel names, the arch
-    and the NVRTC version, so a new process loads a cubin instead of compiling (0.3-1 s a
+    """compile_module through an on-disk cache keyed by the source and headers, the kernel names,
+    the arch and the NVRTC version, so a new process loads a cubin instead of compiling (0.3-1 s a
     template set). An unreadable or unwritable cache only costs the compilation."""
-    key = hashlib.sha256(json.dumps([source, list(defines), list(names), arch_name(arch, arch_specific),
-                                     nvrtc_version()]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([source, device_headers(), list(defines), list(names),
+                                     arch_name(arch, arch_specific), nvrtc_version()]).encode()).hexdigest()
     path = os.path.join(cache_dir(), f"{key}.json")
     try:
         with open(path) as f:

@@ -113,6 +113,12 @@ def shape_reason(query_dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: 
     return None
 
 
+def _alignment_reason(query, k_cache, v_cache) -> Optional[str]:
+    """_alignment_problem as supports' reason."""
+    problem = _alignment_problem(query, k_cache, v_cache)
+    return None if problem is None else f"{problem[0]} needs {problem[1]}, got {problem[2]}"
+
+
 def _alignment_problem(query, k_cache, v_cache) -> Optional[tuple[str, str, str]]:
     """(argument, expected, actual) when a tensor breaks the kernels' 16-byte vector loads (the
     decode and the prefill kernel read the same tensors the same way)."""
@@ -140,8 +146,7 @@ def paged_attention_supports(
     """None when one of the backend's kernels handles this (already validated) call, else why not."""
     if max_query_len > 1:
         reason = prefill.prefill_supports(query, k_cache, seq_lens, max_query_len)
-        problem = _alignment_problem(query, k_cache, v_cache) if reason is None else None
-        return f"{problem[0]} needs {problem[1]}, got {problem[2]}" if problem is not None else reason
+        return reason if reason is not None else _alignment_reason(query, k_cache, v_cache)
     reason = shape_reason(query.dtype, k_cache.dtype, query.shape[1], k_cache.shape[2], query.shape[2],
                           k_cache.shape[1], max_query_len <= 1)
     if reason is not None:
@@ -156,10 +161,7 @@ def paged_attention_supports(
                 "toolkit)")
     if seq_lens.shape[0] > 65535:
         return f"{seq_lens.shape[0]} sequences > 65535, CUDA's limit on grid axis 1 (split the batch)"
-    problem = _alignment_problem(query, k_cache, v_cache)
-    if problem is not None:
-        return f"{problem[0]} needs {problem[1]}, got {problem[2]}"
-    return None
+    return _alignment_reason(query, k_cache, v_cache)
 
 
 _capability = probes.device_capability

@@ -35,9 +35,7 @@
 // perf/diag/cuda_mla_ablation.py builds it with KERNELMUX_SKIP_{SCORES,VALUES,LOADS} defined, each
 // leaving one part out (the results are then wrong), to time what it costs.
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef long long i64;
+#include "sm90_common.cuh"
 
 namespace {
 
@@ -54,13 +52,7 @@ constexpr int kQ = 0, kKV = kTile, kP = 3 * kTile, kStats = kP + kColumnBlock;
 constexpr int kSharedBytes = kStats + 2 * kHeads * 4 + 1024;  // + room to align the base
 constexpr float kLn2 = 0.6931471805599453f;
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-__device__ __forceinline__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 __device__ __forceinline__ float log2_approx(float x) {
     float y;
@@ -68,16 +60,6 @@ __device__ __forceinline__ float log2_approx(float x) {
     return y;
 }
 
-template <bool BF16>
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 d;
-    if constexpr (BF16) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    }
-    return d;
-}
 
 // Two e4m3 values (the low and high byte) -> the MMA's 16-bit pair, low value in the low half.
 // fp16: exact. bf16: the f16 bits re-based (magnitude >> 3 puts f16's 5-bit exponent, bias 15,
@@ -92,28 +74,10 @@ __device__ __forceinline__ u32 e4m3x2_to_mma(u32 two) {
 }
 constexpr float kBf16Rebase = 5192296858534827628530496329220096.0f;  // 2^112
 
-__device__ __forceinline__ u32 shared_address(const void* p) {
-    u64 a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (u32)a;
-}
 
-__device__ __forceinline__ void copy16(u32 dst, const void* src, u32 bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
 
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
-template <int N>
-__device__ __forceinline__ void copy_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
-// Shared-memory writes of the generic proxy (cp.async, st.shared) made visible to the async
-// proxy wgmma reads through; then a barrier makes every thread's visible to every warpgroup.
-__device__ __forceinline__ void fence_async_proxy() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 
 // Byte offset of 16-byte chunk `chunk` (0 .. 71) of row `row` (0 .. 63) in a tile: its column
 // block, the row, and the chunk's slot XOR the row's low three bits (the 128-byte swizzle
@@ -200,34 +164,9 @@ __device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i
     }
 }
 
-// A wgmma shared-memory matrix descriptor with the 128-byte swizzle. K-major operands: `stride`
-// is the step from 8 rows to the next 8 (1024 bytes here), `leading` unused. N-major: `leading`
-// steps 64 columns (one column block), `stride` 8 rows of K.
-__device__ __forceinline__ u64 descriptor(u32 address, u32 leading, u32 stride) {
-    return (u64)((address & 0x3FFFF) >> 4) | ((u64)((leading & 0x3FFFF) >> 4) << 16) |
-           ((u64)((stride & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
 
-// Ties the accumulators to the wait before them: without it the compiler may read a register
-// between the wgmma that writes it (asynchronously) and the wait.
-template <int N>
-__device__ __forceinline__ void fence_registers(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
 
-#define KM_ACC8(d, i)                                                                                   \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),       \
-        "+f"(d[i + 6]), "+f"(d[i + 7])
 
 // d[32] (+)= A (64 x 16, K-major) B (16 x 64, K-major); accumulate 0 overwrites d.
 template <bool BF16>
@@ -276,7 +215,6 @@ __device__ __forceinline__ void mma_m64n256k16_bn(float (&d)[128], u64 a, u64 b)
 #undef KM_MMA_N256
 }
 
-#undef KM_ACC8
 
 // The wgmma operands' descriptors are a base plus compile-time offsets (a descriptor's low 14
 // bits are the address / 16), from warp-uniform values only (`wg` comes from a lane-0 shuffle):
@@ -294,11 +232,6 @@ __device__ __forceinline__ void full_score_mmas(float (&s)[32], u32 q_tile, u32 
     }
 }
 
-// Named barriers over both warpgroups (256 threads): one arrives without waiting, the other waits.
-__device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory"); }
-__device__ __forceinline__ void bar_arrive(int id) {
-    asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
-}
 
 // o += P V[:, 256 wg .. 256 wg + 255] over the tile's 64 positions.
 template <bool BF16>
@@ -383,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
         for (int i = 0; i < count; ++i) {
             const int step = first + i, t = i & 1;
             const u32 tile = base + kKV + t * kTile;
-            bar_sync(kFull + t);
+            bar_sync<kThreads>(kFull + t);
             float s[32];
 #pragma unroll
             for (int k = 0; k < 32; ++k) s[k] = 0.0f;
@@ -417,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
                 m_run[r] = m_new;
                 l_run[r] *= alpha[r];
             }
-            bar_sync(kPFree);  // warpgroup 1 has read the previous P
+            bar_sync<kThreads>(kPFree);  // warpgroup 1 has read the previous P
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -435,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
                 alpha_of[row0 + 8] = alpha[1];
             }
             fence_async_proxy();
-            bar_arrive(kPReady);
+            bar_arrive<kThreads>(kPReady);
 #pragma unroll
             for (int j = 0; j < 32; ++j) {
                 o[4 * j] *= alpha[0];
@@ -450,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers(o);
-            bar_arrive(kEmpty + t);
+            bar_arrive<kThreads>(kEmpty + t);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -498,9 +431,9 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
                 }
                 copy_wait<0>();
                 fence_async_proxy();
-                bar_arrive(kFull);
-                if (count > 1) bar_arrive(kFull + 1);
-                bar_arrive(kPFree);
+                bar_arrive<kThreads>(kFull);
+                if (count > 1) bar_arrive<kThreads>(kFull + 1);
+                bar_arrive<kThreads>(kPFree);
             }
         } else {
             if (count > 0) load_step(first, block0, base + kKV);
@@ -510,8 +443,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             if (count > 0) {
                 copy_wait<1>();  // Q and the first tile
                 fence_async_proxy();
-                bar_arrive(kFull);
-                bar_arrive(kPFree);
+                bar_arrive<kThreads>(kFull);
+                bar_arrive<kThreads>(kPFree);
             }
         }
         for (int i = 0; i < count; ++i) {
@@ -522,7 +455,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             if constexpr (CACHE_FP8) {
                 if (i + 2 < count) fetch_step(step + 2, block_next, raw);
             }
-            bar_sync(kPReady);
+            bar_sync<kThreads>(kPReady);
             const float alpha0 = alpha_of[row0], alpha1 = alpha_of[row0 + 8];
 #pragma unroll
             for (int j = 0; j < 32; ++j) {
@@ -539,18 +472,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             if (!CACHE_FP8 && i + 1 < count) {
                 copy_wait<0>();  // the next tile (the newest group)
                 fence_async_proxy();
-                bar_arrive(kFull + (t ^ 1));
+                bar_arrive<kThreads>(kFull + (t ^ 1));
             }
             wgmma_wait<0>();
             fence_registers(o);
-            if (i + 1 < count) bar_arrive(kPFree);
-            bar_sync(kEmpty + t);  // warpgroup 0 is done with this tile too
+            if (i + 1 < count) bar_arrive<kThreads>(kPFree);
+            bar_sync<kThreads>(kEmpty + t);  // warpgroup 0 is done with this tile too
 #ifndef KERNELMUX_SKIP_LOADS
             if constexpr (CACHE_FP8) {
                 if (i + 2 < count) {
                     store_fp8_tile<Q_BF16>(tile, raw, loader);
                     fence_async_proxy();
-                    bar_arrive(kFull + t);  // step i + 2's tile
+                    bar_arrive<kThreads>(kFull + t);  // step i + 2's tile
                 }
             } else {
                 if (i + 2 < count) load_step(step + 2, block_next, tile);

@@ -33,9 +33,7 @@
 // the end. Compiled at runtime by NVRTC for sm_90a (wgmma and setmaxnreg are arch-specific);
 // see prefill.py.
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef long long i64;
+#include "sm90_common.cuh"
 
 namespace {
 
@@ -53,57 +51,13 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <int STAGES>
 __device__ constexpr int shared_bytes() { return (1 + 2 * STAGES) * kTile + 1024; }
 
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-__device__ __forceinline__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
-template <bool BF16>
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 d;
-    if constexpr (BF16) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    }
-    return d;
-}
 
-__device__ __forceinline__ u32 shared_address(const void* p) {
-    u64 a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (u32)a;
-}
 
-__device__ __forceinline__ void copy16(u32 dst, const void* src, u32 bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
 
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
-template <int N>
-__device__ __forceinline__ void copy_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
-// Copies (generic proxy) made visible to the async proxy that wgmma reads shared memory through.
-__device__ __forceinline__ void fence_async_proxy() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-// Named barriers: one side arrives without waiting, the other waits; THREADS counts both sides
-// (256: the producer and one consumer; 384: all three warpgroups).
-template <int THREADS>
-__device__ __forceinline__ void bar_sync(int id) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
-}
-template <int THREADS>
-__device__ __forceinline__ void bar_arrive(int id) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
-}
 
 // 128 rows x 256 bytes into a tile, by the producer's 128 threads: thread t copies chunks
 // t % 4 + 4 k (k < 4) of rows t / 4 + 32 p (p < 4), so it needs four rows' addresses a tile (one
@@ -127,32 +81,9 @@ __device__ __forceinline__ void load_tile(u32 tile, int tid, const unsigned char
     }
 }
 
-// A wgmma shared-memory matrix descriptor with the 128-byte swizzle. K-major operands: `stride`
-// steps 8 rows (1024 bytes), `leading` unused. N-major: `leading` steps 64 columns (one column
-// block), `stride` 8 rows of K.
-__device__ __forceinline__ u64 descriptor(u32 address, u32 leading, u32 stride) {
-    return (u64)((address & 0x3FFFF) >> 4) | ((u64)((leading & 0x3FFFF) >> 4) << 16) |
-           ((u64)((stride & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
 
-// Ties accumulators to the wait before them: without it the compiler may read a register between
-// the wgmma that writes it (asynchronously) and the wait.
-template <int N>
-__device__ __forceinline__ void fence_registers(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
 
-#define KM_ACC8(d, i)                                                                                   \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),       \
-        "+f"(d[i + 6]), "+f"(d[i + 7])
 #define KM_ACC64(d)                                                                                     \
     KM_ACC8(d, 0), KM_ACC8(d, 8), KM_ACC8(d, 16), KM_ACC8(d, 24), KM_ACC8(d, 32), KM_ACC8(d, 40),     \
         KM_ACC8(d, 48), KM_ACC8(d, 56)
@@ -198,7 +129,6 @@ __device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const u32 (&a)
 
 #undef KM_REGS64
 #undef KM_ACC64
-#undef KM_ACC8
 
 }  // namespace
 
@@ -481,11 +411,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             bar_arrive<kThreads>(kEmpty + (steps - 1) % STAGES);
         }
     } else {
-        for (int i = 0; i < steps; ++i) {
-            float s[64], alpha[2];
-            u32 p[kStep / 16][4];
+        float s[64], alpha[2];
+        u32 p[kStep / 16][4];
 #pragma unroll
-            for (int k = 0; k < 64; ++k) s[k] = 0.0f;
+        for (int k = 0; k < 64; ++k) s[k] = 0.0f;  // defined values for the first wgmma's operand list
+        for (int i = 0; i < steps; ++i) {
             issue_scores(s, i);
             wgmma_wait<0>();
             fence_registers(s);

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
+from cuda_kernels import needs_hopper, needs_nvrtc, poison_allocator
 from graph_replay import build, capture, replay_on_new_inputs
 from kernelmux.backends.cuda import _nvrtc, attention, mla
 from kernelmux.ops.specs import mla_decode as mla_spec
@@ -17,17 +18,6 @@ from kernelmux.ops.specs import mla_decode as mla_spec
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 NAMES = ([f"mla_decode_sm90<{q}, {fp8}>" for q in ("true", "false") for fp8 in ("true", "false")]
          + [f"merge_mla_splits<{q}>" for q in ("true", "false")])
-
-
-def _on_hopper() -> bool:
-    return DEVICE == "cuda" and torch.cuda.get_device_capability() == mla.CAPABILITY
-
-
-needs_hopper = pytest.mark.skipif(
-    not _on_hopper(), reason="runs the sm_90a (wgmma) kernel: needs an H100/H200; runs in the GPU suite")
-needs_nvrtc = pytest.mark.skipif(
-    _nvrtc.find_nvrtc() is None,
-    reason="NVRTC not installed (pip install nvidia-cuda-nvrtc; the test extra has it)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,18 +99,11 @@ def test_sm90_without_the_arch_suffix_is_refused_by_ptxas():
 # ---------------------------------------------------------------------------------------------
 # The kernel (sm_90 GPU)
 
-def _poison_allocator(nbytes: int) -> None:
-    """NaN-filled blocks left in the allocator's free lists: outputs the kernel allocates start as
-    NaN, so an element it never writes fails the comparison."""
-    blocks = [torch.full((nbytes // 4 + extra,), float("nan"), device=DEVICE) for extra in (0, 64, 4096)]
-    del blocks
-
-
 def _check(kwargs, seed):
     assert mla.mla_decode_supports(**kwargs) is None
     expected = mla_spec.SPEC.reference(**kwargs)
     q = kwargs["q"]
-    _poison_allocator(q.shape[0] * q.shape[1] * mla.RANK * 4 * 8)
+    poison_allocator(q.shape[0] * q.shape[1] * mla.RANK * 4 * 8)
     actual = mla.mla_decode(**kwargs)
     try:
         mla_spec.SPEC.check_close(actual, expected, kwargs)

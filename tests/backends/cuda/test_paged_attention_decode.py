@@ -14,16 +14,12 @@ import pytest
 import torch
 
 from conftest import DEVICE
+from cuda_kernels import needs_gpu, needs_nvrtc
 from graph_replay import build, capture, replay_on_new_inputs
 from kernelmux.backends.cuda import _nvrtc, attention
 from kernelmux.ops.specs import paged_attention as pa_spec
 
 FP8 = torch.float8_e4m3fn
-needs_gpu = pytest.mark.skipif(DEVICE != "cuda",
-                               reason="runs CUDA kernels: needs an NVIDIA GPU; runs in the GPU suite")
-needs_nvrtc = pytest.mark.skipif(_nvrtc.find_nvrtc() is None,
-                                 reason="NVRTC not installed (pip install nvidia-cuda-nvrtc; the test extra "
-                                        "has it)")
 
 
 # ---------------------------------------------------------------------------------------------

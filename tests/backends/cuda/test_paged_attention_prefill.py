@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
+from cuda_kernels import needs_hopper, needs_nvrtc, poison_allocator
 from graph_replay import build, capture, replay_on_new_inputs
 from kernelmux.backends.cuda import _nvrtc, attention, prefill
 from kernelmux.ops.specs import paged_attention as pa_spec
@@ -20,17 +21,6 @@ from kernelmux.ops.specs import paged_attention as pa_spec
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 NAMES = [prefill.kernel_name(bf16, cap, stages, overlap) for bf16, cap, stages, overlap in
          itertools.product((True, False), (False, True), prefill.STAGES, (False, True))]
-
-
-def _on_hopper() -> bool:
-    return DEVICE == "cuda" and torch.cuda.get_device_capability() == prefill.CAPABILITY
-
-
-needs_hopper = pytest.mark.skipif(
-    not _on_hopper(), reason="runs the sm_90a (wgmma) kernel: needs an H100/H200; runs in the GPU suite")
-needs_nvrtc = pytest.mark.skipif(
-    _nvrtc.find_nvrtc() is None,
-    reason="NVRTC not installed (pip install nvidia-cuda-nvrtc; the test extra has it)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,17 +100,10 @@ def test_sm90_without_the_arch_suffix_is_refused_by_ptxas():
 # ---------------------------------------------------------------------------------------------
 # The kernel (sm_90 GPU)
 
-def _poison_allocator(nbytes: int) -> None:
-    """NaN-filled blocks left in the allocator's free lists: the output the kernel allocates
-    starts as NaN, so an element it never writes fails the comparison."""
-    blocks = [torch.full((nbytes // 4 + extra,), float("nan"), device=DEVICE) for extra in (0, 64, 4096)]
-    del blocks
-
-
 def _check(kwargs, seed):
     assert attention.paged_attention_supports(**kwargs) is None
     expected = pa_spec.SPEC.reference(**kwargs)
-    _poison_allocator(kwargs["query"].numel() * 2)
+    poison_allocator(kwargs["query"].numel() * 2)
     actual = attention.paged_attention(**kwargs)
     try:
         pa_spec.SPEC.check_close(actual, expected, kwargs)
