@@ -411,11 +411,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             bar_arrive<kThreads>(kEmpty + (steps - 1) % STAGES);
         }
     } else {
-        float s[64], alpha[2];
-        u32 p[kStep / 16][4];
-#pragma unroll
-        for (int k = 0; k < 64; ++k) s[k] = 0.0f;  // defined values for the first wgmma's operand list
         for (int i = 0; i < steps; ++i) {
+            float s[64], alpha[2];
+            u32 p[kStep / 16][4];
+#pragma unroll
+            for (int k = 0; k < 64; ++k) s[k] = 0.0f;
             issue_scores(s, i);
             wgmma_wait<0>();
             fence_registers(s);
