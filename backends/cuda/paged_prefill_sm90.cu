@@ -12,18 +12,19 @@
 //     128 rows x 128 bytes, each row's 16-byte chunks swizzled by the row's low three bits.
 //   - Warpgroup 0 (the producer) gathers the tiles through the block table with 16-byte cp.async
 //     copies (positions past the sequence are zero-filled, never read: unread slots may hold
-//     NaN) into a ring of STAGES steps, announcing each step once its copies land (it waits on
-//     its cp.async groups). It gives up registers (setmaxnreg) to the consumers.
+//     NaN) into a ring of STAGES steps. It gives up registers (setmaxnreg) to the consumers.
 //   - Warpgroups 1 and 2 (the consumers) take 64 query rows each: S = Q K^T (8 wgmma
 //     m64n128k16, both operands from shared memory), the online softmax on their own rows in
 //     registers, then O += P V (8 wgmma m64n128k16, P from registers as the A operand, V read
 //     N-major from its tile). The two consumers run unsynchronized, so one's softmax overlaps
 //     the other's MMAs.
-//   - Hand-offs are named barriers, each an arrive by one side and a sync by the other:
-//     kKFull + 2 s + c / kVFull + 2 s + c (the producer's K / V copies into stage s landed: producer
-//     -> consumer c; one barrier per consumer, since a barrier shared by both would hold each
-//     consumer until the other arrives and put their softmaxes in lockstep), kEmpty + s (both
-//     consumers are done with stage s: consumers -> producer).
+//   - Hand-offs are mbarriers, four per stage: K full and V full complete when the producer's
+//     copies into the stage land (each producer thread's cp.async.mbarrier.arrive fires once its
+//     copies have; the producer itself never waits for a load, so every free stage is in flight),
+//     K empty and V empty when every consumer warp is done reading that tile (K after the
+//     scores, V after the values, so the next K copies start a softmax earlier). Named barriers,
+//     the first versions' hand-off, can only say a step landed by a thread that waited for it:
+//     the producer then kept about one step in flight.
 //   - OVERLAP: each consumer issues step i + 1's scores before waiting for step i's P V, so the
 //     softmax of step i + 1 runs under the value MMAs of step i (FlashAttention-3's
 //     intra-warpgroup overlap); O's rescale waits for the MMAs.
@@ -51,14 +52,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 template <int STAGES>
 __device__ constexpr int shared_bytes() { return (1 + 2 * STAGES) * kTile + 1024; }
 
-
-
-
-
-
-
-
-
 // 128 rows x 256 bytes into a tile, by the producer's 128 threads: thread t copies chunks
 // t % 4 + 4 k (k < 4) of rows t / 4 + 32 p (p < 4), so it needs four rows' addresses a tile (one
 // block-table entry each, read a step ahead: per-row lookups on the copies' critical path held
@@ -80,9 +73,6 @@ __device__ __forceinline__ void load_tile(u32 tile, int tid, const unsigned char
         }
     }
 }
-
-
-
 
 #define KM_ACC64(d)                                                                                     \
     KM_ACC8(d, 0), KM_ACC8(d, 8), KM_ACC8(d, 16), KM_ACC8(d, 24), KM_ACC8(d, 32), KM_ACC8(d, 40),     \
@@ -133,20 +123,21 @@ __device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const u32 (&a)
 }  // namespace
 
 // Grid (Hq, ceil(max_query_len / 128), B), 384 threads, shared_bytes<STAGES>() of dynamic shared
-// memory. Query tile y of a sequence is launched as y' = gridDim.y - 1 - y, so the causal
-// diagonal's longest tiles start first. Strides are in elements. page_shift = log2(block_size).
+// memory (and 32 STAGES bytes of static: the mbarriers). A sequence's query tiles start longest
+// first (see kv_major below). Strides are in elements. page_shift = log2(block_size).
 // scale_log2 = scale * log2(e), or scale / soft_cap with SOFT_CAP. window: W > 0, or 0 for none.
 template <bool Q_BF16, bool SOFT_CAP, int STAGES, bool OVERLAP>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     const unsigned char* __restrict__ query, const unsigned char* __restrict__ k_cache,
     const unsigned char* __restrict__ v_cache, unsigned char* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
-    const float* __restrict__ sinks, int group, int page_shift, int causal, int window, float scale_log2,
+    const float* __restrict__ sinks, int group, int page_shift, int causal, int window, int kv_major, float scale_log2,
     float soft_cap, i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h, i64 k_stride_b,
     i64 k_stride_p, i64 k_stride_h, i64 v_stride_b, i64 v_stride_p, i64 v_stride_h, i64 table_stride) {
-    // Named barrier ids (0 is __syncthreads'): kKFull + 2 stage + consumer, kVFull likewise, kEmpty + stage.
-    constexpr int kKFull = 1, kVFull = 1 + 2 * STAGES, kEmpty = 1 + 4 * STAGES;
-    static_assert(STAGES >= 2 && kEmpty + STAGES <= 16, "the producer runs a step ahead; 16 named barriers");
+    // mbarriers per stage: K / V landed (one arrival per producer thread, made by its copies),
+    // K / V free again (one arrival per consumer warp).
+    constexpr u32 kFullCount = 128, kEmptyCount = 8;
+    __shared__ __align__(8) u64 barriers[4][STAGES];
     extern __shared__ unsigned char shared_raw[];
     u32 dynamic_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
@@ -155,14 +146,38 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     const u32 q_tile = (base + 1023u) & ~1023u;
     auto k_tile = [&](int stage) { return q_tile + (1 + 2 * stage) * kTile; };
     auto v_tile = [&](int stage) { return q_tile + (2 + 2 * stage) * kTile; };
+    const u32 barrier_base = shared_address(&barriers[0][0]);
+    auto k_full = [&](int stage) { return barrier_base + 8 * (0 * STAGES + stage); };
+    auto v_full = [&](int stage) { return barrier_base + 8 * (1 * STAGES + stage); };
+    auto k_empty = [&](int stage) { return barrier_base + 8 * (2 * STAGES + stage); };
+    auto v_empty = [&](int stage) { return barrier_base + 8 * (3 * STAGES + stage); };
 
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform as far as the compiler knows
-    const int head = blockIdx.x, seq = blockIdx.z;
-    const int kv_head = head / group;
+    // This CTA's query head and tile (rank 0: the sequence's last 128 queries, the longest causal
+    // rows, so they start first). CTAs launch in x-fastest order; kv_major walks the ranks so
+    // CTAs that run together share a KV head (its K and V stay in L2) rather than spread over all.
+    int head = blockIdx.x, rank = blockIdx.y;
+    if (kv_major) {
+        const int order = blockIdx.y * gridDim.x + blockIdx.x, per_kv_head = group * gridDim.y;
+        const int kv = order / per_kv_head, within = order - kv * per_kv_head;
+        head = kv * group + within % group;
+        rank = within / group;
+    }
+    const int seq = blockIdx.z, kv_head = head / group;
     const int q_start = cu_seqlens_q[seq], q_len = cu_seqlens_q[seq + 1] - q_start;
-    const int m0 = (gridDim.y - 1 - blockIdx.y) * kRows;  // this CTA's first query of the sequence
+    const int m0 = (gridDim.y - 1 - rank) * kRows;  // this CTA's first query of the sequence
     if (m0 >= q_len) return;  // the whole CTA, before any barrier
+    if (tid == 0) {
+#pragma unroll
+        for (int stage = 0; stage < STAGES; ++stage) {
+            mbarrier_init(k_full(stage), kFullCount);
+            mbarrier_init(v_full(stage), kFullCount);
+            mbarrier_init(k_empty(stage), kEmptyCount);
+            mbarrier_init(v_empty(stage), kEmptyCount);
+        }
+    }
+    __syncthreads();
     const int kv_len = seq_lens[seq];
     // Query i of the sequence sits at position context + i (causal); it sees positions
     // [context + i - window + 1, context + i] (window), [0, context + i] (causal), or all.
@@ -196,44 +211,17 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
         };
         int blocks[4], next_blocks[4];
         if (steps > 0) blocks_of(first, next_blocks);
-        // Step k is announced (kKFull, then kVFull, for both consumers) once its copies land, at
-        // iteration k + 1: after the wait for a free stage and before step k + 1's copies are
-        // issued, so an announcement never waits behind the issue (with it after the issue,
-        // overlapped consumers waited for every announcement: 1320 against 1102 us at Llama-3-8B
-        // 8192). The overlapped consumers hold step k - 1's stage until step k's scores are
-        // issued, so with two stages they need step k before a stage is free: there (kEarly) the
-        // announcement comes before the wait, and with two steps in flight until then.
-        constexpr bool kEarly = OVERLAP && STAGES == 2;
-        auto announce = [&](int step) {
-            const int stage = step % STAGES;
-            bar_arrive<256>(kKFull + 2 * stage);
-            bar_arrive<256>(kKFull + 2 * stage + 1);
-        };
-        auto announce_values = [&](int step) {
-            const int stage = step % STAGES;
-            bar_arrive<256>(kVFull + 2 * stage);
-            bar_arrive<256>(kVFull + 2 * stage + 1);
-        };
-        auto announce_landed = [&](int step) {  // the only groups in flight are step's two
-            copy_wait<1>();
-            fence_async_proxy();
-            announce(step);
-            copy_wait<0>();
-            fence_async_proxy();
-            announce_values(step);
-        };
+        // Step i's copies go out as soon as its stage is free (its K and V halves each as soon as
+        // the consumers are done with that half), and land on the stage's full barriers by
+        // themselves: every free stage is in flight, and the producer never waits for a load.
         for (int i = 0; i < steps; ++i) {
             const int stage = i % STAGES, step = first + i;
-            if (i >= STAGES) {
-                if constexpr (kEarly) announce_landed(i - 1);
-                bar_sync<kThreads>(kEmpty + stage);  // the consumers are done with step i - STAGES
-            }
-            if (!kEarly && i > 0) announce_landed(i - 1);
+            const u32 reuse = (u32)(i / STAGES - 1) & 1u;  // the empty phase that frees the stage
 #pragma unroll
             for (int p = 0; p < 4; ++p) blocks[p] = next_blocks[p];
             if (i + 1 < steps) blocks_of(step + 1, next_blocks);  // used an iteration later
             const unsigned char* sources[4];
-            if (i == 0) {
+            if (i == 0) {  // the query tile lands with step 0's keys
 #pragma unroll
                 for (int p = 0; p < 4; ++p) {
                     const int r = row + 32 * p;
@@ -243,23 +231,15 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
                 load_tile(q_tile, tid, query, sources);
             }
             kv_rows(k_cache, k_stride_b, k_stride_p, k_stride_h, step, blocks, sources);
+            if (i >= STAGES) mbarrier_wait(k_empty(stage), reuse);
             load_tile(k_tile(stage), tid, query, sources);
-            copy_commit();
+            copy_arrive(k_full(stage));
             kv_rows(v_cache, v_stride_b, v_stride_p, v_stride_h, step, blocks, sources);
+            if (i >= STAGES) mbarrier_wait(v_empty(stage), reuse);
             load_tile(v_tile(stage), tid, query, sources);
-            copy_commit();
-            if (kEarly && i > 0 && i < STAGES) {  // step i - 1 landed once only step i's groups are in flight
-                copy_wait<3>();
-                fence_async_proxy();
-                announce(i - 1);
-                copy_wait<2>();
-                fence_async_proxy();
-                announce_values(i - 1);
-            }
+            copy_arrive(v_full(stage));
         }
-        if (steps > 0) announce_landed(steps - 1);
-        // Match the consumers' arrivals on the last stages' kEmpty, so every barrier completes.
-        for (int i = max(0, steps - STAGES); i < steps; ++i) bar_sync<kThreads>(kEmpty + i % STAGES);
+        copy_wait_all();  // nothing of this CTA's left in flight when its threads exit
         return;
     }
 
@@ -285,7 +265,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     // s = Q K^T of step i (issued, not waited for).
     auto issue_scores = [&](float (&s)[64], int i) {
         const int stage = i % STAGES;
-        bar_sync<256>(kKFull + 2 * stage + c);
+        mbarrier_wait(k_full(stage), (u32)(i / STAGES) & 1u);
+        fence_async_proxy();  // the copies' writes (generic proxy), seen through the barrier, to wgmma
         wgmma_fence();
         const u64 k_desc = descriptor(k_tile(stage), 16, 1024);
 #pragma unroll
@@ -298,7 +279,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     // o += P V of step i (issued, not waited for).
     auto issue_values = [&](const u32 (&p)[kStep / 16][4], int i) {
         const int stage = i % STAGES;
-        bar_sync<256>(kVFull + 2 * stage + c);
+        mbarrier_wait(v_full(stage), (u32)(i / STAGES) & 1u);
+        fence_async_proxy();
         wgmma_fence();
         const u64 v_desc = descriptor(v_tile(stage), kColumnBlock, 1024);
 #pragma unroll
@@ -378,6 +360,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
         }
     };
 
+    // The consumer is done with a stage's K or V tile: one arrival per warp (its wgmmas are waited for).
+    auto release = [&](u32 barrier) { mbarrier_arrive_if(barrier, lane == 0); };
     if constexpr (OVERLAP) {
         float s[64], alpha[2];
         u32 p[kStep / 16][4];
@@ -387,6 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             issue_scores(s, 0);
             wgmma_wait<0>();
             fence_registers(s);
+            release(k_empty(0));
             softmax(s, 0, alpha);
             pack(s, p);
         }
@@ -397,10 +382,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             issue_values(p, i);
             wgmma_wait<1>();  // the scores (the older group)
             fence_registers(s);
+            release(k_empty((i + 1) % STAGES));
             softmax(s, i + 1, alpha);
             wgmma_wait<0>();
             fence_registers(o);
-            bar_arrive<kThreads>(kEmpty + i % STAGES);
+            release(v_empty(i % STAGES));
             rescale(alpha);
             pack(s, p);
         }
@@ -408,7 +394,6 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             issue_values(p, steps - 1);
             wgmma_wait<0>();
             fence_registers(o);
-            bar_arrive<kThreads>(kEmpty + (steps - 1) % STAGES);
         }
     } else {
         for (int i = 0; i < steps; ++i) {
@@ -419,13 +404,14 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             issue_scores(s, i);
             wgmma_wait<0>();
             fence_registers(s);
+            release(k_empty(i % STAGES));
             softmax(s, i, alpha);
             pack(s, p);
             rescale(alpha);
             issue_values(p, i);
             wgmma_wait<0>();
             fence_registers(o);
-            bar_arrive<kThreads>(kEmpty + i % STAGES);
+            release(v_empty(i % STAGES));
         }
     }
 

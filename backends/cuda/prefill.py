@@ -43,7 +43,7 @@ TILE_BYTES = 128 * HEAD_DIM * 2
 STAGES = (2, 3)  # K/V stages the kernel is instantiated for (3 fills 225 KiB of the 227)
 _SOURCE = pathlib.Path(__file__).with_name("paged_prefill_sm90.cu")
 # The kernel's arguments (see the .cu file): p pointer, i int32, q int64, f float32.
-_SIGNATURE = "pppppppp" + "iiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
+_SIGNATURE = "pppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
 _LOG2E = 1.4426950408889634
 _DEFINES: tuple[str, ...] = ()
 
@@ -58,14 +58,17 @@ def shared_bytes(stages: int) -> int:
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """A launch's choices: K/V stages in shared memory (one of STAGES), and whether each consumer
+    """A launch's choices: K/V stages in shared memory (one of STAGES); whether each consumer
     issues the next step's scores before waiting for this step's values (``overlap``: the
-    softmax runs under the value MMAs)."""
+    softmax runs under the value MMAs); and whether a sequence's CTAs are walked a KV head at a
+    time (``kv_major``: the CTAs running together read one head's K and V, which then stay in
+    L2) rather than all query heads of one tile at a time."""
 
     # Three stages without overlap: 1055 us (69.8% of bf16) at Llama-3-8B 8192 on the H100, with
     # overlap 1065, two stages 1281 / 1372 (perf/results/cuda_prefill_sweep_h100_*.json).
     stages: int = 3
     overlap: bool = False
+    kv_major: bool = True
 
 
 DEFAULT_PLAN = PrefillPlan()
@@ -74,8 +77,9 @@ DEFAULT_PLAN = PrefillPlan()
 def _plan_problem(plan: PrefillPlan) -> Optional[str]:
     if plan.stages not in STAGES:
         return f"stages must be one of {STAGES}, got {plan.stages!r}"
-    if type(plan.overlap) is not bool:
-        return f"overlap must be a bool, got {plan.overlap!r}"
+    for field in ("overlap", "kv_major"):
+        if type(getattr(plan, field)) is not bool:
+            return f"{field} must be a bool, got {getattr(plan, field)!r}"
     return None
 
 
@@ -181,6 +185,7 @@ def paged_prefill(
             (num_q_heads, math.ceil(max_query_len / ROWS), num_seqs),
             query, k_cache, v_cache, out, cu_seqlens_q, block_table, seq_lens, sinks,
             num_q_heads // num_kv_heads, page_shift(k_cache.shape[1]), int(causal), int(sliding_window),
+            int(plan.kv_major),
             float(scale) / logits_soft_cap if soft_cap else float(scale) * _LOG2E, float(logits_soft_cap),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -1,6 +1,6 @@
 // kernelmux cuda backend: device helpers shared by the Hopper (sm_90a) kernels, mla_decode_sm90.cu
 // and paged_prefill_sm90.cu: cp.async copies into shared memory, the proxy fence, named barriers,
-// wgmma descriptors and groups, and small conversions. _nvrtc.py hands every *.cuh beside it to
+// mbarriers, wgmma descriptors and groups, and small conversions. _nvrtc.py hands every *.cuh beside it to
 // NVRTC, so a kernel includes it by name.
 
 #pragma once
@@ -64,6 +64,29 @@ template <int THREADS>
 __device__ __forceinline__ void bar_arrive(int id) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
 }
+
+// mbarriers (64-bit, in shared memory): a phase completes once `count` arrivals have come; a
+// waiter names the phase by its parity (0 for the first, then alternating per completion).
+__device__ __forceinline__ void mbarrier_init(u32 barrier, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(count) : "memory");
+}
+// An arrival when `arrive` is nonzero: a predicate, not a branch, so one lane can signal for its
+// warp between wgmmas without making ptxas serialize them.
+__device__ __forceinline__ void mbarrier_arrive_if(u32 barrier, int arrive) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %1, 0;\n\t@p mbarrier.arrive.shared::cta.b64 _, [%0];\n\t}"
+                 ::"r"(barrier), "r"(arrive) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
+    asm volatile("{\n\t.reg .pred done;\n\tKM_WAIT:\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+                 "@!done bra KM_WAIT;\n\t}" ::"r"(barrier), "r"(parity) : "memory");
+}
+// One arrival on `barrier` once every cp.async this thread issued before it has landed (.noinc:
+// the arrival is one of the barrier's `count`, not an extra one).
+__device__ __forceinline__ void copy_arrive(u32 barrier) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(barrier) : "memory");
+}
+__device__ __forceinline__ void copy_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // A wgmma shared-memory matrix descriptor with the 128-byte swizzle. K-major operands: `stride`
 // steps 8 rows (1024 bytes), `leading` unused. N-major: `leading` steps 64 columns (one column

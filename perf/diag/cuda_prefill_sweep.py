@@ -1,9 +1,11 @@
-"""Plan sweep for the cuda backend's Hopper prefill kernel on the prefill cases: each stage count
+"""Plan sweep for the cuda backend's Hopper prefill kernel on the prefill cases: each plan
 checked against the spec's reference before it is timed (CUDA-graph replay), with the triton
 backend's kernel and torch's SDPA (FlashAttention on dense, unpaged K and V: the peer) on the same
-inputs. Rates are the spec's FLOP count (causal pairs counted once) over the median time, as a
-percent of the bf16 matmul rate measured in the same run. prefill.DEFAULT_PLAN is chosen
-from these numbers.
+inputs. Each is timed twice: replaying one input set (`us`: a call finds what the previous one
+left in L2) and rotating through input sets spanning 3x the L2 as the bench does (`rotated_us`:
+each call's K and V start in device memory). Rates are the spec's FLOP count (causal pairs
+counted once) over the median time, as a percent of the bf16 matmul rate measured in the same
+run. prefill.DEFAULT_PLAN is chosen from these numbers.
 
     python perf/diag/cuda_prefill_sweep.py --out DIR [--cases NAME ...]
 """
@@ -11,6 +13,7 @@ from these numbers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -22,27 +25,31 @@ from kernelmux.backends.triton import attention as triton_attention
 from kernelmux.engine.report import distribution_version
 from kernelmux.ops.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
-from kernelmux.perf.timing import graph_replay_time
+from kernelmux.perf.timing import graph_replay_time, rotation_count
 
 CASES = ["llama3_8b_prefill_t8192", "llama3_8b_prefill_t1024", "llama3_8b_prefill_t1024_4seqs",
          "llama3_8b_chunked_prefill"]
 
 
-def _dense_sdpa(kwargs):
-    """The peer: torch's SDPA over the one sequence's K and V gathered densely (outside the
-    timing), causal, GQA heads expanded by SDPA itself. None for batches of several sequences."""
-    if kwargs["seq_lens"].shape[0] != 1 or not kwargs["causal"]:
-        return None
-    length, block = int(kwargs["seq_lens"][0]), kwargs["k_cache"].shape[1]
-    blocks = kwargs["block_table"][0, : -(-length // block)].long()
-    k = kwargs["k_cache"][blocks].flatten(0, 1)[:length].transpose(0, 1)[None]
-    v = kwargs["v_cache"][blocks].flatten(0, 1)[:length].transpose(0, 1)[None]
-    q = kwargs["query"].transpose(0, 1)[None]
-    if q.shape[2] != length:
-        return None
+def _dense_sdpa(inputs):
+    """The peer: torch's SDPA over each input set's one sequence, K and V gathered densely
+    (outside the timing), causal, GQA heads expanded by SDPA itself. None for batches of several
+    sequences or non-causal cases."""
+    dense = {}
+    for kwargs in inputs:
+        if kwargs["seq_lens"].shape[0] != 1 or not kwargs["causal"]:
+            return None
+        length, block = int(kwargs["seq_lens"][0]), kwargs["k_cache"].shape[1]
+        if kwargs["query"].shape[0] != length:
+            return None
+        blocks = kwargs["block_table"][0, : -(-length // block)].long()
+        k = kwargs["k_cache"][blocks].flatten(0, 1)[:length].transpose(0, 1)[None]
+        v = kwargs["v_cache"][blocks].flatten(0, 1)[:length].transpose(0, 1)[None]
+        dense[id(kwargs["query"])] = (kwargs["query"].transpose(0, 1)[None], k, v, kwargs["scale"])
 
-    def run(**_):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=kwargs["scale"],
+    def run(query, **_):
+        q, k, v, scale = dense[id(query)]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                                 enable_gqa=True)
     return run
 
@@ -61,32 +68,41 @@ def main() -> None:
               "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"),
               "ceilings": ceilings, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     for case in args.cases:
-        kwargs = pa_spec.SPEC.case(case).build(torch.device("cuda"), 0)
+        spec_case = pa_spec.SPEC.case(case)
+        kwargs = spec_case.build(torch.device("cuda"), 0)
         cost = pa_spec.SPEC.cost(kwargs)
         expected = pa_spec.SPEC.reference(**kwargs)
-        variants = [("cuda", {"stages": s, "overlap": o}) for s in prefill.STAGES for o in (False, True)]
+        per_call = sum(v.numel() * v.element_size() for v in kwargs.values() if isinstance(v, torch.Tensor))
+        rotated = [kwargs] + [spec_case.build(torch.device("cuda"), i)
+                              for i in range(1, rotation_count(per_call, l2_bytes, cap=8))]
+        variants = [("cuda", dataclasses.asdict(prefill.PrefillPlan(s, o, k)))
+                    for s in prefill.STAGES for o in (False, True) for k in (True, False)]
         variants.append(("triton", {}))
-        sdpa = _dense_sdpa(kwargs)
+        sdpa = _dense_sdpa(rotated)
         if sdpa is not None:
             variants.append(("sdpa", {}))
         for backend, fields in variants:
             fn = {"cuda": cuda_attention.paged_attention, "triton": triton_attention.paged_attention,
                   "sdpa": sdpa}[backend]
-            row = dict(case=case, backend=backend, plan=fields)
+            row = {"case": case, "backend": backend, "plan": fields, "rotation": len(rotated)}
             try:
                 with prefill.override_plan(**fields):
                     if backend != "sdpa":
                         pa_spec.SPEC.check_close(fn(**kwargs), expected, kwargs)
-                    us = graph_replay_time(fn, [kwargs], calls_per_graph=2, trials=10).median_us
-                row.update(us=us, tflops=cost.flops / us / 1e6, matmul_pct=100 * cost.flops / us / 1e6 / matmul,
-                           status="ok")
+                    for key, inputs in (("us", [kwargs]), ("rotated_us", rotated)):
+                        row[key] = graph_replay_time(fn, inputs, calls_per_graph=2 * len(inputs), trials=10).median_us
+                flops = cost.flops / 1e6
+                row.update(matmul_pct=100 * flops / row["us"] / matmul,
+                           rotated_matmul_pct=100 * flops / row["rotated_us"] / matmul, status="ok")
             except AssertionError as error:
                 row.update(status="wrong", error=str(error)[:300])
             rows.append(row)
-            shown = f"{row['us']:9.1f} us {row['matmul_pct']:5.1f}% of bf16" if "us" in row else row["error"]
-            print(f"{case:34s} {backend:6s} {str(fields):34s} {shown}", flush=True)
-        del kwargs, expected
+            shown = (f"{row['us']:8.1f} us {row['matmul_pct']:5.1f}%, rotated {row['rotated_us']:8.1f} us "
+                     f"{row['rotated_matmul_pct']:5.1f}%" if "us" in row else row["error"])
+            print(f"{case:30s} {backend:6s} {fields!s:52s} {shown}", flush=True)
+        del kwargs, expected, rotated, sdpa
         torch.cuda.empty_cache()
         with open(os.path.join(args.out, "cuda_prefill_sweep.json"), "w") as f:
             json.dump(record, f, indent=1, default=str)

@@ -7,6 +7,7 @@ NaN-poisoned output memory and CUDA-graph replays with new inputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -62,6 +63,9 @@ def test_override_plan_checks_its_argument():
             pass
     with pytest.raises(ValueError, match="overlap must be a bool, got 1"):
         with prefill.override_plan(overlap=1):
+            pass
+    with pytest.raises(ValueError, match="kv_major must be a bool, got None"):
+        with prefill.override_plan(kv_major=None):
             pass
     with prefill.override_plan(stages=3, overlap=False):
         assert prefill._plans.current == prefill.PrefillPlan(stages=3, overlap=False)
@@ -141,7 +145,8 @@ def test_prefill_against_reference(options, block_size, num_heads, num_kv_heads)
     _check(build(make, seed, DEVICE), seed)
 
 
-PLANS = [prefill.PrefillPlan(stages, overlap) for stages in prefill.STAGES for overlap in (False, True)]
+PLANS = [prefill.PrefillPlan(stages, overlap, kv_major) for stages in prefill.STAGES for overlap in (False, True)
+         for kv_major in (True, False)]
 
 
 @needs_hopper
@@ -150,7 +155,7 @@ PLANS = [prefill.PrefillPlan(stages, overlap) for stages in prefill.STAGES for o
 def test_every_plan_against_reference(plan, options):
     # Sequences of one step, of 8 and 12 steps (a chunk starting at 987), a decode among them.
     make = pa_spec._maker((1000, 513, 64, 1), (1000, 1500, 64, 300), 8, 2, 128, **OPTIONS[options])
-    with prefill.override_plan(stages=plan.stages, overlap=plan.overlap):
+    with prefill.override_plan(**dataclasses.asdict(plan)):
         _check(build(make, plan.stages, DEVICE), plan.stages)
 
 
@@ -167,7 +172,7 @@ def test_prefill_ignores_nan_in_unread_slots():
     for name in ("k_cache", "v_cache"):
         kwargs[name][~read] = float("nan")
     for plan in PLANS:
-        with prefill.override_plan(stages=plan.stages, overlap=plan.overlap):
+        with prefill.override_plan(**dataclasses.asdict(plan)):
             pa_spec.SPEC.check_close(attention.paged_attention(**kwargs), expected, kwargs)
 
 
