@@ -96,6 +96,10 @@ class CompiledModule:
         """Registers per thread ptxas reported for kernel ``name`` (needs ``verbose``)."""
         return self._ptxas_field(name, r"Used (\d+) registers")
 
+    def static_shared_bytes(self, name: str) -> int:
+        """Static shared memory (``__shared__`` variables) of kernel ``name`` (needs ``verbose``)."""
+        return self._ptxas_field(name, r"(\d+) bytes smem")
+
     def spill_bytes(self, name: str) -> int:
         stores = self._ptxas_field(name, r"(\d+) bytes spill stores")
         loads = self._ptxas_field(name, r"(\d+) bytes spill loads")

@@ -27,7 +27,9 @@
 //     the producer then kept about one step in flight.
 //   - OVERLAP: each consumer issues step i + 1's scores before waiting for step i's P V, so the
 //     softmax of step i + 1 runs under the value MMAs of step i (FlashAttention-3's
-//     intra-warpgroup overlap); O's rescale waits for the MMAs.
+//     intra-warpgroup overlap); O's rescale waits for the MMAs. PINGPONG (with OVERLAP): the two
+//     consumers take turns to issue their MMAs, so one's softmax runs while the other's MMAs do
+//     (FlashAttention-3's inter-warpgroup ping-pong).
 //
 // Masks (causal diagonal, sliding window, the sequence's end) are applied only on the steps that
 // cross one; soft cap is a template flag (it touches every score); sinks join the denominator at
@@ -123,19 +125,20 @@ __device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const u32 (&a)
 }  // namespace
 
 // Grid (Hq, ceil(max_query_len / 128), B), 384 threads, shared_bytes<STAGES>() of dynamic shared
-// memory (and 32 STAGES bytes of static: the mbarriers). A sequence's query tiles start longest
-// first (see kv_major below). Strides are in elements. page_shift = log2(block_size).
+// memory (and 32 STAGES bytes of static: the mbarriers). Query tile y of a sequence is launched
+// as y' = gridDim.y - 1 - y, so the causal diagonal's longest tiles start first. Strides are in elements. page_shift = log2(block_size).
 // scale_log2 = scale * log2(e), or scale / soft_cap with SOFT_CAP. window: W > 0, or 0 for none.
-template <bool Q_BF16, bool SOFT_CAP, int STAGES, bool OVERLAP>
+template <bool Q_BF16, bool SOFT_CAP, int STAGES, bool OVERLAP, bool PINGPONG>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     const unsigned char* __restrict__ query, const unsigned char* __restrict__ k_cache,
     const unsigned char* __restrict__ v_cache, unsigned char* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
-    const float* __restrict__ sinks, int group, int page_shift, int causal, int window, int kv_major, float scale_log2,
+    const float* __restrict__ sinks, int group, int page_shift, int causal, int window, float scale_log2,
     float soft_cap, i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h, i64 k_stride_b,
     i64 k_stride_p, i64 k_stride_h, i64 v_stride_b, i64 v_stride_p, i64 v_stride_h, i64 table_stride) {
     // mbarriers per stage: K / V landed (one arrival per producer thread, made by its copies),
     // K / V free again (one arrival per consumer warp).
+    static_assert(!PINGPONG || OVERLAP, "ping-pong is written for the overlapped loop");
     constexpr u32 kFullCount = 128, kEmptyCount = 8;
     __shared__ __align__(8) u64 barriers[4][STAGES];
     extern __shared__ unsigned char shared_raw[];
@@ -154,19 +157,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
 
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform as far as the compiler knows
-    // This CTA's query head and tile (rank 0: the sequence's last 128 queries, the longest causal
-    // rows, so they start first). CTAs launch in x-fastest order; kv_major walks the ranks so
-    // CTAs that run together share a KV head (its K and V stay in L2) rather than spread over all.
-    int head = blockIdx.x, rank = blockIdx.y;
-    if (kv_major) {
-        const int order = blockIdx.y * gridDim.x + blockIdx.x, per_kv_head = group * gridDim.y;
-        const int kv = order / per_kv_head, within = order - kv * per_kv_head;
-        head = kv * group + within % group;
-        rank = within / group;
-    }
+    const int head = blockIdx.x;
     const int seq = blockIdx.z, kv_head = head / group;
     const int q_start = cu_seqlens_q[seq], q_len = cu_seqlens_q[seq + 1] - q_start;
-    const int m0 = (gridDim.y - 1 - rank) * kRows;  // this CTA's first query of the sequence
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * kRows;  // this CTA's first query of the sequence
     if (m0 >= q_len) return;  // the whole CTA, before any barrier
     if (tid == 0) {
 #pragma unroll
@@ -262,11 +256,30 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.0f, 0.0f};
     const u64 q_desc = descriptor(q_tile + c * 64 * 128, 16, 1024);
 
+    // Step i's K / V tile has landed: the copies' writes (generic proxy), seen through the
+    // barrier, made visible to the wgmmas (async proxy).
+    auto wait_keys = [&](int i) {
+        mbarrier_wait(k_full(i % STAGES), (u32)(i / STAGES) & 1u);
+        fence_async_proxy();
+    };
+    auto wait_values = [&](int i) {
+        mbarrier_wait(v_full(i % STAGES), (u32)(i / STAGES) & 1u);
+        fence_async_proxy();
+    };
+    // PINGPONG: the consumers take turns to issue their MMAs (named barriers kTurn + c, each a
+    // sync by consumer c and an arrive by the other), so one's MMAs run back to back while the
+    // other computes its softmax. Consumer 1 starts by handing consumer 0 the first turn and
+    // hands over no turn after its last, so every barrier's arrivals match its syncs.
+    constexpr int kTurn = 1;
+    auto take_turn = [&] {
+        if constexpr (PINGPONG) bar_sync<256>(kTurn + c);
+    };
+    auto pass_turn = [&](bool last) {
+        if constexpr (PINGPONG) bar_arrive_if<256>(kTurn + (c ^ 1), !(last && c == 1));
+    };
     // s = Q K^T of step i (issued, not waited for).
     auto issue_scores = [&](float (&s)[64], int i) {
         const int stage = i % STAGES;
-        mbarrier_wait(k_full(stage), (u32)(i / STAGES) & 1u);
-        fence_async_proxy();  // the copies' writes (generic proxy), seen through the barrier, to wgmma
         wgmma_fence();
         const u64 k_desc = descriptor(k_tile(stage), 16, 1024);
 #pragma unroll
@@ -279,8 +292,6 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     // o += P V of step i (issued, not waited for).
     auto issue_values = [&](const u32 (&p)[kStep / 16][4], int i) {
         const int stage = i % STAGES;
-        mbarrier_wait(v_full(stage), (u32)(i / STAGES) & 1u);
-        fence_async_proxy();
         wgmma_fence();
         const u64 v_desc = descriptor(v_tile(stage), kColumnBlock, 1024);
 #pragma unroll
@@ -368,7 +379,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
 #pragma unroll
         for (int k = 0; k < 64; ++k) s[k] = 0.0f;  // defined values for the first wgmma's operand list
         if (steps > 0) {
+            if constexpr (PINGPONG) bar_arrive_if<256>(kTurn, c == 1);
+            wait_keys(0);
+            take_turn();
             issue_scores(s, 0);
+            pass_turn(false);
             wgmma_wait<0>();
             fence_registers(s);
             release(k_empty(0));
@@ -378,8 +393,12 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
         // Every step but the last: the next step's scores are issued first (no branch around
         // a wgmma: ptxas serializes them when it cannot pair issues with waits).
         for (int i = 0; i + 1 < steps; ++i) {
+            wait_keys(i + 1);
+            wait_values(i);
+            take_turn();
             issue_scores(s, i + 1);
             issue_values(p, i);
+            pass_turn(false);
             wgmma_wait<1>();  // the scores (the older group)
             fence_registers(s);
             release(k_empty((i + 1) % STAGES));
@@ -391,7 +410,10 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             pack(s, p);
         }
         if (steps > 0) {
+            wait_values(steps - 1);
+            take_turn();
             issue_values(p, steps - 1);
+            pass_turn(true);
             wgmma_wait<0>();
             fence_registers(o);
         }
@@ -401,6 +423,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             u32 p[kStep / 16][4];
 #pragma unroll
             for (int k = 0; k < 64; ++k) s[k] = 0.0f;
+            wait_keys(i);
             issue_scores(s, i);
             wgmma_wait<0>();
             fence_registers(s);
@@ -408,6 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             softmax(s, i, alpha);
             pack(s, p);
             rescale(alpha);
+            wait_values(i);
             issue_values(p, i);
             wgmma_wait<0>();
             fence_registers(o);

@@ -43,7 +43,7 @@ TILE_BYTES = 128 * HEAD_DIM * 2
 STAGES = (2, 3)  # K/V stages the kernel is instantiated for (3 fills 225 KiB of the 227)
 _SOURCE = pathlib.Path(__file__).with_name("paged_prefill_sm90.cu")
 # The kernel's arguments (see the .cu file): p pointer, i int32, q int64, f float32.
-_SIGNATURE = "pppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
+_SIGNATURE = "pppppppp" + "iiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
 _LOG2E = 1.4426950408889634
 _DEFINES: tuple[str, ...] = ()
 
@@ -60,15 +60,14 @@ def shared_bytes(stages: int) -> int:
 class PrefillPlan:
     """A launch's choices: K/V stages in shared memory (one of STAGES); whether each consumer
     issues the next step's scores before waiting for this step's values (``overlap``: the
-    softmax runs under the value MMAs); and whether a sequence's CTAs are walked a KV head at a
-    time (``kv_major``: the CTAs running together read one head's K and V, which then stay in
-    L2) rather than all query heads of one tile at a time."""
+    softmax runs under the value MMAs); and, with overlap, whether the two consumers take turns
+    to issue their MMAs (``pingpong``: one's softmax under the other's MMAs)."""
 
     # Three stages without overlap: 1055 us (69.8% of bf16) at Llama-3-8B 8192 on the H100, with
     # overlap 1065, two stages 1281 / 1372 (perf/results/cuda_prefill_sweep_h100_*.json).
     stages: int = 3
     overlap: bool = False
-    kv_major: bool = True
+    pingpong: bool = False
 
 
 DEFAULT_PLAN = PrefillPlan()
@@ -77,9 +76,11 @@ DEFAULT_PLAN = PrefillPlan()
 def _plan_problem(plan: PrefillPlan) -> Optional[str]:
     if plan.stages not in STAGES:
         return f"stages must be one of {STAGES}, got {plan.stages!r}"
-    for field in ("overlap", "kv_major"):
+    for field in ("overlap", "pingpong"):
         if type(getattr(plan, field)) is not bool:
             return f"{field} must be a bool, got {getattr(plan, field)!r}"
+    if plan.pingpong and not plan.overlap:
+        return "pingpong needs overlap (the kernel's ping-pong is written for the overlapped loop)"
     return None
 
 
@@ -128,18 +129,19 @@ def prefill_supports(query: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch
 
 @functools.cache
 def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, soft_cap: bool,
-              stages: int, overlap: bool) -> tuple[_nvrtc.CompiledModule, str]:
+              plan: PrefillPlan) -> tuple[_nvrtc.CompiledModule, str]:
     """One NVRTC compilation per arch, macro set and template set: (module, kernel name)."""
-    name = kernel_name(bf16, soft_cap, stages, overlap)
+    name = kernel_name(bf16, soft_cap, plan)
     module = _nvrtc.compile_module_cached(_SOURCE.read_text(), [name], arch, filename=_SOURCE.name,
                                           arch_specific=True, defines=defines)
     return module, name
 
 
-def kernel_name(bf16: bool, soft_cap: bool, stages: int, overlap: bool) -> str:
-    """The C++ name of the kernel instantiated for a template set."""
+def kernel_name(bf16: bool, soft_cap: bool, plan: PrefillPlan) -> str:
+    """The C++ name of the kernel instantiated for a query dtype, soft cap or not, and a plan."""
     flags = ", ".join(str(flag).lower() for flag in (bf16, soft_cap))
-    return f"paged_prefill_sm90<{flags}, {stages}, {str(overlap).lower()}>"
+    return (f"paged_prefill_sm90<{flags}, {plan.stages}, {str(plan.overlap).lower()}, "
+            f"{str(plan.pingpong).lower()}>")
 
 
 _LOADED = _nvrtc.LoadedKernels()
@@ -148,10 +150,10 @@ _LOADED = _nvrtc.LoadedKernels()
 def _kernel(device: torch.device, bf16: bool, soft_cap: bool, plan: PrefillPlan) -> _nvrtc.Kernel:
     """The prefill kernel for the template set, loaded on ``device`` (cached per device)."""
     def build():
-        module, name = _compiled(_capability(device), _DEFINES, bf16, soft_cap, plan.stages, plan.overlap)
+        module, name = _compiled(_capability(device), _DEFINES, bf16, soft_cap, plan)
         return module, [_nvrtc.KernelSpec(name, _SIGNATURE, THREADS, shared_bytes(plan.stages))]
 
-    return _LOADED.get(device, (_DEFINES, bf16, soft_cap, plan.stages, plan.overlap), build)[0]
+    return _LOADED.get(device, (_DEFINES, bf16, soft_cap, plan), build)[0]
 
 
 def paged_prefill(
@@ -185,7 +187,6 @@ def paged_prefill(
             (num_q_heads, math.ceil(max_query_len / ROWS), num_seqs),
             query, k_cache, v_cache, out, cu_seqlens_q, block_table, seq_lens, sinks,
             num_q_heads // num_kv_heads, page_shift(k_cache.shape[1]), int(causal), int(sliding_window),
-            int(plan.kv_major),
             float(scale) / logits_soft_cap if soft_cap else float(scale) * _LOG2E, float(logits_soft_cap),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -64,6 +64,12 @@ template <int THREADS>
 __device__ __forceinline__ void bar_arrive(int id) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
 }
+// An arrival when `arrive` is nonzero (predicated: no branch among a warpgroup's wgmmas).
+template <int THREADS>
+__device__ __forceinline__ void bar_arrive_if(int id, int arrive) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p bar.arrive %0, %1;\n\t}"
+                 ::"r"(id), "n"(THREADS), "r"(arrive) : "memory");
+}
 
 // mbarriers (64-bit, in shared memory): a phase completes once `count` arrivals have come; a
 // waiter names the phase by its parity (0 for the first, then alternating per completion).

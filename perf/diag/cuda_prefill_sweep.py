@@ -77,8 +77,8 @@ def main() -> None:
         per_call = sum(v.numel() * v.element_size() for v in kwargs.values() if isinstance(v, torch.Tensor))
         rotated = [kwargs] + [spec_case.build(torch.device("cuda"), i)
                               for i in range(1, rotation_count(per_call, l2_bytes, cap=8))]
-        variants = [("cuda", dataclasses.asdict(prefill.PrefillPlan(s, o, k)))
-                    for s in prefill.STAGES for o in (False, True) for k in (True, False)]
+        variants = [("cuda", dataclasses.asdict(prefill.PrefillPlan(s, o, p))) for s in prefill.STAGES
+                    for o, p in ((False, False), (True, False), (True, True))]
         variants.append(("triton", {}))
         sdpa = _dense_sdpa(rotated)
         if sdpa is not None:

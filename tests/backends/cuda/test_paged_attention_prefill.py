@@ -20,8 +20,11 @@ from kernelmux.backends.cuda import _nvrtc, attention, prefill
 from kernelmux.ops.specs import paged_attention as pa_spec
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
-NAMES = [prefill.kernel_name(bf16, cap, stages, overlap) for bf16, cap, stages, overlap in
-         itertools.product((True, False), (False, True), prefill.STAGES, (False, True))]
+# Every plan the kernel is instantiated for: stages x (serial, overlap, overlap with ping-pong).
+PLANS = [prefill.PrefillPlan(stages, overlap, pingpong) for stages in prefill.STAGES
+         for overlap, pingpong in ((False, False), (True, False), (True, True))]
+NAMES = [prefill.kernel_name(bf16, cap, plan) for bf16, cap, plan in
+         itertools.product((True, False), (False, True), PLANS)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -64,21 +67,21 @@ def test_override_plan_checks_its_argument():
     with pytest.raises(ValueError, match="overlap must be a bool, got 1"):
         with prefill.override_plan(overlap=1):
             pass
-    with pytest.raises(ValueError, match="kv_major must be a bool, got None"):
-        with prefill.override_plan(kv_major=None):
+    with pytest.raises(ValueError, match="pingpong needs overlap"):
+        with prefill.override_plan(overlap=False, pingpong=True):
             pass
     with prefill.override_plan(stages=3, overlap=False):
         assert prefill._plans.current == prefill.PrefillPlan(stages=3, overlap=False)
     assert prefill._plans.current == prefill.DEFAULT_PLAN
 
 
-def test_shared_memory_fits_hopper():
-    # sm_90's opt-in limit per CTA is 227 KiB; the kernel traps when launched with less than its
-    # shared_bytes<STAGES>(), which the GPU tests would show.
+def test_dynamic_shared_memory_matches_the_kernel():
+    # The kernel traps when launched with less than its shared_bytes<STAGES>(), which the GPU
+    # tests would show; the host's formula is the kernel's.
     source = prefill._SOURCE.read_text()
     assert "constexpr int shared_bytes() { return (1 + 2 * STAGES) * kTile + 1024; }" in source
     for stages in prefill.STAGES:
-        assert prefill.shared_bytes(stages) == (1 + 2 * stages) * 128 * 128 * 2 + 1024 <= 227 * 1024
+        assert prefill.shared_bytes(stages) == (1 + 2 * stages) * 128 * 128 * 2 + 1024
 
 
 @needs_nvrtc
@@ -86,9 +89,13 @@ def test_kernels_compile_for_sm90a_without_spills():
     # The producer warpgroup gives registers to the consumers (setmaxnreg): both sides must fit
     # their share without spilling, and ptxas must not serialize the wgmmas.
     module = _nvrtc.compile_module(prefill._SOURCE.read_text(), NAMES, (9, 0), verbose=True, arch_specific=True)
-    for name in NAMES:
+    for name, plan in zip(NAMES, itertools.cycle(PLANS)):
         assert module.spill_bytes(name) == 0, name
         assert 0 < module.registers(name) <= 168, name  # 384 threads, one CTA per SM
+        # sm_90's opt-in limit per CTA is 227 KiB, static (the mbarriers) and dynamic together.
+        static = module.static_shared_bytes(name)
+        assert static == 32 * plan.stages, (name, static)
+        assert static + prefill.shared_bytes(plan.stages) <= 227 * 1024, name
     # ptxas serializes wgmmas it cannot pair with their waits (C7514 "Potential Performance
     # Loss"): a wgmma issued under a branch inside the overlapped loop did that once.
     assert "Performance Loss" not in module.log, module.log
@@ -143,10 +150,6 @@ def test_prefill_against_reference(options, block_size, num_heads, num_kv_heads)
     make = pa_spec._maker(q_lens, kv_lens, num_heads, num_kv_heads, 128, block_size=block_size,
                           **OPTIONS[options])
     _check(build(make, seed, DEVICE), seed)
-
-
-PLANS = [prefill.PrefillPlan(stages, overlap, kv_major) for stages in prefill.STAGES for overlap in (False, True)
-         for kv_major in (True, False)]
 
 
 @needs_hopper
