@@ -145,7 +145,7 @@ def paged_attention_supports(
 ) -> Optional[str]:
     """None when one of the backend's kernels handles this (already validated) call, else why not."""
     if max_query_len > 1:
-        reason = prefill.prefill_supports(query, k_cache, seq_lens, max_query_len)
+        reason = prefill.prefill_supports(query, k_cache, seq_lens, max_query_len, scale)
         return reason if reason is not None else _alignment_reason(query, k_cache, v_cache)
     reason = shape_reason(query.dtype, k_cache.dtype, query.shape[1], k_cache.shape[2], query.shape[2],
                           k_cache.shape[1], max_query_len <= 1)

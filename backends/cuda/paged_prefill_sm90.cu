@@ -302,16 +302,20 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     // soft cap, the masks where the step crosses a boundary, the running max and sum updated;
     // alpha gets the factor the accumulator must be rescaled by.
     auto softmax = [&](float (&s)[64], int i, float (&alpha)[2]) {
+        // Without a soft cap the scores stay raw until the exponent, which folds the scale in
+        // (one FFMA a score instead of a multiply and a subtraction): the host passes scale > 0,
+        // so the raw maximum is the scaled one's. With a cap they are capped in log2 units first.
+        float unit = scale_log2;
+        if constexpr (SOFT_CAP) {
+            unit = 1.0f;
 #pragma unroll
-        for (int k = 0; k < 64; ++k) {
-            float x = s[k] * scale_log2;
-            if constexpr (SOFT_CAP) {
+            for (int k = 0; k < 64; ++k) {
                 // cap * tanh(x), tanh from one exp2 of -2|x|: no overflow for any x.
+                const float x = s[k] * scale_log2;
                 const float e = exp2_approx(fabsf(x) * (-2.0f * kLog2e));
                 const float t = (1.0f - e) / (1.0f + e);
-                x = (x < 0.0f ? -t : t) * (soft_cap * kLog2e);
+                s[k] = (x < 0.0f ? -t : t) * (soft_cap * kLog2e);
             }
-            s[k] = x;
         }
         const int step_lo = (first + i) * kStep, step_hi = step_lo + kStep;
         if (step_hi > full_hi || step_lo < full_lo) {
@@ -326,30 +330,32 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
                 }
             }
         }
-        float mx[2] = {neg_inf(), neg_inf()};
+        // Maxima and sums in two interleaved chains per row (half the dependent latency).
+        float mx[2][2] = {{neg_inf(), neg_inf()}, {neg_inf(), neg_inf()}};
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+            for (int e = 0; e < 4; ++e) mx[e >> 1][j & 1] = fmaxf(mx[e >> 1][j & 1], s[4 * j + e]);
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            const float m_new = fmaxf(m_run[r], mx[r]);
+            float row_max = fmaxf(mx[r][0], mx[r][1]);
+            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 1));
+            row_max = fmaxf(row_max, __shfl_xor_sync(0xffffffffu, row_max, 2));
+            const float m_new = fmaxf(m_run[r], row_max * unit);  // -inf stays -inf (unit > 0)
             // A row that has seen nothing yet (window) keeps m = -inf: exponents against 0 then
             // give p = 0 and alpha = 0 rather than NaN.
             const float m_use = m_new == neg_inf() ? 0.0f : m_new;
             alpha[r] = exp2_approx(m_run[r] - m_use);
             m_run[r] = m_new;
-            float sum = 0.0f;
+            float sum[2] = {0.0f, 0.0f};
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
-                s[4 * j + 2 * r] = exp2_approx(s[4 * j + 2 * r] - m_use);
-                s[4 * j + 2 * r + 1] = exp2_approx(s[4 * j + 2 * r + 1] - m_use);
-                sum += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
+                s[4 * j + 2 * r] = exp2_approx(fmaf(s[4 * j + 2 * r], unit, -m_use));
+                s[4 * j + 2 * r + 1] = exp2_approx(fmaf(s[4 * j + 2 * r + 1], unit, -m_use));
+                sum[j & 1] += s[4 * j + 2 * r] + s[4 * j + 2 * r + 1];
             }
-            l_run[r] = l_run[r] * alpha[r] + sum;
+            l_run[r] = l_run[r] * alpha[r] + (sum[0] + sum[1]);
         }
     };
     // Probabilities as the value MMAs' A operand (16 positions a slice: the accumulator's column

@@ -63,10 +63,12 @@ class PrefillPlan:
     softmax runs under the value MMAs); and, with overlap, whether the two consumers take turns
     to issue their MMAs (``pingpong``: one's softmax under the other's MMAs)."""
 
-    # Three stages without overlap: 1055 us (69.8% of bf16) at Llama-3-8B 8192 on the H100, with
-    # overlap 1065, two stages 1281 / 1372 (perf/results/cuda_prefill_sweep_h100_*.json).
-    stages: int = 3
-    overlap: bool = False
+    # Two stages with overlap: 1024-1035 us (68.8-69.4% of bf16) at Llama-3-8B 8192 on the H100,
+    # replaying one input set or rotating through several; three stages 1054-1064, no overlap
+    # 1088-1145, ping-pong no faster there (1031 / 1100) and 1-5% faster on 1024-token prompts
+    # (perf/results/cuda_prefill_sweep_h100_*.json, perf/notes/attention.md round 10).
+    stages: int = 2
+    overlap: bool = True
     pingpong: bool = False
 
 
@@ -105,12 +107,15 @@ def shape_reason(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: i
 
 
 def prefill_supports(query: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor,
-                     max_query_len: int) -> Optional[str]:
+                     max_query_len: int, scale: float) -> Optional[str]:
     """None when the prefill kernel handles this (already validated) call, else why not; the
     tensors' alignment is attention.py's check, shared with the decode kernel."""
     reason = shape_reason(query.dtype, k_cache.dtype, query.shape[2], k_cache.shape[1])
     if reason is not None:
         return reason
+    if not (math.isfinite(scale) and scale > 0):
+        # The kernel takes each row's maximum over raw scores and scales it once.
+        return f"prefill: scale must be finite and > 0, got {scale}"
     if query.device.type != "cuda" or probes.is_rocm():
         return f"needs an NVIDIA GPU, the tensors are on {query.device}"
     capability = _capability(query.device)

@@ -60,6 +60,15 @@ def test_paged_attention_routes_by_max_query_len():
     assert "needs an NVIDIA GPU" in attention.paged_attention_supports(**prefill_call)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("inf"), float("nan")])
+def test_prefill_declines_scales_it_cannot_fold(scale):
+    # The kernel scales each row's raw maximum once, which needs a finite positive scale.
+    call = build(pa_spec._maker((5, 1), (9, 20), 8, 1, 128), 0, "cpu")
+    call["scale"] = scale
+    reason = attention.paged_attention_supports(**call)
+    assert reason == f"prefill: scale must be finite and > 0, got {scale}"
+
+
 def test_override_plan_checks_its_argument():
     with pytest.raises(ValueError, match=r"stages must be one of \(2, 3\), got 4"):
         with prefill.override_plan(stages=4):
