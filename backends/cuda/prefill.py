@@ -63,13 +63,15 @@ class PrefillPlan:
     softmax runs under the value MMAs); and, with overlap, whether the two consumers take turns
     to issue their MMAs (``pingpong``: one's softmax under the other's MMAs)."""
 
-    # Two stages with overlap: 1024-1035 us (68.8-69.4% of bf16) at Llama-3-8B 8192 on the H100,
-    # replaying one input set or rotating through several; three stages 1054-1064, no overlap
-    # 1088-1145, ping-pong no faster there (1031 / 1100) and 1-5% faster on 1024-token prompts
-    # (perf/results/cuda_prefill_sweep_h100_*.json, perf/notes/attention.md round 10).
+    # Two stages, overlap and ping-pong, from cuda_prefill_sweep at Llama-3-8B 8192 on the H100
+    # (perf/results/cuda_prefill_sweep_h100_*.json, perf/notes/attention.md round 10): timed as
+    # the bench times (sustained load: the clock drops to ~1.6-1.7 GHz at the 700 W limit),
+    # 1114 us (64.9% of bf16; overlap without ping-pong 1165, three stages 1135, dense SDPA
+    # 1022); in short bursts all overlapped plans 1002-1031 us; at 1024 tokens ping-pong 3-5%
+    # ahead in both.
     stages: int = 2
     overlap: bool = True
-    pingpong: bool = False
+    pingpong: bool = True
 
 
 DEFAULT_PLAN = PrefillPlan()
