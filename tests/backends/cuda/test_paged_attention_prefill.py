@@ -79,8 +79,8 @@ def test_override_plan_checks_its_argument():
     with pytest.raises(ValueError, match="pingpong needs overlap"):
         with prefill.override_plan(overlap=False, pingpong=True):
             pass
-    with prefill.override_plan(stages=3, overlap=False):
-        assert prefill._plans.current == prefill.PrefillPlan(stages=3, overlap=False)
+    with prefill.override_plan(stages=3, overlap=False, pingpong=False):
+        assert prefill._plans.current == prefill.PrefillPlan(stages=3, overlap=False, pingpong=False)
     assert prefill._plans.current == prefill.DEFAULT_PLAN
 
 
