@@ -409,6 +409,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             fence_registers(s);
             release(k_empty((i + 1) % STAGES));
             softmax(s, i + 1, alpha);
+            // Without this ptxas put the wait above the softmax (SASS of 702165d), which then
+            // ran after the value MMAs instead of under them. The sums need every exponential.
+            schedule_before_next_wait(fminf(l_run[0], l_run[1]));
             wgmma_wait<0>();
             fence_registers(o);
             release(v_empty(i % STAGES));

@@ -109,6 +109,15 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
+// ptxas schedules a wgmma wait as early as its own operands allow: above independent arithmetic
+// the source puts before it (register fences stay in the PTX; ptxas reorders the SASS). A
+// warp-uniform branch on `value` ends a block that ptxas does not hoist the next wait out of, so
+// the arithmetic `value` depends on runs before the wait, under the MMAs it waits for. The branch
+// is never taken for value >= 0 or NaN, and its body would do nothing.
+__device__ __forceinline__ void schedule_before_next_wait(float value) {
+    if (__any_sync(0xffffffffu, value < 0.0f)) asm volatile("nanosleep.u32 0;" ::: "memory");
+}
+
 // Ties accumulators to the wait before them: without it the compiler may read a register between
 // the wgmma that writes it (asynchronously) and the wait.
 template <int N>
