@@ -1,7 +1,14 @@
-"""Shared by the cuda backend's kernel tests: skip marks naming what a test needs, and NaN-poisoned
-allocator blocks so an output element a kernel never writes fails the comparison."""
+"""Shared by the cuda backend's kernel tests: skip marks naming what a test needs, NaN-poisoned
+allocator blocks so an output element a kernel never writes fails the comparison, and a cubin's
+SASS per kernel (cuobjdump, which Triton's wheel bundles) for tests of what ptxas emitted."""
 
 from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -16,6 +23,40 @@ needs_gpu = pytest.mark.skipif(DEVICE != "cuda",
 needs_hopper = pytest.mark.skipif(
     DEVICE != "cuda" or torch.cuda.get_device_capability() != HOPPER,
     reason="runs the sm_90a (wgmma) kernel: needs an H100/H200; runs in the GPU suite")
+def _find_cuobjdump() -> str | None:
+    try:
+        import triton.backends.nvidia as nvidia_backend
+    except ImportError:
+        return shutil.which("cuobjdump")
+    bundled = pathlib.Path(nvidia_backend.__file__).parent / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else shutil.which("cuobjdump")
+
+
+CUOBJDUMP = _find_cuobjdump()
+needs_cuobjdump = pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not found (Triton's Linux wheel "
+                                                               "bundles it; the test extra has Triton)")
+
+
+def sass(cubin: bytes) -> dict[str, list[str]]:
+    """Each kernel's SASS instructions in a cubin, in order, by mangled name."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = pathlib.Path(folder) / "module.cubin"
+        path.write_bytes(cubin)
+        listing = subprocess.run([CUOBJDUMP, "-sass", str(path)], check=True, capture_output=True,
+                                 text=True).stdout
+    kernels: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in listing.splitlines():
+        function = re.match(r"\s*Function : (\S+)", line)
+        if function:
+            current = kernels.setdefault(function.group(1), [])
+            continue
+        instruction = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s*(.*?)\s*;", line)
+        if instruction:
+            current.append(instruction.group(1))
+    return kernels
+
+
 needs_nvrtc = pytest.mark.skipif(_nvrtc.find_nvrtc() is None,
                                  reason="NVRTC not installed (pip install nvidia-cuda-nvrtc; the test extra "
                                         "has it)")

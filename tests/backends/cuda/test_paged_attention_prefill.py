@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from cuda_kernels import needs_hopper, needs_nvrtc, poison_allocator
+from cuda_kernels import needs_cuobjdump, needs_hopper, needs_nvrtc, poison_allocator, sass
 from graph_replay import build, capture, replay_on_new_inputs
 from kernelmux.backends.cuda import _nvrtc, attention, prefill
 from kernelmux.ops.specs import paged_attention as pa_spec
@@ -93,11 +93,17 @@ def test_dynamic_shared_memory_matches_the_kernel():
         assert prefill.shared_bytes(stages) == (1 + 2 * stages) * 128 * 128 * 2 + 1024
 
 
+@pytest.fixture(scope="module")
+def sm90a_module():
+    """Every instantiation, compiled once for sm_90a (NVRTC runs without a GPU)."""
+    return _nvrtc.compile_module(prefill._SOURCE.read_text(), NAMES, (9, 0), verbose=True, arch_specific=True)
+
+
 @needs_nvrtc
-def test_kernels_compile_for_sm90a_without_spills():
+def test_kernels_compile_for_sm90a_without_spills(sm90a_module):
     # The producer warpgroup gives registers to the consumers (setmaxnreg): both sides must fit
     # their share without spilling, and ptxas must not serialize the wgmmas.
-    module = _nvrtc.compile_module(prefill._SOURCE.read_text(), NAMES, (9, 0), verbose=True, arch_specific=True)
+    module = sm90a_module
     for name, plan in zip(NAMES, itertools.cycle(PLANS)):
         assert module.spill_bytes(name) == 0, name
         assert 0 < module.registers(name) <= 168, name  # 384 threads, one CTA per SM
@@ -109,6 +115,26 @@ def test_kernels_compile_for_sm90a_without_spills():
     # Loss"): a wgmma issued under a branch inside the overlapped loop did that once.
     assert "Performance Loss" not in module.log, module.log
     assert "setmaxnreg" not in module.log, module.log  # ptxas says when it ignores it (C7508)
+
+
+@needs_nvrtc
+@needs_cuobjdump
+def test_overlapped_softmax_is_scheduled_under_the_value_mmas(sm90a_module):
+    # With overlap, each step waits for its scores (wait_group 1), computes the softmax, then waits
+    # for the previous step's value MMAs (wait_group 0). ptxas once hoisted that second wait above
+    # the exponentials (702165d), so the softmax ran after the MMAs: the SASS must keep a step's
+    # exponentials (64 a thread, more with the soft cap) between the two waits.
+    kernels = sass(sm90a_module.cubin)
+    overlapped = [name for name, plan in zip(NAMES, itertools.cycle(PLANS)) if plan.overlap]
+    assert len(overlapped) == 16
+    for name in overlapped:
+        code = kernels[sm90a_module.names[name]]
+        scores_waits = [i for i, ins in enumerate(code) if ins == "WARPGROUP.DEPBAR.LE gsb0, 0x1"]
+        assert scores_waits, name  # the overlapped loop's wait for the scores
+        for start in scores_waits:
+            end = next(i for i in range(start, len(code)) if code[i] == "WARPGROUP.DEPBAR.LE gsb0, 0x0")
+            exponentials = sum("MUFU.EX2" in ins for ins in code[start:end])
+            assert exponentials >= 64, (name, exponentials)
 
 
 @needs_nvrtc
