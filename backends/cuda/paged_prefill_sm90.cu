@@ -467,6 +467,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
                 pass_turn(true);
                 wgmma_wait<0>();
                 fence_registers(o);
+                release(v_empty(stage_of(steps - 1)));  // the CTA's next tile reuses the stage
             }
         } else {
             for (int i = 0; i < steps; ++i) {

@@ -82,11 +82,32 @@ __device__ __forceinline__ void mbarrier_arrive_if(u32 barrier, int arrive) {
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %1, 0;\n\t@p mbarrier.arrive.shared::cta.b64 _, [%0];\n\t}"
                  ::"r"(barrier), "r"(arrive) : "memory");
 }
+#ifdef KERNELMUX_WATCHDOG
+// Diagnostic builds: a wait still incomplete after 2 s names its barrier and traps (a protocol
+// mismatch otherwise hangs the GPU until the process is killed, and says nothing).
+__device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
+    u64 start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    for (;;) {
+        u32 done;
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(barrier), "r"(parity) : "memory");
+        if (done) return;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start > 2000000000ull) {
+            printf("watchdog: block %d thread %d waits on mbarrier 0x%x parity %u\n", (int)blockIdx.x,
+                   (int)threadIdx.x, barrier, parity);
+            __trap();
+        }
+    }
+}
+#else
 __device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
     asm volatile("{\n\t.reg .pred done;\n\tKM_WAIT:\n\t"
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
                  "@!done bra KM_WAIT;\n\t}" ::"r"(barrier), "r"(parity) : "memory");
 }
+#endif
 // One arrival on `barrier` once every cp.async this thread issued before it has landed (.noinc:
 // the arrival is one of the barrier's `count`, not an extra one).
 __device__ __forceinline__ void copy_arrive(u32 barrier) {

@@ -17,6 +17,7 @@ from conftest import DEVICE
 from cuda_kernels import needs_cuobjdump, needs_hopper, needs_nvrtc, poison_allocator, sass
 from graph_replay import build, capture, replay_on_new_inputs
 from kernelmux.backends.cuda import _nvrtc, attention, prefill
+from kernelmux.engine import probes
 from kernelmux.ops.specs import paged_attention as pa_spec
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
@@ -199,6 +200,20 @@ def test_every_plan_against_reference(plan, options):
     make = pa_spec._maker((1000, 513, 64, 1), (1000, 1500, 64, 300), 8, 2, 128, **OPTIONS[options])
     with prefill.override_plan(**dataclasses.asdict(plan)):
         _check(build(make, plan.stages, DEVICE), plan.stages)
+
+
+@needs_hopper
+@pytest.mark.parametrize("ctas", [1, 3])
+@pytest.mark.parametrize("template", TEMPLATES, ids=str)
+def test_persistent_ctas_walk_many_tiles(template, ctas, monkeypatch):
+    # With as many CTAs as SMs each walks many tiles only on large batches: here one or three
+    # CTAs take all 60 tiles (ring stages, query buffers and turns carried from tile to tile),
+    # among them tiles past their sequence's queries and a sequence without queries. A stage or
+    # buffer a tile forgets to release hangs the GPU, so this runs every template.
+    monkeypatch.setattr(probes, "compute_units", lambda device: ctas)
+    make = pa_spec._maker((300, 77, 1, 0, 260), (1029, 333, 5, 7, 260), 4, 2, 128)
+    with prefill.override_plan(**dataclasses.asdict(dataclasses.replace(template, persistent=True))):
+        _check(build(make, ctas, DEVICE), ctas)
 
 
 @needs_hopper
