@@ -49,11 +49,10 @@ constexpr int kTile = kDim / 64 * kColumnBlock;    // a 128 x 128 16-bit tile: 3
 constexpr int kProducerRegisters = 72, kConsumerRegisters = 216;  // 128 x 72 + 256 x 216 <= 64K, no spills
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Shared memory from a 1024-byte aligned base (the swizzle repeats every 1024 bytes): two query
-// tiles (a persistent CTA loads the next tile's while its consumers read this one), then STAGES
-// pairs of K and V tiles.
+// Shared memory from a 1024-byte aligned base (the swizzle repeats every 1024 bytes): Q, then
+// STAGES pairs of K and V tiles.
 template <int STAGES>
-__device__ constexpr int shared_bytes() { return (2 + 2 * STAGES) * kTile + 1024; }
+__device__ constexpr int shared_bytes() { return (1 + 2 * STAGES) * kTile + 1024; }
 
 // 128 rows x 256 bytes into a tile, by the producer's 128 threads: thread t copies chunks
 // t % 4 + 4 k (k < 4) of rows t / 4 + 32 p (p < 4), so it needs four rows' addresses a tile (one
@@ -125,45 +124,44 @@ __device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const u32 (&a)
 
 }  // namespace
 
-// Grid (CTAs), 384 threads, shared_bytes<STAGES>() of dynamic shared memory (and the mbarriers'
-// static bytes). The work is num_tiles = heads x q_tiles x sequences tiles of 128 queries; tile t
-// is query head t % heads of sequence t / (heads q_tiles), its rank (t / heads) % q_tiles counted
-// from the sequence's end, so the causal diagonal's longest tiles come first. CTA b takes tiles
-// b, b + gridDim.x, ...: one each when the grid has num_tiles CTAs, several (persistent) when it
-// has one per SM, the producer then loading a tile's query and first steps while the consumers
-// finish the last. Strides are in elements. page_shift = log2(block_size). scale_log2 =
-// scale * log2(e), or scale / soft_cap with SOFT_CAP. window: W > 0, or 0 for none.
+// Grid (Hq, ceil(max_query_len / 128), B), 384 threads, shared_bytes<STAGES>() of dynamic shared
+// memory (and 32 STAGES bytes of static: the mbarriers). Query tile y of a sequence is launched
+// as y' = gridDim.y - 1 - y, so the causal diagonal's longest tiles start first. Strides are in elements. page_shift = log2(block_size).
+// scale_log2 = scale * log2(e), or scale / soft_cap with SOFT_CAP. window: W > 0, or 0 for none.
 template <bool Q_BF16, bool SOFT_CAP, int STAGES, bool OVERLAP, bool PINGPONG>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     const unsigned char* __restrict__ query, const unsigned char* __restrict__ k_cache,
     const unsigned char* __restrict__ v_cache, unsigned char* __restrict__ out,
     const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_table, const int* __restrict__ seq_lens,
-    const float* __restrict__ sinks, int group, int page_shift, int causal, int window, int heads, int q_tiles,
-    int num_tiles, float scale_log2, float soft_cap, i64 q_stride_t, i64 q_stride_h, i64 o_stride_t,
-    i64 o_stride_h, i64 k_stride_b, i64 k_stride_p, i64 k_stride_h, i64 v_stride_b, i64 v_stride_p,
-    i64 v_stride_h, i64 table_stride) {
-    // mbarriers: per stage, K / V landed (one arrival per producer thread, made by its copies)
-    // and K / V free again (one arrival per consumer warp); per query buffer, free again.
+    const float* __restrict__ sinks, int group, int page_shift, int causal, int window, float scale_log2,
+    float soft_cap, i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h, i64 k_stride_b,
+    i64 k_stride_p, i64 k_stride_h, i64 v_stride_b, i64 v_stride_p, i64 v_stride_h, i64 table_stride) {
+    // mbarriers per stage: K / V landed (one arrival per producer thread, made by its copies),
+    // K / V free again (one arrival per consumer warp).
     static_assert(!PINGPONG || OVERLAP, "ping-pong is written for the overlapped loop");
     constexpr u32 kFullCount = 128, kEmptyCount = 8;
-    __shared__ __align__(8) u64 barriers[4 * STAGES + 2];
+    __shared__ __align__(8) u64 barriers[4][STAGES];
     extern __shared__ unsigned char shared_raw[];
     u32 dynamic_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
     if (dynamic_bytes < (u32)shared_bytes<STAGES>()) __trap();  // the host launched it with too little
-    const u32 q_tiles_base = (shared_address(shared_raw) + 1023u) & ~1023u;
-    auto q_tile = [&](int buffer) { return q_tiles_base + buffer * kTile; };
-    auto k_tile = [&](int stage) { return q_tiles_base + (2 + 2 * stage) * kTile; };
-    auto v_tile = [&](int stage) { return q_tiles_base + (3 + 2 * stage) * kTile; };
-    const u32 barrier_base = shared_address(&barriers[0]);
+    const u32 base = shared_address(shared_raw);
+    const u32 q_tile = (base + 1023u) & ~1023u;
+    auto k_tile = [&](int stage) { return q_tile + (1 + 2 * stage) * kTile; };
+    auto v_tile = [&](int stage) { return q_tile + (2 + 2 * stage) * kTile; };
+    const u32 barrier_base = shared_address(&barriers[0][0]);
     auto k_full = [&](int stage) { return barrier_base + 8 * (0 * STAGES + stage); };
     auto v_full = [&](int stage) { return barrier_base + 8 * (1 * STAGES + stage); };
     auto k_empty = [&](int stage) { return barrier_base + 8 * (2 * STAGES + stage); };
     auto v_empty = [&](int stage) { return barrier_base + 8 * (3 * STAGES + stage); };
-    auto q_empty = [&](int buffer) { return barrier_base + 8 * (4 * STAGES + buffer); };
 
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform as far as the compiler knows
+    const int head = blockIdx.x;
+    const int seq = blockIdx.z, kv_head = head / group;
+    const int q_start = cu_seqlens_q[seq], q_len = cu_seqlens_q[seq + 1] - q_start;
+    const int m0 = (gridDim.y - 1 - blockIdx.y) * kRows;  // this CTA's first query of the sequence
+    if (m0 >= q_len) return;  // the whole CTA, before any barrier
     if (tid == 0) {
 #pragma unroll
         for (int stage = 0; stage < STAGES; ++stage) {
@@ -172,41 +170,21 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             mbarrier_init(k_empty(stage), kEmptyCount);
             mbarrier_init(v_empty(stage), kEmptyCount);
         }
-        mbarrier_init(q_empty(0), kEmptyCount);
-        mbarrier_init(q_empty(1), kEmptyCount);
     }
     __syncthreads();
-
-    // The current tile, as both sides walk the same tiles. Steps are numbered through the CTA's
-    // tiles (base + i for the tile's step i) for the stages' ring and barrier phases; tiles with
-    // steps count through query buffers (q_uses).
-    int head, seq, kv_head, q_start, q_len, m0, kv_len, context, rows, first, steps;
-    auto take_tile = [&](int t) {
-        head = t % heads;
-        const int rest = t / heads;
-        seq = rest / q_tiles;
-        m0 = (q_tiles - 1 - rest % q_tiles) * kRows;  // the tile's first query of the sequence
-        kv_head = head / group;
-        q_start = cu_seqlens_q[seq];
-        q_len = cu_seqlens_q[seq + 1] - q_start;
-        kv_len = seq_lens[seq];
-        // Query i of the sequence sits at position context + i (causal); it sees positions
-        // [context + i - window + 1, context + i] (window), [0, context + i] (causal), or all.
-        context = kv_len - q_len;
-        rows = min(kRows, q_len - m0);
-        const int hi = causal ? min(kv_len, context + m0 + rows) : kv_len;  // positions [lo, hi) are read
-        const int lo = window > 0 ? max(0, context + m0 - window + 1) : 0;
-        first = lo / kStep;
-        steps = rows > 0 && hi > lo ? (hi + kStep - 1) / kStep - first : 0;
-    };
-    int base = 0, q_uses = 0;
-    auto stage_of = [&](int i) { return (base + i) % STAGES; };
-    auto phase_of = [&](int i) { return (u32)((base + i) / STAGES) & 1u; };  // of the stage's full barriers
+    const int kv_len = seq_lens[seq];
+    // Query i of the sequence sits at position context + i (causal); it sees positions
+    // [context + i - window + 1, context + i] (window), [0, context + i] (causal), or all.
+    const int context = kv_len - q_len;
+    const int rows = min(kRows, q_len - m0);
+    const int hi = causal ? min(kv_len, context + m0 + rows) : kv_len;  // positions [lo, hi) are read
+    const int lo = window > 0 ? max(0, context + m0 - window + 1) : 0;
+    const int first = lo / kStep, steps = hi > lo ? (hi + kStep - 1) / kStep - first : 0;
 
     if (wg == 0) {  // the producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
+        const int* table = block_table + (i64)seq * table_stride;
         const int block_mask = (1 << page_shift) - 1, row = tid >> 2;
-        const int* table = block_table;
         // This thread's four rows' cache blocks for a step (0 past the sequence: never used).
         auto blocks_of = [&](int step, int (&blocks)[4]) {
 #pragma unroll
@@ -225,72 +203,67 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
                                             : nullptr;
             }
         };
-        for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-            take_tile(t);
-            if (steps == 0) continue;  // the consumers write such a tile's output without loads
-            table = block_table + (i64)seq * table_stride;
-            const int buffer = q_uses & 1;
-            int blocks[4], next_blocks[4];
-            blocks_of(first, next_blocks);
-            // Step i's copies go out as soon as its stage is free (its K and V halves each as
-            // soon as the consumers are done with that half), and land on the stage's full
-            // barriers by themselves: every free stage is in flight, and the producer never
-            // waits for a load.
-            for (int i = 0; i < steps; ++i) {
-                const int stage = stage_of(i), step = first + i;
-                const bool reused = base + i >= STAGES;
-                const u32 reuse = (phase_of(i) ^ 1u);  // the empty phase that frees the stage
+        int blocks[4], next_blocks[4];
+        if (steps > 0) blocks_of(first, next_blocks);
+        // Step i's copies go out as soon as its stage is free (its K and V halves each as soon as
+        // the consumers are done with that half), and land on the stage's full barriers by
+        // themselves: every free stage is in flight, and the producer never waits for a load.
+        for (int i = 0; i < steps; ++i) {
+            const int stage = i % STAGES, step = first + i;
+            const u32 reuse = (u32)(i / STAGES - 1) & 1u;  // the empty phase that frees the stage
 #pragma unroll
-                for (int p = 0; p < 4; ++p) blocks[p] = next_blocks[p];
-                if (i + 1 < steps) blocks_of(step + 1, next_blocks);  // used an iteration later
-                const unsigned char* sources[4];
-                if (i == 0) {  // the query tile lands with step 0's keys, once its buffer is free
+            for (int p = 0; p < 4; ++p) blocks[p] = next_blocks[p];
+            if (i + 1 < steps) blocks_of(step + 1, next_blocks);  // used an iteration later
+            const unsigned char* sources[4];
+            if (i == 0) {  // the query tile lands with step 0's keys
 #pragma unroll
-                    for (int p = 0; p < 4; ++p) {
-                        const int r = row + 32 * p;
-                        sources[p] = r < rows ? query + ((i64)(q_start + m0 + r) * q_stride_t +
-                                                         (i64)head * q_stride_h) * 2
-                                              : nullptr;
-                    }
-                    if (q_uses >= 2) mbarrier_wait(q_empty(buffer), (u32)(q_uses / 2 - 1) & 1u);
-                    load_tile(q_tile(buffer), tid, query, sources);
+                for (int p = 0; p < 4; ++p) {
+                    const int r = row + 32 * p;
+                    sources[p] = r < rows ? query + ((i64)(q_start + m0 + r) * q_stride_t + (i64)head * q_stride_h) * 2
+                                          : nullptr;
                 }
-                kv_rows(k_cache, k_stride_b, k_stride_p, k_stride_h, step, blocks, sources);
-                if (reused) mbarrier_wait(k_empty(stage), reuse);
-                load_tile(k_tile(stage), tid, query, sources);
-                copy_arrive(k_full(stage));
-                kv_rows(v_cache, v_stride_b, v_stride_p, v_stride_h, step, blocks, sources);
-                if (reused) mbarrier_wait(v_empty(stage), reuse);
-                load_tile(v_tile(stage), tid, query, sources);
-                copy_arrive(v_full(stage));
+                load_tile(q_tile, tid, query, sources);
             }
-            base += steps;
-            ++q_uses;
+            kv_rows(k_cache, k_stride_b, k_stride_p, k_stride_h, step, blocks, sources);
+            if (i >= STAGES) mbarrier_wait(k_empty(stage), reuse);
+            load_tile(k_tile(stage), tid, query, sources);
+            copy_arrive(k_full(stage));
+            kv_rows(v_cache, v_stride_b, v_stride_p, v_stride_h, step, blocks, sources);
+            if (i >= STAGES) mbarrier_wait(v_empty(stage), reuse);
+            load_tile(v_tile(stage), tid, query, sources);
+            copy_arrive(v_full(stage));
         }
         copy_wait_all();  // nothing of this CTA's left in flight when its threads exit
         return;
     }
 
-    // A consumer: query rows 64 c .. 64 c + 63 of each tile. This thread's accumulator rows are
+    // A consumer: query rows 64 c .. 64 c + 63 of the tile. This thread's accumulator rows are
     // row0 and row0 + 8 of those; its columns 8 j + 2 quad (+1) of each 8-column group j.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
     const int c = wg - 1, lane = tid & 31, quad = lane & 3;
     const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
-    // Per tile: the warpgroup's first query of the sequence, this thread's rows' own positions
-    // (causal), the positions every row of the warpgroup sees ([full_lo, full_hi): steps inside
-    // need no mask), and the query buffer's descriptor.
-    int first_row, position_of[2], full_hi, full_lo;
-    u64 q_desc;
-    float o[64], m_run[2], l_run[2];
+    const int first_row = m0 + 64 * c;  // the warpgroup's first query of the sequence
+    int position_of[2];                 // this thread's rows' own positions (causal)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) position_of[r] = context + first_row + row0 + 8 * r;
+    // Steps whose positions all lie inside every row's range of this warpgroup need no mask.
+    const int full_hi = min(kv_len, causal ? context + first_row + 1 : kv_len);  // [.., full_hi) seen by all rows
+    const int full_lo = window > 0 ? context + first_row + 63 - window + 1 : 0;  // [full_lo, ..) likewise
+
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    float m_run[2] = {neg_inf(), neg_inf()}, l_run[2] = {0.0f, 0.0f};
+    const u64 q_desc = descriptor(q_tile + c * 64 * 128, 16, 1024);
 
     // Step i's K / V tile has landed: the copies' writes (generic proxy), seen through the
     // barrier, made visible to the wgmmas (async proxy).
     auto wait_keys = [&](int i) {
-        mbarrier_wait(k_full(stage_of(i)), phase_of(i));
+        mbarrier_wait(k_full(i % STAGES), (u32)(i / STAGES) & 1u);
         fence_async_proxy();
     };
     auto wait_values = [&](int i) {
-        mbarrier_wait(v_full(stage_of(i)), phase_of(i));
+        mbarrier_wait(v_full(i % STAGES), (u32)(i / STAGES) & 1u);
         fence_async_proxy();
     };
     // PINGPONG: the consumers take turns to issue their MMAs (named barriers kTurn + c, each a
@@ -306,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     };
     // s = Q K^T of step i (issued, not waited for).
     auto issue_scores = [&](float (&s)[64], int i) {
-        const int stage = stage_of(i);
+        const int stage = i % STAGES;
         wgmma_fence();
         const u64 k_desc = descriptor(k_tile(stage), 16, 1024);
 #pragma unroll
@@ -318,7 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     };
     // o += P V of step i (issued, not waited for).
     auto issue_values = [&](const u32 (&p)[kStep / 16][4], int i) {
-        const int stage = stage_of(i);
+        const int stage = i % STAGES;
         wgmma_fence();
         const u64 v_desc = descriptor(v_tile(stage), kColumnBlock, 1024);
 #pragma unroll
@@ -406,115 +379,94 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
 
     // The consumer is done with a stage's K or V tile: one arrival per warp (its wgmmas are waited for).
     auto release = [&](u32 barrier) { mbarrier_arrive_if(barrier, lane == 0); };
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-        take_tile(t);
-        if (rows <= 0) continue;  // past the sequence's queries
-        const int buffer = q_uses & 1;
-        first_row = m0 + 64 * c;
+    if constexpr (OVERLAP) {
+        float s[64], alpha[2];
+        u32 p[kStep / 16][4];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) position_of[r] = context + first_row + row0 + 8 * r;
-        full_hi = min(kv_len, causal ? context + first_row + 1 : kv_len);
-        full_lo = window > 0 ? context + first_row + 63 - window + 1 : 0;
-        q_desc = descriptor(q_tile(buffer) + c * 64 * 128, 16, 1024);
-#pragma unroll
-        for (int i = 0; i < 64; ++i) o[i] = 0.0f;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) m_run[r] = neg_inf(), l_run[r] = 0.0f;
-
-        if constexpr (OVERLAP) {
+        for (int k = 0; k < 64; ++k) s[k] = 0.0f;  // defined values for the first wgmma's operand list
+        if (steps > 0) {
+            if constexpr (PINGPONG) bar_arrive_if<256>(kTurn, c == 1);
+            wait_keys(0);
+            take_turn();
+            issue_scores(s, 0);
+            pass_turn(false);
+            wgmma_wait<0>();
+            fence_registers(s);
+            release(k_empty(0));
+            softmax(s, 0, alpha);
+            pack(s, p);
+        }
+        // Every step but the last: the next step's scores are issued first (no branch around
+        // a wgmma: ptxas serializes them when it cannot pair issues with waits).
+        for (int i = 0; i + 1 < steps; ++i) {
+            wait_keys(i + 1);
+            wait_values(i);
+            take_turn();
+            issue_scores(s, i + 1);
+            issue_values(p, i);
+            pass_turn(false);
+            wgmma_wait<1>();  // the scores (the older group)
+            fence_registers(s);
+            release(k_empty((i + 1) % STAGES));
+            softmax(s, i + 1, alpha);
+            // Without this ptxas put the wait above the softmax (SASS of 702165d), which then
+            // ran after the value MMAs instead of under them. The sums need every exponential.
+            schedule_before_next_wait(fminf(l_run[0], l_run[1]));
+            wgmma_wait<0>();
+            fence_registers(o);
+            release(v_empty(i % STAGES));
+            rescale(alpha);
+            pack(s, p);
+        }
+        if (steps > 0) {
+            wait_values(steps - 1);
+            take_turn();
+            issue_values(p, steps - 1);
+            pass_turn(true);
+            wgmma_wait<0>();
+            fence_registers(o);
+        }
+    } else {
+        for (int i = 0; i < steps; ++i) {
             float s[64], alpha[2];
             u32 p[kStep / 16][4];
 #pragma unroll
-            for (int k = 0; k < 64; ++k) s[k] = 0.0f;  // defined values for the first wgmma's operand list
-            if (steps > 0) {
-                if constexpr (PINGPONG) bar_arrive_if<256>(kTurn, c == 1);
-                wait_keys(0);
-                take_turn();
-                issue_scores(s, 0);
-                pass_turn(false);
-                wgmma_wait<0>();
-                fence_registers(s);
-                release(k_empty(stage_of(0)));
-                softmax(s, 0, alpha);
-                pack(s, p);
-            }
-            // Every step but the last: the next step's scores are issued first (no branch around
-            // a wgmma: ptxas serializes them when it cannot pair issues with waits).
-            for (int i = 0; i + 1 < steps; ++i) {
-                wait_keys(i + 1);
-                wait_values(i);
-                take_turn();
-                issue_scores(s, i + 1);
-                issue_values(p, i);
-                pass_turn(false);
-                wgmma_wait<1>();  // the scores (the older group)
-                fence_registers(s);
-                release(k_empty(stage_of(i + 1)));
-                softmax(s, i + 1, alpha);
-                // Without this ptxas put the wait above the softmax (SASS of 702165d), which then
-                // ran after the value MMAs instead of under them. The sums need every exponential.
-                schedule_before_next_wait(fminf(l_run[0], l_run[1]));
-                wgmma_wait<0>();
-                fence_registers(o);
-                release(v_empty(stage_of(i)));
-                rescale(alpha);
-                pack(s, p);
-            }
-            if (steps > 0) {
-                wait_values(steps - 1);
-                take_turn();
-                issue_values(p, steps - 1);
-                pass_turn(true);
-                wgmma_wait<0>();
-                fence_registers(o);
-                release(v_empty(stage_of(steps - 1)));  // the CTA's next tile reuses the stage
-            }
-        } else {
-            for (int i = 0; i < steps; ++i) {
-                float s[64], alpha[2];
-                u32 p[kStep / 16][4];
-#pragma unroll
-                for (int k = 0; k < 64; ++k) s[k] = 0.0f;
-                wait_keys(i);
-                issue_scores(s, i);
-                wgmma_wait<0>();
-                fence_registers(s);
-                release(k_empty(stage_of(i)));
-                softmax(s, i, alpha);
-                pack(s, p);
-                rescale(alpha);
-                wait_values(i);
-                issue_values(p, i);
-                wgmma_wait<0>();
-                fence_registers(o);
-                release(v_empty(stage_of(i)));
-            }
+            for (int k = 0; k < 64; ++k) s[k] = 0.0f;
+            wait_keys(i);
+            issue_scores(s, i);
+            wgmma_wait<0>();
+            fence_registers(s);
+            release(k_empty(i % STAGES));
+            softmax(s, i, alpha);
+            pack(s, p);
+            rescale(alpha);
+            wait_values(i);
+            issue_values(p, i);
+            wgmma_wait<0>();
+            fence_registers(o);
+            release(v_empty(i % STAGES));
         }
+    }
 
-        if (steps > 0) release(q_empty(buffer));  // every wgmma of the tile has been waited for
-
-        // Row sums over the quad; sinks join the denominator; normalize and store this thread's pairs.
+    // Row sums over the quad; sinks join the denominator; normalize and store this thread's pairs.
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
-            l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
-            float factor = 1.0f;
-            if (sinks != nullptr) {
-                const float sink = sinks[head] * kLog2e, m_all = fmaxf(m_run[r], sink);
-                factor = exp2_approx(m_run[r] - m_all);  // 0 when no position was seen
-                l_run[r] = l_run[r] * factor + exp2_approx(sink - m_all);
-            }
-            const float inverse = l_run[r] > 0.0f ? factor / l_run[r] : 0.0f;
-            const int row = first_row + row0 + 8 * r;
-            if (row >= q_len) continue;
-            unsigned char* row_out =
-                out + ((i64)(q_start + row) * o_stride_t + (i64)head * o_stride_h + 2 * quad) * 2;
-#pragma unroll
-            for (int j = 0; j < 16; ++j)
-                *reinterpret_cast<u32*>(row_out + 16 * j) =
-                    pack2<Q_BF16>(o[4 * j + 2 * r] * inverse, o[4 * j + 2 * r + 1] * inverse);
+    for (int r = 0; r < 2; ++r) {
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 1);
+        l_run[r] += __shfl_xor_sync(0xffffffffu, l_run[r], 2);
+        float factor = 1.0f;
+        if (sinks != nullptr) {
+            const float sink = sinks[head] * kLog2e, m_all = fmaxf(m_run[r], sink);
+            factor = exp2_approx(m_run[r] - m_all);  // 0 when no position was seen
+            l_run[r] = l_run[r] * factor + exp2_approx(sink - m_all);
         }
-        if (steps > 0) ++q_uses;
-        base += steps;
+        const float inverse = l_run[r] > 0.0f ? factor / l_run[r] : 0.0f;
+        const int row = first_row + row0 + 8 * r;
+        if (row >= q_len) continue;
+        unsigned char* row_out =
+            out + ((i64)(q_start + row) * o_stride_t + (i64)head * o_stride_h + 2 * quad) * 2;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+            *reinterpret_cast<u32*>(row_out + 16 * j) =
+                pack2<Q_BF16>(o[4 * j + 2 * r] * inverse, o[4 * j + 2 * r + 1] * inverse);
     }
 }

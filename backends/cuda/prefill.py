@@ -8,11 +8,10 @@ group, causal or not, and every option of the spec (sliding window, soft cap, si
 other head dims and other GPUs are the triton backend's: ``prefill_supports`` says why per call,
 and dispatch moves on. Decode (``max_query_len <= 1``) is attention.py's.
 
-Launch: 128-query tiles (query heads x ceil(max_query_len / 128) x sequences), walked by one CTA
-per SM (the persistent plan) or one CTA per tile; a CTA is three warpgroups with (2 + 2 x stages)
-x 32 KiB of shared memory, so one per SM. The grid comes from host ints only (tiles past a
-sequence's queries are skipped at once), so CUDA graphs stay valid when lengths and tables change
-under them. First call per (arch, query dtype, soft cap or not, kernel template): one NVRTC
+Launch: one CTA (three warpgroups; (1 + 2 x stages) x 32 KiB of shared memory, so one per SM) per
+query head, 128-query tile and sequence, from host ints only (``max_query_len`` sizes the grid;
+tiles past a sequence's queries exit at once), so CUDA graphs stay valid when lengths and tables
+change under them. First call per (arch, query dtype, soft cap or not, stages): one NVRTC
 compilation, about 2 s on a 2-core VM, kept on disk (_nvrtc.compile_module_cached: later processes
 load the cubin), then one module load per device. No autotuning: the plan comes from
 perf/diag/cuda_prefill_sweep.py's measurements (DEFAULT_PLAN), recorded in perf/notes/attention.md.
@@ -20,7 +19,6 @@ perf/diag/cuda_prefill_sweep.py's measurements (DEFAULT_PLAN), recorded in perf/
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import pathlib
@@ -42,11 +40,10 @@ HEAD_DIM = 128  # the tiles' layout (two 64-dim column blocks)
 ROWS = 128  # query rows per CTA: two consumer warpgroups of 64
 THREADS = 384  # a producer warpgroup and two consumers
 TILE_BYTES = 128 * HEAD_DIM * 2
-STAGES = (2,)  # K/V stages the kernel is instantiated for (with two query tiles: 192 KiB of the 227)
+STAGES = (2, 3)  # K/V stages the kernel is instantiated for (3 fills 225 KiB of the 227)
 _SOURCE = pathlib.Path(__file__).with_name("paged_prefill_sm90.cu")
 # The kernel's arguments (see the .cu file): p pointer, i int32, q int64, f float32.
-_SIGNATURE = "pppppppp" + "iiiiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
-_MAX_TILES = 2**31 - 1  # tile indices are int32 in the kernel
+_SIGNATURE = "pppppppp" + "iiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
 _LOG2E = 1.4426950408889634
 _DEFINES: tuple[str, ...] = ()
 
@@ -54,19 +51,17 @@ _capability = probes.device_capability
 
 
 def shared_bytes(stages: int) -> int:
-    """shared_bytes<STAGES>() in the .cu file: two query tiles, ``stages`` K and V tiles, and 1024
+    """shared_bytes<STAGES>() in the .cu file: the query tile, ``stages`` K and V tiles, and 1024
     bytes of room to align the base (the kernel traps when launched with less)."""
-    return (2 + 2 * stages) * TILE_BYTES + 1024
+    return (1 + 2 * stages) * TILE_BYTES + 1024
 
 
 @dataclass(frozen=True)
 class PrefillPlan:
     """A launch's choices: K/V stages in shared memory (one of STAGES); whether each consumer
     issues the next step's scores before waiting for this step's values (``overlap``: the
-    softmax runs under the value MMAs); with overlap, whether the two consumers take turns to
-    issue their MMAs (``pingpong``: one's softmax under the other's MMAs); and whether one CTA
-    per SM walks the tiles (``persistent``: a tile's query and first steps load while the last
-    tile finishes) rather than one CTA per tile."""
+    softmax runs under the value MMAs); and, with overlap, whether the two consumers take turns
+    to issue their MMAs (``pingpong``: one's softmax under the other's MMAs)."""
 
     # Two stages, overlap and ping-pong, from cuda_prefill_sweep at Llama-3-8B 8192 on the H100
     # (perf/results/cuda_prefill_sweep_h100_*.json, perf/notes/attention.md round 10): timed as
@@ -77,7 +72,6 @@ class PrefillPlan:
     stages: int = 2
     overlap: bool = True
     pingpong: bool = True
-    persistent: bool = True
 
 
 DEFAULT_PLAN = PrefillPlan()
@@ -86,7 +80,7 @@ DEFAULT_PLAN = PrefillPlan()
 def _plan_problem(plan: PrefillPlan) -> Optional[str]:
     if plan.stages not in STAGES:
         return f"stages must be one of {STAGES}, got {plan.stages!r}"
-    for field in ("overlap", "pingpong", "persistent"):
+    for field in ("overlap", "pingpong"):
         if type(getattr(plan, field)) is not bool:
             return f"{field} must be a bool, got {getattr(plan, field)!r}"
     if plan.pingpong and not plan.overlap:
@@ -133,31 +127,25 @@ def prefill_supports(query: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch
     if _nvrtc.find_nvrtc() is None:
         return ("NVRTC not found (pip install nvidia-cuda-nvrtc, which torch's CUDA wheels bring, or a CUDA "
                 "toolkit)")
-    tiles = query.shape[1] * math.ceil(max_query_len / ROWS) * seq_lens.shape[0]
-    if tiles > _MAX_TILES:
-        return (f"{tiles} tiles (query heads x 128-query tiles x sequences) > {_MAX_TILES}, the kernel's int32 "
-                "tile index (split the batch)")
+    if seq_lens.shape[0] > 65535:
+        return f"{seq_lens.shape[0]} sequences > 65535, CUDA's limit on grid axis 2 (split the batch)"
+    if math.ceil(max_query_len / ROWS) > 65535:
+        return f"max_query_len {max_query_len} > {65535 * ROWS}, CUDA's limit on grid axis 1 in 128-query tiles"
     return None
-
-
-def _template(plan: PrefillPlan) -> PrefillPlan:
-    """The plan as far as the kernel's template sees it (persistent only sizes the grid)."""
-    return dataclasses.replace(plan, persistent=False)
 
 
 @functools.cache
 def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, soft_cap: bool,
-              template: PrefillPlan) -> tuple[_nvrtc.CompiledModule, str]:
+              plan: PrefillPlan) -> tuple[_nvrtc.CompiledModule, str]:
     """One NVRTC compilation per arch, macro set and template set: (module, kernel name)."""
-    name = kernel_name(bf16, soft_cap, template)
+    name = kernel_name(bf16, soft_cap, plan)
     module = _nvrtc.compile_module_cached(_SOURCE.read_text(), [name], arch, filename=_SOURCE.name,
                                           arch_specific=True, defines=defines)
     return module, name
 
 
 def kernel_name(bf16: bool, soft_cap: bool, plan: PrefillPlan) -> str:
-    """The C++ name of the kernel instantiated for a query dtype, soft cap or not, and a plan (its
-    template fields)."""
+    """The C++ name of the kernel instantiated for a query dtype, soft cap or not, and a plan."""
     flags = ", ".join(str(flag).lower() for flag in (bf16, soft_cap))
     return (f"paged_prefill_sm90<{flags}, {plan.stages}, {str(plan.overlap).lower()}, "
             f"{str(plan.pingpong).lower()}>")
@@ -169,11 +157,10 @@ _LOADED = _nvrtc.LoadedKernels()
 def _kernel(device: torch.device, bf16: bool, soft_cap: bool, plan: PrefillPlan) -> _nvrtc.Kernel:
     """The prefill kernel for the template set, loaded on ``device`` (cached per device)."""
     def build():
-        module, name = _compiled(_capability(device), _DEFINES, bf16, soft_cap, template)
-        return module, [_nvrtc.KernelSpec(name, _SIGNATURE, THREADS, shared_bytes(template.stages))]
+        module, name = _compiled(_capability(device), _DEFINES, bf16, soft_cap, plan)
+        return module, [_nvrtc.KernelSpec(name, _SIGNATURE, THREADS, shared_bytes(plan.stages))]
 
-    template = _template(plan)
-    return _LOADED.get(device, (_DEFINES, bf16, soft_cap, template), build)[0]
+    return _LOADED.get(device, (_DEFINES, bf16, soft_cap, plan), build)[0]
 
 
 def paged_prefill(
@@ -203,14 +190,10 @@ def paged_prefill(
     device = query.device
     with torch.cuda.device(device):
         kernel = _kernel(device, query.dtype == torch.bfloat16, soft_cap, plan)
-        q_tiles = math.ceil(max_query_len / ROWS)
-        tiles = num_q_heads * q_tiles * num_seqs
-        ctas = min(tiles, probes.compute_units(device)) if plan.persistent else tiles
         kernel(
-            (ctas, 1, 1),
+            (num_q_heads, math.ceil(max_query_len / ROWS), num_seqs),
             query, k_cache, v_cache, out, cu_seqlens_q, block_table, seq_lens, sinks,
             num_q_heads // num_kv_heads, page_shift(k_cache.shape[1]), int(causal), int(sliding_window),
-            num_q_heads, q_tiles, tiles,
             float(scale) / logits_soft_cap if soft_cap else float(scale) * _LOG2E, float(logits_soft_cap),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -17,18 +17,14 @@ from conftest import DEVICE
 from cuda_kernels import needs_cuobjdump, needs_hopper, needs_nvrtc, poison_allocator, sass
 from graph_replay import build, capture, replay_on_new_inputs
 from kernelmux.backends.cuda import _nvrtc, attention, prefill
-from kernelmux.engine import probes
 from kernelmux.ops.specs import paged_attention as pa_spec
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
-# Every template the kernel is instantiated for: stages x (serial, overlap, overlap with
-# ping-pong); every plan: those, persistent or a CTA per tile.
-TEMPLATES = [prefill.PrefillPlan(stages, overlap, pingpong, persistent=False) for stages in prefill.STAGES
-             for overlap, pingpong in ((False, False), (True, False), (True, True))]
-PLANS = [dataclasses.replace(template, persistent=persistent) for template in TEMPLATES
-         for persistent in (True, False)]
-NAMES = [prefill.kernel_name(bf16, cap, template) for bf16, cap, template in
-         itertools.product((True, False), (False, True), TEMPLATES)]
+# Every plan the kernel is instantiated for: stages x (serial, overlap, overlap with ping-pong).
+PLANS = [prefill.PrefillPlan(stages, overlap, pingpong) for stages in prefill.STAGES
+         for overlap, pingpong in ((False, False), (True, False), (True, True))]
+NAMES = [prefill.kernel_name(bf16, cap, plan) for bf16, cap, plan in
+         itertools.product((True, False), (False, True), PLANS)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,8 +70,8 @@ def test_prefill_declines_scales_it_cannot_fold(scale):
 
 
 def test_override_plan_checks_its_argument():
-    with pytest.raises(ValueError, match=r"stages must be one of \(2,\), got 3"):
-        with prefill.override_plan(stages=3):
+    with pytest.raises(ValueError, match=r"stages must be one of \(2, 3\), got 4"):
+        with prefill.override_plan(stages=4):
             pass
     with pytest.raises(ValueError, match="overlap must be a bool, got 1"):
         with prefill.override_plan(overlap=1):
@@ -83,9 +79,8 @@ def test_override_plan_checks_its_argument():
     with pytest.raises(ValueError, match="pingpong needs overlap"):
         with prefill.override_plan(overlap=False, pingpong=True):
             pass
-    with prefill.override_plan(overlap=False, pingpong=False, persistent=False):
-        assert prefill._plans.current == prefill.PrefillPlan(stages=2, overlap=False, pingpong=False,
-                                                             persistent=False)
+    with prefill.override_plan(stages=3, overlap=False, pingpong=False):
+        assert prefill._plans.current == prefill.PrefillPlan(stages=3, overlap=False, pingpong=False)
     assert prefill._plans.current == prefill.DEFAULT_PLAN
 
 
@@ -93,9 +88,9 @@ def test_dynamic_shared_memory_matches_the_kernel():
     # The kernel traps when launched with less than its shared_bytes<STAGES>(), which the GPU
     # tests would show; the host's formula is the kernel's.
     source = prefill._SOURCE.read_text()
-    assert "constexpr int shared_bytes() { return (2 + 2 * STAGES) * kTile + 1024; }" in source
+    assert "constexpr int shared_bytes() { return (1 + 2 * STAGES) * kTile + 1024; }" in source
     for stages in prefill.STAGES:
-        assert prefill.shared_bytes(stages) == (2 + 2 * stages) * 128 * 128 * 2 + 1024
+        assert prefill.shared_bytes(stages) == (1 + 2 * stages) * 128 * 128 * 2 + 1024
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +104,12 @@ def test_kernels_compile_for_sm90a_without_spills(sm90a_module):
     # The producer warpgroup gives registers to the consumers (setmaxnreg): both sides must fit
     # their share without spilling, and ptxas must not serialize the wgmmas.
     module = sm90a_module
-    for name, plan in zip(NAMES, itertools.cycle(TEMPLATES)):
+    for name, plan in zip(NAMES, itertools.cycle(PLANS)):
         assert module.spill_bytes(name) == 0, name
         assert 0 < module.registers(name) <= 168, name  # 384 threads, one CTA per SM
         # sm_90's opt-in limit per CTA is 227 KiB, static (the mbarriers) and dynamic together.
         static = module.static_shared_bytes(name)
-        assert static == 8 * (4 * plan.stages + 2), (name, static)
+        assert static == 32 * plan.stages, (name, static)
         assert static + prefill.shared_bytes(plan.stages) <= 227 * 1024, name
     # ptxas serializes wgmmas it cannot pair with their waits (C7514 "Potential Performance
     # Loss"): a wgmma issued under a branch inside the overlapped loop did that once.
@@ -130,8 +125,8 @@ def test_overlapped_softmax_is_scheduled_under_the_value_mmas(sm90a_module):
     # the exponentials (702165d), so the softmax ran after the MMAs: the SASS must keep a step's
     # exponentials (64 a thread, more with the soft cap) between the two waits.
     kernels = sass(sm90a_module.cubin)
-    overlapped = [name for name, plan in zip(NAMES, itertools.cycle(TEMPLATES)) if plan.overlap]
-    assert len(overlapped) == 8
+    overlapped = [name for name, plan in zip(NAMES, itertools.cycle(PLANS)) if plan.overlap]
+    assert len(overlapped) == 16
     for name in overlapped:
         code = kernels[sm90a_module.names[name]]
         scores_waits = [i for i, ins in enumerate(code) if ins == "WARPGROUP.DEPBAR.LE gsb0, 0x1"]
@@ -200,20 +195,6 @@ def test_every_plan_against_reference(plan, options):
     make = pa_spec._maker((1000, 513, 64, 1), (1000, 1500, 64, 300), 8, 2, 128, **OPTIONS[options])
     with prefill.override_plan(**dataclasses.asdict(plan)):
         _check(build(make, plan.stages, DEVICE), plan.stages)
-
-
-@needs_hopper
-@pytest.mark.parametrize("ctas", [1, 3])
-@pytest.mark.parametrize("template", TEMPLATES, ids=str)
-def test_persistent_ctas_walk_many_tiles(template, ctas, monkeypatch):
-    # With as many CTAs as SMs each walks many tiles only on large batches: here one or three
-    # CTAs take all 60 tiles (ring stages, query buffers and turns carried from tile to tile),
-    # among them tiles past their sequence's queries and a sequence without queries. A stage or
-    # buffer a tile forgets to release hangs the GPU, so this runs every template.
-    monkeypatch.setattr(probes, "compute_units", lambda device: ctas)
-    make = pa_spec._maker((300, 77, 1, 0, 260), (1029, 333, 5, 7, 260), 4, 2, 128)
-    with prefill.override_plan(**dataclasses.asdict(dataclasses.replace(template, persistent=True))):
-        _check(build(make, ctas, DEVICE), ctas)
 
 
 @needs_hopper
