@@ -16,8 +16,8 @@
 //   - Warpgroups 1 and 2 (the consumers) take 64 query rows each: S = Q K^T (8 wgmma
 //     m64n128k16, both operands from shared memory), the online softmax on their own rows in
 //     registers, then O += P V (8 wgmma m64n128k16, P from registers as the A operand, V read
-//     N-major from its tile). The two consumers run unsynchronized, so one's softmax overlaps
-//     the other's MMAs.
+//     N-major from its tile). Without PINGPONG the two consumers run unsynchronized, so one's
+//     softmax overlaps the other's MMAs when they happen to fall out of step.
 //   - Hand-offs are mbarriers, four per stage: K full and V full complete when the producer's
 //     copies into the stage land (each producer thread's cp.async.mbarrier.arrive fires once its
 //     copies have; the producer itself never waits for a load, so every free stage is in flight),
@@ -126,8 +126,9 @@ __device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const u32 (&a)
 
 // Grid (Hq, ceil(max_query_len / 128), B), 384 threads, shared_bytes<STAGES>() of dynamic shared
 // memory (and 32 STAGES bytes of static: the mbarriers). Query tile y of a sequence is launched
-// as y' = gridDim.y - 1 - y, so the causal diagonal's longest tiles start first. Strides are in elements. page_shift = log2(block_size).
-// scale_log2 = scale * log2(e), or scale / soft_cap with SOFT_CAP. window: W > 0, or 0 for none.
+// as y' = gridDim.y - 1 - y, so the causal diagonal's longest tiles start first. Strides are in
+// elements. page_shift = log2(block_size). scale_log2 = scale * log2(e), or scale / soft_cap with
+// SOFT_CAP. window: W > 0, or 0 for none.
 template <bool Q_BF16, bool SOFT_CAP, int STAGES, bool OVERLAP, bool PINGPONG>
 __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     const unsigned char* __restrict__ query, const unsigned char* __restrict__ k_cache,
@@ -157,8 +158,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
 
     const int tid = threadIdx.x;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform as far as the compiler knows
-    const int head = blockIdx.x;
-    const int seq = blockIdx.z, kv_head = head / group;
+    const int head = blockIdx.x, seq = blockIdx.z;
+    const int kv_head = head / group;
     const int q_start = cu_seqlens_q[seq], q_len = cu_seqlens_q[seq + 1] - q_start;
     const int m0 = (gridDim.y - 1 - blockIdx.y) * kRows;  // this CTA's first query of the sequence
     if (m0 >= q_len) return;  // the whole CTA, before any barrier
@@ -425,6 +426,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
             pass_turn(true);
             wgmma_wait<0>();
             fence_registers(o);
+            // The last V stage is not released: a CTA has one tile, and nothing loads after it
+            // (a CTA walking several tiles would need it: the persistent experiment of round 10).
         }
     } else {
         for (int i = 0; i < steps; ++i) {

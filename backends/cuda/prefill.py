@@ -63,12 +63,11 @@ class PrefillPlan:
     softmax runs under the value MMAs); and, with overlap, whether the two consumers take turns
     to issue their MMAs (``pingpong``: one's softmax under the other's MMAs)."""
 
-    # Two stages, overlap and ping-pong, from cuda_prefill_sweep at Llama-3-8B 8192 on the H100
-    # (perf/results/cuda_prefill_sweep_h100_*.json, perf/notes/attention.md round 10): timed as
-    # the bench times (sustained load: the clock drops to ~1.6-1.7 GHz at the 700 W limit),
-    # 1114 us (64.9% of bf16; overlap without ping-pong 1165, three stages 1135, dense SDPA
-    # 1022); in short bursts all overlapped plans 1002-1031 us; at 1024 tokens ping-pong 3-5%
-    # ahead in both.
+    # Two stages, overlap and ping-pong: at Llama-3-8B 8192 on the H100 (cuda_prefill_sweep,
+    # perf/results/cuda_prefill_sweep_h100_*.json, perf/notes/attention.md round 10) 1147 us under
+    # the bench's sustained load and 1063 in short bursts (fe10546; dense SDPA 1030 / 906); ahead
+    # of the serial loop at 1024 tokens by 2-8%. Three stages with overlap measured 0.5-3% faster at
+    # 8192 after the overlap fix (1142 / 1030), not yet benched as the default.
     stages: int = 2
     overlap: bool = True
     pingpong: bool = True

@@ -1,7 +1,7 @@
 // kernelmux cuda backend: device helpers shared by the Hopper (sm_90a) kernels, mla_decode_sm90.cu
 // and paged_prefill_sm90.cu: cp.async copies into shared memory, the proxy fence, named barriers,
-// mbarriers, wgmma descriptors and groups, and small conversions. _nvrtc.py hands every *.cuh beside it to
-// NVRTC, so a kernel includes it by name.
+// mbarriers, wgmma descriptors and groups, a scheduling hint for ptxas, and small conversions.
+// _nvrtc.py hands every *.cuh beside it to NVRTC, so a kernel includes it by name.
 
 #pragma once
 

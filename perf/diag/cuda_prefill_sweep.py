@@ -107,8 +107,8 @@ def main() -> None:
                 row.update(status="wrong", error=str(error)[:300])
             rows.append(row)
             shown = (f"{row['us']:7.1f} us {row['matmul_pct']:4.1f}%, rotated {row['rotated_us']:7.1f} us "
-                     f"{row['rotated_matmul_pct']:4.1f}%, burst {row['burst_us']:7.1f} us {row['burst_matmul_pct']:4.1f}%"
-                     if "burst_us" in row else row["error"])
+                     f"{row['rotated_matmul_pct']:4.1f}%, burst {row['burst_us']:7.1f} us "
+                     f"{row['burst_matmul_pct']:4.1f}%" if "rotated_us" in row else row["error"])
             print(f"{case:30s} {backend:6s} {fields!s:52s} {shown}", flush=True)
         del kwargs, expected, rotated, sdpa
         torch.cuda.empty_cache()

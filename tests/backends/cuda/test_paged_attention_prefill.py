@@ -118,6 +118,19 @@ def test_kernels_compile_for_sm90a_without_spills(sm90a_module):
 
 
 @needs_nvrtc
+def test_watchdog_build_compiles():
+    # KERNELMUX_WATCHDOG (sm90_common.cuh) makes an mbarrier wait stuck for 2 s print and trap:
+    # the diagnostic build for a changed barrier protocol on the GPU must keep compiling (it may
+    # spill and serialize wgmmas: it is for finding hangs, not for timing).
+    name = prefill.kernel_name(True, False, prefill.DEFAULT_PLAN)
+    watched = _nvrtc.compile_module(prefill._SOURCE.read_text(), [name], (9, 0), arch_specific=True,
+                                    defines=("KERNELMUX_WATCHDOG",))
+    plain = _nvrtc.compile_module(prefill._SOURCE.read_text(), [name], (9, 0), arch_specific=True)
+    assert "vprintf" in watched.cubin.decode("latin-1")  # the watchdog's report is compiled in
+    assert "vprintf" not in plain.cubin.decode("latin-1")
+
+
+@needs_nvrtc
 @needs_cuobjdump
 def test_overlapped_softmax_is_scheduled_under_the_value_mmas(sm90a_module):
     # With overlap, each step waits for its scores (wait_group 1), computes the softmax, then waits
