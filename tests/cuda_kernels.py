@@ -1,6 +1,7 @@
 """Shared by the cuda backend's kernel tests: skip marks naming what a test needs, NaN-poisoned
-allocator blocks so an output element a kernel never writes fails the comparison, and a cubin's
-SASS per kernel (cuobjdump, which Triton's wheel bundles) for tests of what ptxas emitted."""
+allocator blocks so an output element a kernel never writes fails the comparison, the backend's
+paged_attention checked against the spec's reference, and a cubin's SASS per kernel (cuobjdump,
+which Triton's wheel bundles) for tests of what ptxas emitted."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from kernelmux.backends.cuda import _nvrtc
+from kernelmux.backends.cuda import _nvrtc, attention
+from kernelmux.ops.specs import paged_attention as pa_spec
 
 HOPPER = (9, 0)
 
@@ -67,3 +69,18 @@ def poison_allocator(nbytes: int) -> None:
     NaN, so an element it never writes fails the comparison."""
     blocks = [torch.full((nbytes // 4 + extra,), float("nan"), device=DEVICE) for extra in (0, 64, 4096)]
     del blocks
+
+
+def check_paged_attention(kwargs: dict, seed: int, poison: bool = False) -> None:
+    """The cuda backend takes the call and matches the spec's reference; ``poison`` fills fresh
+    allocator blocks with NaN first, so output the kernel never writes fails. ``seed`` names the
+    inputs in the failure."""
+    assert attention.paged_attention_supports(**kwargs) is None
+    expected = pa_spec.SPEC.reference(**kwargs)
+    if poison:
+        poison_allocator(kwargs["query"].numel() * 2)
+    actual = attention.paged_attention(**kwargs)
+    try:
+        pa_spec.SPEC.check_close(actual, expected, kwargs)
+    except AssertionError as error:
+        raise AssertionError(f"seed {seed}: {error}") from None

@@ -74,6 +74,23 @@ def find_nvrtc() -> Optional[ctypes.CDLL]:
     return None
 
 
+def device_problem(device, supported: Callable[[tuple[int, int]], bool], needs: str) -> Optional[str]:
+    """Why a kernel built here cannot run on ``device`` (None when it can): not an NVIDIA GPU, an
+    arch ``supported(capability)`` rejects (``needs`` says what the kernel needs), or no NVRTC.
+    Every cuda kernel's supports check asks it; all three answers are cached per device."""
+    from kernelmux.engine import probes  # torch, only once a call is checked
+
+    if device.type != "cuda" or probes.is_rocm():
+        return f"needs an NVIDIA GPU, the tensors are on {device}"
+    capability = probes.device_capability(device)
+    if not supported(capability):
+        return f"{needs}, this GPU is sm_{capability[0]}{capability[1]}"
+    if find_nvrtc() is None:
+        return ("NVRTC not found (pip install nvidia-cuda-nvrtc, which torch's CUDA wheels bring, or a CUDA "
+                "toolkit)")
+    return None
+
+
 def nvrtc_version() -> Optional[tuple[int, int]]:
     lib = find_nvrtc()
     if lib is None:

@@ -151,14 +151,10 @@ def paged_attention_supports(
                           k_cache.shape[1], max_query_len <= 1)
     if reason is not None:
         return reason
-    if query.device.type != "cuda" or probes.is_rocm():
-        return f"needs an NVIDIA GPU, the tensors are on {query.device}"
-    capability = _capability(query.device)
-    if capability < MIN_CAPABILITY:
-        return f"needs sm_89 or newer (e4m3 conversions), this GPU is sm_{capability[0]}{capability[1]}"
-    if _nvrtc.find_nvrtc() is None:
-        return ("NVRTC not found (pip install nvidia-cuda-nvrtc, which torch's CUDA wheels bring, or a CUDA "
-                "toolkit)")
+    reason = _nvrtc.device_problem(query.device, lambda capability: capability >= MIN_CAPABILITY,
+                                   "needs sm_89 or newer (e4m3 conversions)")
+    if reason is not None:
+        return reason
     if seq_lens.shape[0] > 65535:
         return f"{seq_lens.shape[0]} sequences > 65535, CUDA's limit on grid axis 1 (split the batch)"
     return _alignment_reason(query, k_cache, v_cache)

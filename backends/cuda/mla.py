@@ -125,15 +125,10 @@ def mla_decode_supports(
     reason = shape_reason(q.dtype, kv_cache.dtype, q.shape[2], kv_lora_rank, kv_cache.shape[1])
     if reason is not None:
         return reason
-    if q.device.type != "cuda" or probes.is_rocm():
-        return f"needs an NVIDIA GPU, the tensors are on {q.device}"
-    capability = _capability(q.device)
-    if capability != CAPABILITY:
-        return (f"needs sm_{CAPABILITY[0]}{CAPABILITY[1]} (Hopper: the kernel is built on its wgmma), "
-                f"this GPU is sm_{capability[0]}{capability[1]}")
-    if _nvrtc.find_nvrtc() is None:
-        return ("NVRTC not found (pip install nvidia-cuda-nvrtc, which torch's CUDA wheels bring, or a CUDA "
-                "toolkit)")
+    reason = _nvrtc.device_problem(q.device, CAPABILITY.__eq__,
+                                   f"needs sm_{CAPABILITY[0]}{CAPABILITY[1]} (Hopper: the kernel is built on its wgmma)")
+    if reason is not None:
+        return reason
     if q.shape[0] > 65535:
         return f"{q.shape[0]} query tokens > 65535, CUDA's limit on grid axis 1 (split the batch)"
     problem = _alignment_problem(q, kv_cache, block_table, cu_seqlens_q, seq_lens)

@@ -117,15 +117,11 @@ def prefill_supports(query: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch
     if not (math.isfinite(scale) and scale > 0):
         # The kernel takes each row's maximum over raw scores and scales it once.
         return f"prefill: scale must be finite and > 0, got {scale}"
-    if query.device.type != "cuda" or probes.is_rocm():
-        return f"needs an NVIDIA GPU, the tensors are on {query.device}"
-    capability = _capability(query.device)
-    if capability != CAPABILITY:
-        return (f"prefill needs sm_{CAPABILITY[0]}{CAPABILITY[1]} (Hopper: the kernel is built on its wgmma), "
-                f"this GPU is sm_{capability[0]}{capability[1]}")
-    if _nvrtc.find_nvrtc() is None:
-        return ("NVRTC not found (pip install nvidia-cuda-nvrtc, which torch's CUDA wheels bring, or a CUDA "
-                "toolkit)")
+    reason = _nvrtc.device_problem(query.device, CAPABILITY.__eq__,
+                                   f"prefill needs sm_{CAPABILITY[0]}{CAPABILITY[1]} (Hopper: the kernel is "
+                                   "built on its wgmma)")
+    if reason is not None:
+        return reason
     if seq_lens.shape[0] > 65535:
         return f"{seq_lens.shape[0]} sequences > 65535, CUDA's limit on grid axis 2 (split the batch)"
     if math.ceil(max_query_len / ROWS) > 65535:

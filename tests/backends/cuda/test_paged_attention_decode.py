@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from cuda_kernels import needs_gpu, needs_nvrtc
+from cuda_kernels import check_paged_attention, needs_gpu, needs_nvrtc
 from graph_replay import build, capture, replay_on_new_inputs
 from kernelmux.backends.cuda import _nvrtc, attention
+from kernelmux.engine import probes
 from kernelmux.ops.specs import paged_attention as pa_spec
 
 FP8 = torch.float8_e4m3fn
@@ -143,16 +144,6 @@ def _build(make, seed: int) -> dict:
     return build(make, seed, DEVICE)
 
 
-def _check(kwargs, seed):
-    assert attention.paged_attention_supports(**kwargs) is None
-    expected = pa_spec.SPEC.reference(**kwargs)
-    actual = attention.paged_attention(**kwargs)
-    try:
-        pa_spec.SPEC.check_close(actual, expected, kwargs)
-    except AssertionError as error:
-        raise AssertionError(f"seed {seed}: {error}") from None
-
-
 OPTIONS = {
     "plain": {},
     "scales": {"scales": (0.3, 0.07)},
@@ -173,7 +164,7 @@ def test_decode_against_reference(options, block_size, num_heads, num_kv_heads):
     seed = 100 * block_size + 10 * num_heads
     make = pa_spec._maker(Q_LENS, KV_LENS, num_heads, num_kv_heads, 128, block_size=block_size,
                           cache_dtype=FP8, **OPTIONS[options])
-    _check(_build(make, seed), seed)
+    check_paged_attention(_build(make, seed), seed)
 
 
 @needs_gpu
@@ -187,7 +178,7 @@ def test_every_plan_against_reference(options, num_heads, num_kv_heads, splits, 
     make = pa_spec._maker(Q_LENS, KV_LENS, num_heads, num_kv_heads, 128, block_size=16, cache_dtype=FP8,
                           **OPTIONS[options])
     with attention.override_plan(num_splits=splits, **plan):
-        _check(_build(make, seed), seed)
+        check_paged_attention(_build(make, seed), seed)
 
 
 @needs_gpu
@@ -213,7 +204,7 @@ def test_bf16_queries_past_fp16_range(magnitude):
     make = pa_spec._maker((1, 1), (50, 200), 8, 1, 128, cache_dtype=FP8, scale=128**-0.5 / magnitude)
     kwargs = _build(make, 3)
     kwargs["query"] = kwargs["query"] * magnitude
-    _check(kwargs, 3)
+    check_paged_attention(kwargs, 3)
 
 
 @needs_gpu
@@ -314,3 +305,23 @@ def test_loaded_kernels_build_once_per_device_and_key(monkeypatch):
     assert len(builds) == 3 and len(cache.loaded()) == 3
     cache.clear()
     assert cache.loaded() == []
+
+
+@pytest.mark.parametrize("rocm, capability, nvrtc, reason", [
+    (True, (9, 0), True, "needs an NVIDIA GPU, the tensors are on cuda"),
+    (False, (8, 0), True, "needs sm_89 or newer (e4m3 conversions), this GPU is sm_80"),
+    (False, (9, 0), False, "NVRTC not found (pip install nvidia-cuda-nvrtc, which torch's CUDA wheels bring, "
+                           "or a CUDA toolkit)"),
+    (False, (9, 0), True, None),
+])
+def test_device_problem_names_what_the_device_lacks(monkeypatch, rocm, capability, nvrtc, reason):
+    # The three cuda kernels' supports checks share it; on a CPU machine a cuda device object
+    # (never allocated on) and faked probes stand in for the GPUs it answers about.
+    monkeypatch.setattr(probes, "is_rocm", lambda: rocm)
+    monkeypatch.setattr(probes, "device_capability", lambda device: capability)
+    monkeypatch.setattr(_nvrtc, "find_nvrtc", lambda: object() if nvrtc else None)
+    answer = _nvrtc.device_problem(torch.device("cuda"), lambda c: c >= (8, 9),
+                                   "needs sm_89 or newer (e4m3 conversions)")
+    assert answer == reason
+    assert _nvrtc.device_problem(torch.device("cpu"), lambda c: True, "") == \
+        "needs an NVIDIA GPU, the tensors are on cpu"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from cuda_kernels import needs_cuobjdump, needs_hopper, needs_nvrtc, poison_allocator, sass
+from cuda_kernels import check_paged_attention, needs_cuobjdump, needs_hopper, needs_nvrtc, sass
 from graph_replay import build, capture, replay_on_new_inputs
 from kernelmux.backends.cuda import _nvrtc, attention, prefill
 from kernelmux.ops.specs import paged_attention as pa_spec
@@ -159,17 +159,6 @@ def test_sm90_without_the_arch_suffix_is_refused_by_ptxas():
 # ---------------------------------------------------------------------------------------------
 # The kernel (sm_90 GPU)
 
-def _check(kwargs, seed):
-    assert attention.paged_attention_supports(**kwargs) is None
-    expected = pa_spec.SPEC.reference(**kwargs)
-    poison_allocator(kwargs["query"].numel() * 2)
-    actual = attention.paged_attention(**kwargs)
-    try:
-        pa_spec.SPEC.check_close(actual, expected, kwargs)
-    except AssertionError as error:
-        raise AssertionError(f"seed {seed}: {error}") from None
-
-
 OPTIONS = {
     "causal": {},
     "non_causal": {"causal": False},
@@ -197,7 +186,7 @@ def test_prefill_against_reference(options, block_size, num_heads, num_kv_heads)
         q_lens, kv_lens = Q_LENS + (150,), KV_LENS + (20,)
     make = pa_spec._maker(q_lens, kv_lens, num_heads, num_kv_heads, 128, block_size=block_size,
                           **OPTIONS[options])
-    _check(build(make, seed, DEVICE), seed)
+    check_paged_attention(build(make, seed, DEVICE), seed, poison=True)
 
 
 @needs_hopper
@@ -207,7 +196,7 @@ def test_every_plan_against_reference(plan, options):
     # Sequences of one step, of 8 and 12 steps (a chunk starting at 987), a decode among them.
     make = pa_spec._maker((1000, 513, 64, 1), (1000, 1500, 64, 300), 8, 2, 128, **OPTIONS[options])
     with prefill.override_plan(**dataclasses.asdict(plan)):
-        _check(build(make, plan.stages, DEVICE), plan.stages)
+        check_paged_attention(build(make, plan.stages, DEVICE), plan.stages, poison=True)
 
 
 @needs_hopper
@@ -231,7 +220,7 @@ def test_prefill_ignores_nan_in_unread_slots():
 def test_llama3_prefill_shape_against_reference():
     # The perf goal's shape, shortened: one causal prompt of 2048 tokens, 32 / 8 heads.
     make = pa_spec._maker((2048,), (2048,), 32, 8, 128)
-    _check(build(make, 5, DEVICE), 5)
+    check_paged_attention(build(make, 5, DEVICE), 5, poison=True)
 
 
 @needs_hopper
