@@ -1,16 +1,25 @@
 """Ceilings for the roofline, measured in the same run as the rows they judge: memory bandwidth
 (a large copy, bytes read plus written) and dense matrix rates (bf16, fp8 where the GPU has it,
-fp32 on CPUs), with the datasheet values of the GPUs we run on beside them."""
+fp32), with the datasheet values of the GPUs we run on beside them.
+
+On a GPU each ceiling is timed the way the bench times its rows (CUDA-graph replay: 32 calls a
+graph, ``replay_trials`` replays), so both see the same load. That matters for compute: about a
+second of full tensor load takes an H100 to its 700 W limit and its clock from 1980 to
+1575-1740 MHz (perf/notes/attention.md, round 10), so a matmul timed one call at a time runs
+faster than any long compute-bound row can, and judged such rows by a rate they never had. The
+one-call-at-a-time rates are kept beside them as ``<name>_burst``; a compute-bound row much
+shorter than the ceiling's matmuls runs cooler than they did, which those show.
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from kernelmux.perf.timing import copy_bandwidth_gbps
+from kernelmux.perf.timing import graph_replay_time, replay_trials
 
 # Dense (no sparsity) tensor-core peaks and HBM bandwidth, SXM parts, from NVIDIA's datasheets.
 DATASHEETS: dict[str, dict[str, float]] = {
@@ -51,38 +60,52 @@ def _cpu_seconds(fn, trials: int) -> float:
     return statistics.median(times)
 
 
-def _cuda_fp8_tflops(n: int) -> Optional[float]:
-    """torch._scaled_mm on e4m3 operands (per-tensor scales, bf16 out); None where the GPU has
-    no fp8 matrix instructions (before sm_89)."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        return None
-    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
-    one = torch.ones((), device="cuda")
-    def matmul():
-        return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-
-    seconds = _cuda_seconds(matmul, 10)
-    return 2 * n**3 / seconds / 1e12
+def _cuda_probes(quick: bool) -> dict[str, Optional[tuple[Callable[[], Any], float]]]:
+    """Each ceiling's operation and its work (GB moved or TFLOP) per call; None where the GPU has
+    no instruction for it (fp8 before sm_89)."""
+    nbytes, n = (512 << 20, 4096) if quick else (2 << 30, 8192)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    # fp32 at half the size: at 8192 one call takes ~20 ms, a replayed graph of 32 twenty seconds.
+    af, bf = a[: n // 2, : n // 2].float(), b[: n // 2, : n // 2].float()
+    probes: dict[str, Optional[tuple[Callable[[], Any], float]]] = {
+        "memory_gbps": (lambda: dst.copy_(src), 2 * nbytes / 1e9),
+        "bf16_tflops": (lambda: a @ b, 2 * n**3 / 1e12),
+        "fp8_tflops": None,
+        "fp32_tflops": (lambda: af @ bf, 2 * (n // 2) ** 3 / 1e12),
+    }
+    if torch.cuda.get_device_capability() >= (8, 9):
+        # torch._scaled_mm on e4m3 operands, per-tensor scales, bf16 out.
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
+        one = torch.ones((), device="cuda")
+        probes["fp8_tflops"] = (
+            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 2 * n**3 / 1e12)
+    return probes
 
 
 def measure(device: str, quick: bool = False) -> dict[str, Any]:
     """``{"memory_gbps", "bf16_tflops", "fp8_tflops", "fp32_tflops"}`` for ``device`` ("cuda" or
-    "cpu"); a rate the device has no instruction for is None. ``quick`` uses smaller problems
-    (less accurate, for --quick runs)."""
+    "cpu"); a rate the device has no instruction for is None. On a GPU these are timed as the
+    bench's rows are, and each has a ``<name>_burst`` twin timed one call at a time (module
+    docstring). ``quick`` uses smaller problems (less accurate, for --quick runs)."""
     if device == "cuda":
-        n = 4096 if quick else 8192
-        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        bf16 = 2 * n**3 / _cuda_seconds(lambda: a @ b, 10) / 1e12
-        af, bf = a.float(), b.float()
-        fp32 = 2 * n**3 / _cuda_seconds(lambda: af @ bf, 5) / 1e12
-        return {
-            "memory_gbps": copy_bandwidth_gbps(512 << 20 if quick else 2 << 30),
-            "bf16_tflops": bf16,
-            "fp8_tflops": _cuda_fp8_tflops(n),
-            "fp32_tflops": fp32,
-        }
+        probes = _cuda_probes(quick)
+        result: dict[str, Any] = {}
+        # Every burst first, while the GPU is cool, then the sustained replays.
+        for name, probe in probes.items():
+            result[f"{name}_burst"] = probe and probe[1] / _cuda_seconds(probe[0], 10)
+        for name, probe in probes.items():
+            if probe is None:
+                result[name] = None
+                continue
+            timing = graph_replay_time(lambda fn=probe[0]: fn(), [{}], trials=replay_trials(quick))
+            result[name] = probe[1] / (timing.median_us / 1e6)
+        del probes
+        torch.cuda.empty_cache()  # the replays' outputs, before the rows need the memory
+        return {key: result[key] for key in (*probes, *(f"{name}_burst" for name in probes))}
     # CPU: a copy well past the last-level cache, and square matmuls big enough to be compute-bound.
     nbytes = (128 if quick else 512) << 20
     src = torch.ones(nbytes // 4)

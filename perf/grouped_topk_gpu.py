@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from kernelmux.perf.timing import Timing, copy_bandwidth_gbps, graph_replay_time, rotation_count
+from kernelmux.perf import ceilings
+from kernelmux.perf.timing import Timing, graph_replay_time, rotation_count
 
 TOKENS = (1, 64, 1024, 8192, 16384)
 SWEEP_BLOCK_T = (1, 2, 4, 8, 16, 32)
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from kernelmux.ops.specs.grouped_topk import SPEC
 
     env = _environment()
-    bandwidth = copy_bandwidth_gbps()
+    bandwidth = ceilings.measure("cuda")["memory_gbps"]
     compiled_reference = torch.compile(SPEC.reference, dynamic=False)
     impls = {"triton": triton_module.grouped_topk, "torch_eager": SPEC.reference,
              "torch_compile": compiled_reference}

@@ -1,6 +1,5 @@
 """Timers: CUDA-graph replay with rotated inputs, CUDA events per call (optionally flushing the
-L2 between calls) for code a graph cannot capture, and the wall clock on CPUs; and the
-device-copy bandwidth ceiling."""
+L2 between calls) for code a graph cannot capture, and the wall clock on CPUs."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 __all__ = [
-    "Timing", "copy_bandwidth_gbps", "event_time", "graph_replay_time", "rotation_count", "wall_time",
+    "Timing", "event_time", "graph_replay_time", "replay_trials", "rotation_count", "wall_time",
 ]
 
 
@@ -36,6 +35,12 @@ def rotation_count(bytes_per_call: int, l2_bytes: int, cap: int) -> int:
     """Input sets to rotate through so one graph's inputs span 3x the L2 (each call then reads
     from device memory, not from the cache the previous call filled), at most ``cap``."""
     return max(1, min(cap, -(-3 * l2_bytes // max(bytes_per_call, 1))))
+
+
+def replay_trials(quick: bool) -> int:
+    """Graph replays per timing for the bench's rows and for the ceilings that judge them (one
+    load for both: perf/ceilings.py)."""
+    return 10 if quick else 30
 
 
 def graph_replay_time(
@@ -117,20 +122,3 @@ def wall_time(fn: Callable[[], Any], *, reps: int = 50, budget_s: float = 1.0, w
         per_call.append((time.perf_counter() - start) * 1e6)
         spent += per_call[-1] / 1e6
     return _summary(per_call)
-
-
-def copy_bandwidth_gbps(nbytes: int = 2 << 30, trials: int = 20) -> float:
-    """Measured device memory bandwidth: a large device-to-device copy, bytes read plus written."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(trials):
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / statistics.median(times) / 1e9
