@@ -103,9 +103,10 @@ def measure(device: str, quick: bool = False) -> dict[str, Any]:
                 continue
             timing = graph_replay_time(lambda fn=probe[0]: fn(), [{}], trials=replay_trials(quick))
             result[name] = probe[1] / (timing.median_us / 1e6)
-        del probes
-        torch.cuda.empty_cache()  # the replays' outputs, before the rows need the memory
-        return {key: result[key] for key in (*probes, *(f"{name}_burst" for name in probes))}
+        order = (*probes, *(f"{name}_burst" for name in probes))
+        del probes, probe
+        torch.cuda.empty_cache()  # the operands and the replays' outputs, before the rows need the memory
+        return {key: result[key] for key in order}
     # CPU: a copy well past the last-level cache, and square matmuls big enough to be compute-bound.
     nbytes = (128 if quick else 512) << 20
     src = torch.ones(nbytes // 4)
