@@ -180,9 +180,9 @@ def test_cuda_ceilings_are_measured_sustained_and_in_bursts():
                 assert measured[key] is None
             else:
                 assert measured[key] > 0, (key, measured)
-    # A second of load can only hold the clock or lower it: the replayed rates are no higher than
-    # the bursts' beyond timing noise.
-    assert measured["bf16_tflops"] < 1.1 * measured["bf16_tflops_burst"], measured
+    # The same matmul both ways: the load changes the clock, not the order of magnitude. (No
+    # order between them: quick's small matmuls time their launch too when called one at a time.)
+    assert 0.5 < measured["bf16_tflops"] / measured["bf16_tflops_burst"] < 2.0, measured
 
 
 def test_command_line_runs_writes_reports_and_gates(tmp_path, capsys):
