@@ -63,14 +63,14 @@ class PrefillPlan:
     softmax runs under the value MMAs); and, with overlap, whether the two consumers take turns
     to issue their MMAs (``pingpong``: one's softmax under the other's MMAs)."""
 
-    # Two stages, overlap and ping-pong: at Llama-3-8B 8192 on the H100 (cuda_prefill_sweep,
-    # perf/results/cuda_prefill_sweep_h100_*.json, perf/notes/attention.md round 10) 1147 us under
-    # the bench's sustained load and 1063 in short bursts (fe10546; dense SDPA 1030 / 906); ahead
-    # of the serial loop at 1024 tokens by 2-8%. Three stages with overlap measured 0.5-3% faster at
-    # 8192 after the overlap fix (1142 / 1030), not yet benched as the default.
-    stages: int = 2
+    # Three stages with overlap, no ping-pong: at Llama-3-8B 8192 on the H100 (cuda_prefill_sweep,
+    # perf/results/cuda_prefill_sweep_h100_*.json, perf/notes/attention.md rounds 10-11) 1140 us
+    # under the bench's sustained load and 1044 in short bursts (e1720fd; dense SDPA 1038 / 914),
+    # against 1160 / 1061 for two stages with ping-pong; level with it at 1024 tokens (28.6 us).
+    # Ping-pong gained nothing once the overlap overlapped (within 0.4% either way), so it is off.
+    stages: int = 3
     overlap: bool = True
-    pingpong: bool = True
+    pingpong: bool = False
 
 
 DEFAULT_PLAN = PrefillPlan()
