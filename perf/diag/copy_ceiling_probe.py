@@ -10,25 +10,11 @@ mul 2942-3004 eager, 3018 replayed.
 from __future__ import annotations
 
 import json
-import statistics
 
 import torch
 
+from kernelmux.perf.ceilings import _cuda_seconds as one_call_at_a_time_seconds
 from kernelmux.perf.timing import graph_replay_time
-
-
-def _one_call_at_a_time(fn, trials: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    seconds = []
-    for _ in range(trials):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        seconds.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(seconds)
 
 
 def main() -> None:
@@ -39,7 +25,7 @@ def main() -> None:
            "mul1": lambda: torch.mul(src, 1.0, out=dst)}
     gbps = {}
     for name, fn in ops.items():
-        gbps[f"{name}_eager"] = 2 * nbytes / _one_call_at_a_time(fn) / 1e9
+        gbps[f"{name}_eager"] = 2 * nbytes / one_call_at_a_time_seconds(fn, 20) / 1e9
     for name, fn in ops.items():
         gbps[f"{name}_graph"] = 2 * nbytes / (graph_replay_time(lambda fn=fn: fn(), [{}]).median_us / 1e6) / 1e9
     print(json.dumps({"device": torch.cuda.get_device_name(), "gbps": {k: round(v, 1) for k, v in gbps.items()}}))
