@@ -1,6 +1,6 @@
 """Ceilings for the roofline, measured in the same run as the rows they judge: memory bandwidth
-(a large copy through the SMs, bytes read plus written) and dense matrix rates (bf16, fp8 where the GPU has it,
-fp32), with the datasheet values of the GPUs we run on beside them.
+(a large copy through the SMs, bytes read plus written) and dense matrix rates (bf16, fp8 where
+the GPU has it, fp32), with the datasheet values of the GPUs we run on beside them.
 
 On a GPU each ceiling is timed the way the bench times its rows (CUDA-graph replay: 32 calls a
 graph, ``replay_trials`` replays), so both see the same load. That matters for compute: about a
@@ -96,20 +96,19 @@ def measure(device: str, quick: bool = False) -> dict[str, Any]:
     docstring). ``quick`` uses smaller problems (less accurate, for --quick runs)."""
     if device == "cuda":
         probes = _cuda_probes(quick)
-        result: dict[str, Any] = {}
+
+        def rate(probe, seconds: Callable[[Callable[[], Any]], float]) -> Optional[float]:
+            return None if probe is None else probe[1] / seconds(probe[0])
+
+        def replayed_seconds(fn: Callable[[], Any]) -> float:
+            return graph_replay_time(fn, [{}], trials=replay_trials(quick)).median_us / 1e6
+
         # Every burst first, while the GPU is cool, then the sustained replays.
-        for name, probe in probes.items():
-            result[f"{name}_burst"] = probe and probe[1] / _cuda_seconds(probe[0], 10)
-        for name, probe in probes.items():
-            if probe is None:
-                result[name] = None
-                continue
-            timing = graph_replay_time(lambda fn=probe[0]: fn(), [{}], trials=replay_trials(quick))
-            result[name] = probe[1] / (timing.median_us / 1e6)
-        order = (*probes, *(f"{name}_burst" for name in probes))
-        del probes, probe
+        burst = {f"{name}_burst": rate(probe, lambda fn: _cuda_seconds(fn, 10)) for name, probe in probes.items()}
+        sustained = {name: rate(probe, replayed_seconds) for name, probe in probes.items()}
+        del probes
         torch.cuda.empty_cache()  # the operands and the replays' outputs, before the rows need the memory
-        return {key: result[key] for key in order}
+        return {**sustained, **burst}
     # CPU: a copy well past the last-level cache, and square matmuls big enough to be compute-bound.
     nbytes = (128 if quick else 512) << 20
     src = torch.ones(nbytes // 4)
