@@ -2,8 +2,8 @@
 576/512 widths (kernel: mla_decode_sm90.cu, which says how it works).
 
 Scope: sm_90 GPUs (the kernel is built for sm_90a: warpgroup MMAs), bf16 or fp16 q over a cache
-of the same dtype or of fp8 e4m3 (with or without kv_scale: converted exactly to q's dtype on the
-way into shared memory), 576-wide rows of which the first 512 are the values, cache blocks of a
+of the same dtype or of fp8 e4m3 (with or without kv_scale: converted exactly to fp16 on the way
+into shared memory, with a bf16 q converted once to fp16 under a power-of-two scale), 576-wide rows of which the first 512 are the values, cache blocks of a
 multiple of 64 positions, any head count (64-head tiles, the last one padded), any q_len (one
 CTA per query token and head tile, so decode and MTP alike), with or without lse. Other widths
 and other GPUs are the triton backend's: ``mla_decode_supports`` says why per call, and dispatch
@@ -43,9 +43,9 @@ STEP = 64  # positions per step; cache blocks must hold a multiple
 MIN_SPLIT_LEN = 4 * STEP  # shorter shares spend more on partials and the merge than they gain
 MAX_SPLITS = 64
 # kSharedBytes in the .cu file: Q and two cache tiles (64 x 576 x 2 bytes each), P (64 x 64 x 2),
-# the rows' rescale factors and sums (2 x 64 x 4), 1024 bytes of room to align the base. The
-# kernel traps when launched with less.
-SHARED_BYTES = 3 * 73728 + 8192 + 512 + 1024
+# the rows' rescale factors and sums (2 x 64 x 4), q's scale and four maxima (2 x 16), 1024 bytes
+# of room to align the base. The kernel traps when launched with less.
+SHARED_BYTES = 3 * 73728 + 8192 + 512 + 32 + 1024
 THREADS = 256
 _SOURCE = pathlib.Path(__file__).with_name("mla_decode_sm90.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.

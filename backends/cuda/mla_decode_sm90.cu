@@ -32,8 +32,8 @@
 // traded every step): 187 us against 138 at DeepSeek-V3 B64 x 4096 (perf/notes/attention.md).
 //
 // Compiled at runtime by NVRTC for sm_90a (wgmma is an arch-specific feature); see mla.py.
-// perf/diag/cuda_mla_ablation.py builds it with KERNELMUX_SKIP_{SCORES,VALUES,LOADS} defined, each
-// leaving one part out (the results are then wrong), to time what it costs.
+// perf/diag/cuda_mla_ablation.py builds it with KERNELMUX_SKIP_{SCORES,VALUES,LOADS,CONVERT} defined,
+// each leaving one part out (the results are then wrong), to time what it costs.
 
 #include "sm90_common.cuh"
 
@@ -49,7 +49,10 @@ constexpr int kTile = kDim / 64 * kColumnBlock;     // a 64 x 576 tile: 73728 by
 // Shared memory, from a 1024-byte aligned base (the swizzle pattern repeats every 1024 bytes):
 // Q, two cache tiles, P (one column block), the rows' rescale factors [64] and sums [64].
 constexpr int kQ = 0, kKV = kTile, kP = 3 * kTile, kStats = kP + kColumnBlock;
-constexpr int kSharedBytes = kStats + 2 * kHeads * 4 + 1024;  // + room to align the base
+// Beside the stats (bf16 q over an fp8 cache): the power of two q's fp16 tile was scaled by, then
+// the four loader warps' maxima that find it.
+constexpr int kQScale = kStats + 2 * kHeads * 4, kQMaxima = kQScale + 16;
+constexpr int kSharedBytes = kQMaxima + 16 + 1024;  // + room to align the base
 constexpr float kLn2 = 0.6931471805599453f;
 
 
@@ -61,18 +64,18 @@ __device__ __forceinline__ float log2_approx(float x) {
 }
 
 
-// Two e4m3 values (the low and high byte) -> the MMA's 16-bit pair, low value in the low half.
-// fp16: exact. bf16: the f16 bits re-based (magnitude >> 3 puts f16's 5-bit exponent, bias 15,
-// where bf16's 8-bit one, bias 127, sits): the value times 2^-112, exact and never subnormal for
-// e4m3's range, and zero stays zero; the kernel folds 2^112 into its scales.
-template <bool BF16>
-__device__ __forceinline__ u32 e4m3x2_to_mma(u32 two) {
+// Two e4m3 values (the low and high byte) -> an f16x2, low value in the low half: exact, one
+// instruction. (Into bf16 it took three more a pair, the f16 bits re-based, and the call 18% longer
+// at DeepSeek-V3 B64 x 4096: perf/notes/attention.md round 12. So fp8 caches run fp16 MMAs.)
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
+#ifdef KERNELMUX_SKIP_CONVERT
+    return two;
+#else
     u32 h;
     asm("{\n\t.reg .b16 l;\n\tcvt.u16.u32 l, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(h) : "r"(two));
-    if constexpr (BF16) h = (h & 0x80008000u) | ((h >> 3) & 0x0fff0fffu);
     return h;
+#endif
 }
-constexpr float kBf16Rebase = 5192296858534827628530496329220096.0f;  // 2^112
 
 
 
@@ -119,9 +122,8 @@ __device__ __forceinline__ void fetch_fp8_tile(Bytes16 (&raw)[18], const unsigne
     }
 }
 
-// fetch_fp8_tile's chunks converted (e4m3x2_to_mma) into the 16-bit tile layout: fp8 chunk c of a
+// fetch_fp8_tile's chunks converted (e4m3x2_to_f16x2) into the 16-bit tile layout: fp8 chunk c of a
 // row is 16-bit chunks 2c and 2c + 1.
-template <bool BF16>
 __device__ __forceinline__ void store_fp8_tile(u32 tile, const Bytes16 (&raw)[18], int loader) {
     const int row = loader >> 2, slot = loader & 3;
 #pragma unroll
@@ -134,8 +136,8 @@ __device__ __forceinline__ void store_fp8_tile(u32 tile, const Bytes16 (&raw)[18
             for (int part = 0; part < 2; ++part) {
                 const u32 w0 = v.w[2 * part], w1 = v.w[2 * part + 1];
                 asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(tile + tile_offset(r, chunk + part)),
-                             "r"(e4m3x2_to_mma<BF16>(w0)), "r"(e4m3x2_to_mma<BF16>(w0 >> 16)),
-                             "r"(e4m3x2_to_mma<BF16>(w1)), "r"(e4m3x2_to_mma<BF16>(w1 >> 16))
+                             "r"(e4m3x2_to_f16x2(w0)), "r"(e4m3x2_to_f16x2(w0 >> 16)),
+                             "r"(e4m3x2_to_f16x2(w1)), "r"(e4m3x2_to_f16x2(w1 >> 16))
                              : "memory");
             }
         }
@@ -167,6 +169,54 @@ __device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i
 
 
 
+
+// A bf16 query tile, as load_tile<128> copied it (thread `loader` its chunks), rewritten in place
+// as fp16 times 2^-shift, where shift puts the tile's largest finite magnitude in [2^15, 2^16),
+// fp16's top binade (clamped to +-100, so 2^shift stays a normal float). Every element within
+// 2^32 of the largest stays exact (bf16's 8 significant bits fit fp16's 11, down to its
+// subnormals); smaller ones round by at most 2^-40 of the largest: no score moves by more than
+// fp32's own summation error. Returns 2^shift, which the scores are multiplied by. The 128 loader
+// threads call it together (named barrier kMaxBarrier); `maxima` holds four floats of shared memory.
+__device__ __forceinline__ float q_tile_to_f16(u32 tile, int loader, u32* maxima) {
+    constexpr int kMaxBarrier = 7;  // mla_decode_sm90 uses 1 .. 6
+    const u32 first = tile + tile_offset(loader >> 3, loader & 7);
+    auto chunk_at = [&](int part, int block) { return first + part * 16 * 128 + block * kColumnBlock; };
+    u32 largest = 0;  // bf16 magnitude bits: for finite values their order is the values' order
+#pragma unroll
+    for (int part = 0; part < kHeads / 16; ++part)
+#pragma unroll
+        for (int block = 0; block < kDim / 64; ++block) {
+            u32 w[4];
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(chunk_at(part, block)));
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                const u32 lo = w[x] & 0x7fffu, hi = (w[x] >> 16) & 0x7fffu;
+                largest = max(largest, lo < 0x7f80u ? lo : 0u);  // inf and NaN left out
+                largest = max(largest, hi < 0x7f80u ? hi : 0u);
+            }
+        }
+    largest = __reduce_max_sync(0xffffffffu, largest);
+    if ((loader & 31) == 0) maxima[loader >> 5] = largest;
+    bar_sync<128>(kMaxBarrier);
+    largest = max(max(maxima[0], maxima[1]), max(maxima[2], maxima[3]));
+    const int shift = min(max((int)(largest >> 7) - (127 + 15), -100), 100);  // bf16: 7 mantissa bits
+    const float down = __int_as_float((127 - shift) << 23);
+#pragma unroll
+    for (int part = 0; part < kHeads / 16; ++part)
+#pragma unroll
+        for (int block = 0; block < kDim / 64; ++block) {
+            u32 w[4];
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(chunk_at(part, block)));
+#pragma unroll
+            for (int x = 0; x < 4; ++x)
+                w[x] = pack2<false>(__int_as_float(w[x] << 16) * down, __int_as_float(w[x] & 0xffff0000u) * down);
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(chunk_at(part, block)), "r"(w[0]),
+                         "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
+        }
+    return __int_as_float((127 + shift) << 23);
+}
 
 // d[32] (+)= A (64 x 16, K-major) B (16 x 64, K-major); accumulate 0 overwrites d.
 template <bool BF16>
@@ -250,8 +300,8 @@ __device__ __forceinline__ void value_mmas(float (&o)[128], u32 p_tile, u32 kv_t
 // otherwise part_acc [splits, T, H, 512] and part_ml [2, splits, T, H] (running max in log2
 // units of the scaled scores, then the row sum) for merge_mla_splits. q_per_seq > 0 says every
 // sequence has that many queries (the host knows it from T == B * max_query_len). The cache's
-// strides are in bytes. CACHE_FP8: an e4m3 cache, converted by warpgroup 1 on its way into the
-// 16-bit tiles; its scale (kv_scale, null for 1) multiplies the scores and the output.
+// strides are in bytes. CACHE_FP8: an e4m3 cache, converted by warpgroup 1 on its way into fp16
+// tiles; its scale (kv_scale, null for 1) multiplies the scores and the output.
 template <bool Q_BF16, bool CACHE_FP8>
 __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
     const unsigned char* __restrict__ q, const unsigned char* __restrict__ kv,
@@ -277,13 +327,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
     // (+1) of each 8-column group j.
     const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
     const int head0 = blockIdx.x * kHeads, token = blockIdx.y, split = blockIdx.z;
-    // The cache's values are value_scale times what the tiles hold (fp8: its scale, and 2^112 for
-    // the bf16 re-basing): scores and output carry it.
+    // The cache's values are value_scale times what the tiles hold (fp8: its scale): scores and
+    // output carry it.
     float value_scale = 1.0f;
     if constexpr (CACHE_FP8) {
-        value_scale = (kv_scale != nullptr ? *kv_scale : 1.0f) * (Q_BF16 ? kBf16Rebase : 1.0f);
+        value_scale = kv_scale != nullptr ? *kv_scale : 1.0f;
         scale_log2 *= value_scale;
     }
+    // The MMAs' operand type: q's, except over an fp8 cache, where the tiles are fp16 (e4m3 converts
+    // to it exactly in one instruction) and a bf16 q is converted once, scaled by a power of two
+    // (q_tile_to_f16) that the scores undo.
+    constexpr bool kMmaBf16 = Q_BF16 && !CACHE_FP8;
+    float* q_scale_of = reinterpret_cast<float*>(shared + kQScale);
 
     // The token's sequence: cu_seqlens_q[seq] <= token < cu_seqlens_q[seq + 1] (sequences
     // without queries have equal bounds and are never found). When the host knows every sequence
@@ -317,12 +372,15 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             const int step = first + i, t = i & 1;
             const u32 tile = base + kKV + t * kTile;
             bar_sync<kThreads>(kFull + t);
+            if constexpr (Q_BF16 && CACHE_FP8) {
+                if (i == 0) scale_log2 *= *q_scale_of;  // written before the first tile's arrival
+            }
             float s[32];
 #pragma unroll
             for (int k = 0; k < 32; ++k) s[k] = 0.0f;
             wgmma_fence();
 #ifndef KERNELMUX_SKIP_SCORES
-            full_score_mmas<Q_BF16>(s, base + kQ, tile);
+            full_score_mmas<kMmaBf16>(s, base + kQ, tile);
 #endif
             wgmma_commit();
             wgmma_wait<0>();
@@ -360,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
                     l_run[r] += p0 + p1;
                     const int row = row0 + 8 * r;
                     *reinterpret_cast<u32*>(shared + kP + row * 128 + ((j ^ (row & 7)) << 4) + quad * 4) =
-                        pack2<Q_BF16>(p0, p1);
+                        pack2<kMmaBf16>(p0, p1);
                 }
             }
             if (quad == 0) {
@@ -378,7 +436,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             }
             wgmma_fence();
 #ifndef KERNELMUX_SKIP_VALUES
-            value_mmas<Q_BF16>(o, base + kP, tile, 0);
+            value_mmas<kMmaBf16>(o, base + kP, tile, 0);
 #endif
             wgmma_commit();
             wgmma_wait<0>();
@@ -424,10 +482,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             if (count > 0) {
                 Bytes16 raw[18];
                 fetch_step(first, block0, raw);
-                store_fp8_tile<Q_BF16>(base + kKV, raw, loader);
+                if constexpr (Q_BF16) {
+                    copy_wait<0>();  // this thread's chunks of Q, which are the ones it converts
+                    const float q_scale =
+                        q_tile_to_f16(base + kQ, loader, reinterpret_cast<u32*>(shared + kQMaxima));
+                    if (loader == 0) *q_scale_of = q_scale;
+                }
+                store_fp8_tile(base + kKV, raw, loader);
                 if (count > 1) {
                     fetch_step(first + 1, block1, raw);
-                    store_fp8_tile<Q_BF16>(base + kKV + kTile, raw, loader);
+                    store_fp8_tile(base + kKV + kTile, raw, loader);
                 }
                 copy_wait<0>();
                 fence_async_proxy();
@@ -452,9 +516,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             const u32 tile = base + kKV + t * kTile;
             const int block_after = block_of(step + 3);  // used one iteration later
             Bytes16 raw[CACHE_FP8 ? 18 : 1];
+#ifndef KERNELMUX_SKIP_LOADS
             if constexpr (CACHE_FP8) {
                 if (i + 2 < count) fetch_step(step + 2, block_next, raw);
             }
+#endif
             bar_sync<kThreads>(kPReady);
             const float alpha0 = alpha_of[row0], alpha1 = alpha_of[row0 + 8];
 #pragma unroll
@@ -466,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             }
             wgmma_fence();
 #ifndef KERNELMUX_SKIP_VALUES
-            value_mmas<Q_BF16>(o, base + kP, tile, 1);
+            value_mmas<kMmaBf16>(o, base + kP, tile, 1);
 #endif
             wgmma_commit();
             if (!CACHE_FP8 && i + 1 < count) {
@@ -478,17 +544,19 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             fence_registers(o);
             if (i + 1 < count) bar_arrive<kThreads>(kPFree);
             bar_sync<kThreads>(kEmpty + t);  // warpgroup 0 is done with this tile too
-#ifndef KERNELMUX_SKIP_LOADS
             if constexpr (CACHE_FP8) {
                 if (i + 2 < count) {
-                    store_fp8_tile<Q_BF16>(tile, raw, loader);
+#ifndef KERNELMUX_SKIP_LOADS
+                    store_fp8_tile(tile, raw, loader);
+#endif
                     fence_async_proxy();
-                    bar_arrive<kThreads>(kFull + t);  // step i + 2's tile
+                    bar_arrive<kThreads>(kFull + t);  // step i + 2's tile (SKIP_LOADS: still announced)
                 }
             } else {
+#ifndef KERNELMUX_SKIP_LOADS
                 if (i + 2 < count) load_step(step + 2, block_next, tile);
-            }
 #endif
+            }
             block_next = block_after;
             copy_commit();
         }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 
@@ -21,17 +22,22 @@ from kernelmux.ops.specs import mla_decode as mla_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf.timing import graph_replay_time
 
-CASES = ["deepseek_v3_h128_decode_b64_ctx4096", "deepseek_v3_h128_decode_b128_ctx4096"]
+CASES = ["deepseek_v3_h128_decode_b64_ctx4096", "deepseek_v3_h128_decode_b128_ctx4096",
+         "deepseek_v3_h128_fp8_decode_b64_ctx4096"]
 VARIANTS = {
     "as built": (),
     "no score MMAs": ("KERNELMUX_SKIP_SCORES",),
     "no value MMAs": ("KERNELMUX_SKIP_VALUES",),
     "no MMAs": ("KERNELMUX_SKIP_SCORES", "KERNELMUX_SKIP_VALUES"),
     "no loads after two tiles": ("KERNELMUX_SKIP_LOADS",),
+    "no fp8 conversion": ("KERNELMUX_SKIP_CONVERT",),  # the tiles stored as fetched
 }
+FP8_ONLY = {"no fp8 conversion"}
 # Beyond the spec's cases: 64 heads (one CTA a sequence, so no second CTA reading the same tiles).
 EXTRA_CASES = {
     "deepseek_v3_h64_decode_b128_ctx4096": lambda: mla_spec._deepseek(128, 4096, 64),
+    "deepseek_v3_h64_fp8_decode_b128_ctx4096": lambda: mla_spec._deepseek(128, 4096, 64, cache_dtype=mla.FP8,
+                                                                          kv_scale=0.23),
 }
 
 
@@ -41,7 +47,9 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=CASES + list(EXTRA_CASES))
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), help="labels of VARIANTS to run")
     args = parser.parse_args()
+    started = time.perf_counter()
     copy = ceilings_module.measure("cuda")["memory_gbps"]
+    print(f"ceilings measured at {time.perf_counter() - started:.0f} s", flush=True)
     rows = []
     for name in args.cases:
         extra = EXTRA_CASES.get(name)
@@ -50,13 +58,15 @@ def main() -> None:
         nbytes = mla_spec.SPEC.cost(kwargs).bytes
         floor_us = nbytes / (copy * 1e3)
         for label in args.variants:
+            if label in FP8_ONLY and kwargs["kv_cache"].dtype != mla.FP8:
+                continue
             defines = VARIANTS[label]
             mla._DEFINES = defines
             timing = graph_replay_time(mla.mla_decode, [kwargs], calls_per_graph=8, trials=10)
             rows.append({"case": name, "variant": label, "defines": list(defines), "us": timing.median_us,
                          "pct_of_copy": 100 * floor_us / timing.median_us})
             print(f"{name:40s} {label:26s} {timing.median_us:8.1f} us  "
-                  f"{rows[-1]['pct_of_copy']:5.1f}% of copy", flush=True)
+                  f"{rows[-1]['pct_of_copy']:5.1f}% of copy  (at {time.perf_counter() - started:.0f} s)", flush=True)
     mla._DEFINES = ()
     record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"), "copy_gbps": copy, "rows": rows}

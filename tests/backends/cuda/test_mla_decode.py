@@ -73,8 +73,9 @@ def test_shared_memory_fits_hopper():
     # (the kernel traps on the GPU when launched with less, which the GPU tests would show).
     assert mla.SHARED_BYTES <= 227 * 1024
     source = mla._SOURCE.read_text()
-    assert "constexpr int kSharedBytes = kStats + 2 * kHeads * 4 + 1024;" in source
-    assert mla.SHARED_BYTES == 3 * (576 // 64) * 64 * 128 + 64 * 128 + 2 * 64 * 4 + 1024
+    assert "constexpr int kQScale = kStats + 2 * kHeads * 4, kQMaxima = kQScale + 16;" in source
+    assert "constexpr int kSharedBytes = kQMaxima + 16 + 1024;" in source
+    assert mla.SHARED_BYTES == 3 * (576 // 64) * 64 * 128 + 64 * 128 + 2 * 64 * 4 + 2 * 16 + 1024
 
 
 @needs_nvrtc
@@ -175,6 +176,34 @@ def test_goal_shape_against_reference(cache):
     # DeepSeek-V3 B 16 x 4096 at 128 heads (the bench's shape at a quarter of the batch).
     make = mla_spec._deepseek(16, 4096, 128, **CACHES[cache])
     _check(build(make, 11, DEVICE), 11)
+
+
+@needs_hopper
+@pytest.mark.parametrize("cache", ["same", "fp8_scaled"])
+def test_cache_with_padded_rows_against_reference(cache):
+    # Rows 16 bytes (fp8) or elements apart beyond their 576: the fp8 tiles are then fetched row by
+    # row instead of as one 36 KB run (mla_decode_sm90.cu, fetch_fp8_tile).
+    kwargs = build(mla_spec._maker(Q_LENS, KV_LENS, 128, scale=mla_spec.DEEPSEEK_V3_SCALE, **CACHES[cache]), 3,
+                   DEVICE)
+    packed = kwargs["kv_cache"]
+    padded = torch.zeros(packed.shape[:-1] + (592,), dtype=packed.dtype, device=DEVICE)
+    padded[..., :576] = packed
+    kwargs["kv_cache"] = padded[..., :576]
+    assert kwargs["kv_cache"].stride(1) == 592
+    _check(kwargs, 3)
+
+
+@needs_hopper
+@pytest.mark.parametrize("magnitude", [2.0**20, 2.0**-30, 0.0], ids=["large", "tiny", "zero"])
+def test_bf16_q_over_fp8_cache_at_extreme_magnitudes(magnitude):
+    # A bf16 q over an fp8 cache is converted to fp16 under a power-of-two scale chosen per head tile
+    # (mla_decode_sm90.cu, q_tile_to_f16): fp16 alone would overflow at 2^20 and flush 2^-30 to zero.
+    # No lse at 2^20: scores of ~1e7 summed from terms that cancel carry fp32 summation-order errors
+    # of ~4e-5 relative in any kernel and in the reference, beyond the spec's lse rtol of 1e-5.
+    kwargs = build(mla_spec._maker(Q_LENS, KV_LENS, 100, scale=mla_spec.DEEPSEEK_V3_SCALE,
+                                   return_lse=magnitude < 1, **CACHES["fp8_scaled"]), 13, DEVICE)
+    kwargs["q"] = (kwargs["q"].float() * magnitude).to(BF16)
+    _check(kwargs, 13)
 
 
 @needs_hopper
