@@ -93,9 +93,12 @@ struct __align__(16) Bytes16 {
     u32 w[4];
 };
 
+// A plain (L1-allocating) load: a loader reads each 128-byte line of a row in two 64-byte halves
+// (fetch_fp8_tile), and with L1::no_allocate the fp8 call took 183 us against 162 at DeepSeek-V3
+// B64 x 4096 (perf/notes/attention.md round 12; .cg 188, .nc 161, L2::128B 159).
 __device__ __forceinline__ Bytes16 load16(const unsigned char* p) {
     Bytes16 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
                  : "l"(p));
     return v;
