@@ -29,8 +29,8 @@ from typing import Optional
 
 import torch
 
+from kernelmux.backends._scoped import PlanSetting
 from kernelmux.backends.cuda import _nvrtc, prefill
-from kernelmux.backends.cuda import _plans as _plans_module
 from kernelmux.backends.cuda._layout import page_shift, vector_alignment_problem
 from kernelmux.engine import probes
 
@@ -89,8 +89,8 @@ def _plan_problem(plan: DecodePlan) -> Optional[str]:
     return None
 
 
-_plans = _plans_module.PlanOverride(DEFAULT_PLAN, _plan_problem)
-override_plan = _plans.override
+_plans = PlanSetting("override_plan", DEFAULT_PLAN, _plan_problem)
+override_plan = _plans.override_fields
 
 
 def shape_reason(query_dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int,

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
+from kernelmux.backends._scoped import PlanSetting
 from kernelmux.backends.cuda import _nvrtc
-from kernelmux.backends.cuda import _plans as _plans_module
 from kernelmux.backends.cuda._layout import vector_alignment_problem
 from kernelmux.backends.cuda.attention import split_count
 from kernelmux.engine import probes
@@ -76,8 +76,8 @@ def _plan_problem(plan: MlaPlan) -> Optional[str]:
     return None
 
 
-_plans = _plans_module.PlanOverride(DEFAULT_PLAN, _plan_problem)
-override_plan = _plans.override
+_plans = PlanSetting("override_plan", DEFAULT_PLAN, _plan_problem)
+override_plan = _plans.override_fields
 
 
 def shape_reason(q_dtype: torch.dtype, cache_dtype: torch.dtype, width: int, rank: int,

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
+from kernelmux.backends._scoped import ScopedSetting
 from kernelmux.backends.triton._host import INTERPRETED, next_pow2
 from kernelmux.engine import probes
 
@@ -76,24 +77,19 @@ class AttentionPlan:
     programs_per_sm: int = 1
 
 
-# Set only through override_plan (sweeps, tests); not thread-safe by design.
-_override: Optional[dict] = None
+def _fields_problem(fields: Optional[dict]) -> Optional[str]:
+    unknown = set(fields or ()) - set(AttentionPlan.__dataclass_fields__)
+    return f"unknown AttentionPlan fields {sorted(unknown)}" if unknown else None
 
 
-@contextlib.contextmanager
-def override_plan(**fields) -> Iterator[None]:
+# Fields replaced in every plan the table gives (None: none).
+_override: ScopedSetting[Optional[dict]] = ScopedSetting("override_plan", None, _fields_problem)
+
+
+def override_plan(**fields) -> contextlib.AbstractContextManager[Optional[dict]]:
     """Replace fields of every plan inside the block (sweeps and tests), e.g.
     ``override_plan(num_splits=4)`` or ``override_plan(block_n=32, num_stages=3)``."""
-    global _override
-    unknown = set(fields) - set(AttentionPlan.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"unknown AttentionPlan fields {sorted(unknown)}")
-    previous = _override
-    _override = fields
-    try:
-        yield
-    finally:
-        _override = previous
+    return _override.override(fields)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -172,7 +168,7 @@ def plan_for(
         if waves >= _LARGE_PREFILL_MIN_WAVES:
             kind = "prefill_large"
     plan = _base_plan(kind, device)
-    if _override is not None and "num_splits" in _override:
+    if "num_splits" in (_override.current or ()):
         return plan
     tiles, head_tiles = _grid_size(plan.block_m, group, num_seqs, num_tokens, max_query_len)
     programs = max(tiles * head_tiles * num_kv_heads, 1)
@@ -192,7 +188,8 @@ def _base_plan(kind: str, device: torch.device) -> AttentionPlan:
     """The device's table's plan for ``kind`` with the active override applied (splits not yet
     chosen)."""
     plan = _table_for(device)[kind]
-    return plan if _override is None else replace(plan, **_override)
+    fields = _override.current
+    return plan if fields is None else replace(plan, **fields)
 
 
 def _table_for(device: torch.device) -> dict:

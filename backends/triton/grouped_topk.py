@@ -7,10 +7,11 @@ package triton") on machines without it."""
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
+from kernelmux.backends._scoped import ScopedSetting
 from kernelmux.backends.triton._host import next_pow2
 
 __all__ = [
@@ -58,7 +59,7 @@ def _packed_constexprs(
 ) -> dict:
     """The packed kernel's host-chosen constexprs beyond the shape ones."""
     return {
-        "OFFSETS_64": _force_64bit_offsets or _needs_64bit_offsets(gating_output, topk, bias),
+        "OFFSETS_64": _force_64bit_offsets.current or _needs_64bit_offsets(gating_output, topk, bias),
         "FAST_DIV": _fast_div_available(),
     }
 
@@ -81,10 +82,12 @@ def _fast_div_available() -> bool:
 # benchmark comparisons. Same arguments and results.
 KERNELS = ("packed", "baseline")
 
-# Set only through use_kernel (benchmarks, tests); not thread-safe by design.
-_kernel_name: str = "packed"
-# Set only through force_64bit_offsets (tests); not thread-safe by design.
-_force_64bit_offsets: bool = False
+# The kernel launches use.
+_kernel_name = ScopedSetting(
+    "use_kernel", "packed",
+    lambda name: None if name in KERNELS else f"unknown grouped_topk kernel {name!r}; expected one of {KERNELS}")
+# Whether the packed kernel takes int64 offsets even when int32 ones would do.
+_force_64bit_offsets = ScopedSetting("force_64bit_offsets", False)
 
 
 @functools.cache
@@ -97,34 +100,18 @@ def _kernel_by_name(name: str):
 
 def _kernel():
     """The kernel the next launch uses (the active use_kernel selection, else "packed")."""
-    return _kernel_by_name(_kernel_name)
+    return _kernel_by_name(_kernel_name.current)
 
 
-@contextlib.contextmanager
-def use_kernel(name: str) -> Iterator[str]:
+def use_kernel(name: str) -> contextlib.AbstractContextManager[str]:
     """Launch kernel ``name`` ("packed" or "baseline") inside the block; restores the previous."""
-    global _kernel_name
-    if name not in KERNELS:
-        raise ValueError(f"unknown grouped_topk kernel {name!r}; expected one of {KERNELS}")
-    previous = _kernel_name
-    _kernel_name = name
-    try:
-        yield name
-    finally:
-        _kernel_name = previous
+    return _kernel_name.override(name)
 
 
-@contextlib.contextmanager
-def force_64bit_offsets(force: bool = True) -> Iterator[bool]:
+def force_64bit_offsets(force: bool = True) -> contextlib.AbstractContextManager[bool]:
     """Make the packed kernel use int64 offsets inside the block even when int32 ones would do
     (tests: the 64-bit path otherwise needs a > 8 GiB tensor); restores the previous setting."""
-    global _force_64bit_offsets
-    previous = _force_64bit_offsets
-    _force_64bit_offsets = force
-    try:
-        yield force
-    finally:
-        _force_64bit_offsets = previous
+    return _force_64bit_offsets.override(force)
 
 
 @dataclass(frozen=True)
@@ -161,14 +148,20 @@ _CONFIG_TABLE: tuple[tuple[float, int, LaunchConfig], ...] = (
 # reshape/split for a 2-row tile) is found. Refused for the baseline kernel too, for simplicity.
 KNOWN_BAD_CONFIGS = frozenset(LaunchConfig(block_t=2, num_warps=w) for w in (1, 2, 4, 8))
 
-# Set only through override_launch_config (benchmark sweeps); not thread-safe by design.
-_override: Optional[LaunchConfig] = None
+def _config_problem(config: LaunchConfig) -> Optional[str]:
+    if config in KNOWN_BAD_CONFIGS:
+        return f"{config} computes wrong results under Triton 3.6 (see KNOWN_BAD_CONFIGS); refused"
+    return None
+
+
+# The launch configuration in force instead of the table's (None: the table's).
+_override: ScopedSetting[Optional[LaunchConfig]] = ScopedSetting("override_launch_config", None, _config_problem)
 
 
 def launch_config(num_tokens: int, num_experts: int) -> LaunchConfig:
     """The launch configuration for a batch: the active override if any, else the table's."""
-    if _override is not None:
-        return _override
+    if _override.current is not None:
+        return _override.current
     padded = next_pow2(num_experts)
     for max_tokens, max_padded, config in _CONFIG_TABLE:
         if num_tokens <= max_tokens and padded <= max_padded:
@@ -176,21 +169,10 @@ def launch_config(num_tokens: int, num_experts: int) -> LaunchConfig:
     return _CONFIG_TABLE[-1][2]  # past the limits supports() refuses; kept total for sweeps
 
 
-@contextlib.contextmanager
-def override_launch_config(config: LaunchConfig) -> Iterator[LaunchConfig]:
+def override_launch_config(config: LaunchConfig) -> contextlib.AbstractContextManager[LaunchConfig]:
     """Use ``config`` for every launch inside the block (for sweeps); restores the previous one.
     Raises ValueError for a configuration in KNOWN_BAD_CONFIGS."""
-    global _override
-    if config in KNOWN_BAD_CONFIGS:
-        raise ValueError(
-            f"{config} computes wrong results under Triton 3.6 (see KNOWN_BAD_CONFIGS); refused"
-        )
-    previous = _override
-    _override = config
-    try:
-        yield config
-    finally:
-        _override = previous
+    return _override.override(config)
 
 
 def supports(
@@ -254,7 +236,7 @@ def grouped_topk(
     )
     kernel = _kernel()
     # The packed kernel's extra constexprs (the baseline keeps the original argument list).
-    extra = _packed_constexprs(gating_output, topk, bias) if _kernel_name == "packed" else {}
+    extra = _packed_constexprs(gating_output, topk, bias) if _kernel_name.current == "packed" else {}
     with guard:
         kernel[grid](
             gating_output,

@@ -7,10 +7,11 @@ package triton") on machines without it."""
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
+from kernelmux.backends._scoped import ScopedSetting
 from kernelmux.backends.triton._host import INTERPRETED, next_pow2
 from kernelmux.engine import probes
 
@@ -59,10 +60,16 @@ class LaunchConfig:
     num_warps: int
 
 
-# Set only through override_launch_config (sweeps, interpreter tests); not thread-safe by design.
-_override: Optional[LaunchConfig] = None
-# Set only through force_software_fp8 (tests); not thread-safe by design.
-_force_software_fp8: bool = False
+def _config_problem(config: LaunchConfig) -> Optional[str]:
+    if config.block_t < 1 or config.block_t & (config.block_t - 1):
+        return f"block_t must be a power of two >= 1 (a tile dimension), got {config.block_t}"
+    return None
+
+
+# The launch configuration in force instead of the heuristic (None: the heuristic's).
+_override: ScopedSetting[Optional[LaunchConfig]] = ScopedSetting("override_launch_config", None, _config_problem)
+# Whether fp8 launches take the integer route even where the hardware cast exists.
+_force_software_fp8 = ScopedSetting("force_software_fp8", False)
 
 
 def launch_config(num_kv_heads: int, head_dim: int, element_size: int) -> LaunchConfig:
@@ -78,8 +85,8 @@ def launch_config(num_kv_heads: int, head_dim: int, element_size: int) -> Launch
     is 8 warps of two. Small programs (one token each for real rows) keep the scattered slots of a
     decode batch spread over every SM, and there is no reuse that bigger programs would exploit.
     """
-    if _override is not None:
-        return _override
+    if _override.current is not None:
+        return _override.current
     block_h, block_d = tile_shape(num_kv_heads, head_dim)
     tile = block_h * block_d
     warp_elements = _WARP * max(1, _VECTOR_BYTES // element_size)
@@ -88,32 +95,16 @@ def launch_config(num_kv_heads: int, head_dim: int, element_size: int) -> Launch
     return LaunchConfig(block_t=block_t, num_warps=num_warps)
 
 
-@contextlib.contextmanager
-def override_launch_config(config: LaunchConfig) -> Iterator[LaunchConfig]:
+def override_launch_config(config: LaunchConfig) -> contextlib.AbstractContextManager[LaunchConfig]:
     """Use ``config`` for every launch inside the block (sweeps; the interpreter's big cases);
     restores the previous one."""
-    global _override
-    if config.block_t < 1 or config.block_t & (config.block_t - 1):
-        raise ValueError(f"block_t must be a power of two >= 1 (a tile dimension), got {config.block_t}")
-    previous = _override
-    _override = config
-    try:
-        yield config
-    finally:
-        _override = previous
+    return _override.override(config)
 
 
-@contextlib.contextmanager
-def force_software_fp8(force: bool = True) -> Iterator[bool]:
+def force_software_fp8(force: bool = True) -> contextlib.AbstractContextManager[bool]:
     """Make fp8 launches use the kernel's integer route even where the hardware cast exists
     (tests: both routes against the reference on the GPU); restores the previous setting."""
-    global _force_software_fp8
-    previous = _force_software_fp8
-    _force_software_fp8 = force
-    try:
-        yield force
-    finally:
-        _force_software_fp8 = previous
+    return _force_software_fp8.override(force)
 
 
 @functools.cache
@@ -125,7 +116,7 @@ def _has_native_e4m3_cast(index: int) -> bool:
 def native_fp8_cast(device: torch.device) -> bool:
     """Whether fp8 launches on ``device`` convert with the hardware cast (CUDA, not ROCm, compute
     capability >= 8.9, not under the interpreter, not forced off); else the integer route."""
-    if _force_software_fp8 or device.type != "cuda" or probes.is_rocm():
+    if _force_software_fp8.current or device.type != "cuda" or probes.is_rocm():
         return False
     if INTERPRETED:
         return False
