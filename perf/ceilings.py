@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import torch
 
@@ -60,42 +60,55 @@ def _cpu_seconds(fn, trials: int) -> float:
     return statistics.median(times)
 
 
-def _cuda_probes(quick: bool) -> dict[str, Optional[tuple[Callable[[], Any], float]]]:
-    """Each ceiling's operation and its work (GB moved or TFLOP) per call; None where the GPU has
-    no instruction for it (fp8 before sm_89)."""
+NAMES = ("memory_gbps", "bf16_tflops", "fp8_tflops", "fp32_tflops")
+
+
+def _cuda_probes(quick: bool, names: Collection[str]) -> dict[str, Optional[tuple[Callable[[], Any], float]]]:
+    """Each named ceiling's operation and its work (GB moved or TFLOP) per call; None where the
+    GPU has no instruction for it (fp8 before sm_89). Only the named ones' operands are allocated."""
     nbytes, n = (512 << 20, 4096) if quick else (2 << 30, 8192)
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    # fp32 at half the size: at 8192 one call takes ~20 ms, a replayed graph of 32 twenty seconds.
-    af, bf = a[: n // 2, : n // 2].float(), b[: n // 2, : n // 2].float()
-    probes: dict[str, Optional[tuple[Callable[[], Any], float]]] = {
+    probes: dict[str, Optional[tuple[Callable[[], Any], float]]] = {}
+    if "memory_gbps" in names:
+        src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+        dst = torch.empty_like(src)
         # An elementwise kernel, not copy_: inside a CUDA graph a device-to-device copy_ becomes a
         # memcpy node, which ran at 2436 GB/s on the H100 against 2973 eager and 3018 for this
         # kernel replayed (perf/diag/copy_ceiling_probe.py): not the SMs' path that rows take.
-        "memory_gbps": (lambda: torch.neg(src, out=dst), 2 * nbytes / 1e9),
-        "bf16_tflops": (lambda: a @ b, 2 * n**3 / 1e12),
-        "fp8_tflops": None,
-        "fp32_tflops": (lambda: af @ bf, 2 * (n // 2) ** 3 / 1e12),
-    }
-    if torch.cuda.get_device_capability() >= (8, 9):
-        # torch._scaled_mm on e4m3 operands, per-tensor scales, bf16 out.
-        a8 = a.to(torch.float8_e4m3fn)
-        b8 = b.to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
-        one = torch.ones((), device="cuda")
-        probes["fp8_tflops"] = (
-            lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 2 * n**3 / 1e12)
+        probes["memory_gbps"] = (lambda: torch.neg(src, out=dst), 2 * nbytes / 1e9)
+    if names & {"bf16_tflops", "fp8_tflops", "fp32_tflops"}:
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    if "bf16_tflops" in names:
+        probes["bf16_tflops"] = (lambda: a @ b, 2 * n**3 / 1e12)
+    if "fp8_tflops" in names:
+        probes["fp8_tflops"] = None
+        if torch.cuda.get_device_capability() >= (8, 9):
+            # torch._scaled_mm on e4m3 operands, per-tensor scales, bf16 out.
+            a8 = a.to(torch.float8_e4m3fn)
+            b8 = b.to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
+            one = torch.ones((), device="cuda")
+            probes["fp8_tflops"] = (
+                lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                2 * n**3 / 1e12)
+    if "fp32_tflops" in names:
+        # fp32 at half the size: at 8192 one call takes ~20 ms, a replayed graph of 32 twenty seconds.
+        af, bf = a[: n // 2, : n // 2].float(), b[: n // 2, : n // 2].float()
+        probes["fp32_tflops"] = (lambda: af @ bf, 2 * (n // 2) ** 3 / 1e12)
     return probes
 
 
-def measure(device: str, quick: bool = False) -> dict[str, Any]:
+def measure(device: str, quick: bool = False, only: Optional[Collection[str]] = None) -> dict[str, Any]:
     """``{"memory_gbps", "bf16_tflops", "fp8_tflops", "fp32_tflops"}`` for ``device`` ("cuda" or
     "cpu"); a rate the device has no instruction for is None. On a GPU these are timed as the
     bench's rows are, and each has a ``<name>_burst`` twin timed one call at a time (module
-    docstring). ``quick`` uses smaller problems (less accurate, for --quick runs)."""
+    docstring). ``quick`` uses smaller problems (less accurate, for --quick runs). ``only`` (names
+    from NAMES): just those on a GPU, e.g. a diagnostic that needs the copy bandwidth alone skips
+    the matmuls' ~10 s (the CPU's are quick, and always all measured)."""
+    names = set(NAMES if only is None else only)
+    if not names <= set(NAMES):
+        raise ValueError(f"ceilings.measure: only takes names from {NAMES}, got {sorted(names - set(NAMES))}")
     if device == "cuda":
-        probes = _cuda_probes(quick)
+        probes = _cuda_probes(quick, names)
 
         def rate(probe, seconds: Callable[[Callable[[], Any]], float]) -> Optional[float]:
             return None if probe is None else probe[1] / seconds(probe[0])

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from kernelmux.ops.specs.grouped_topk import SPEC
 
     env = _environment()
-    bandwidth = ceilings.measure("cuda")["memory_gbps"]
+    bandwidth = ceilings.measure("cuda", only=("memory_gbps",))["memory_gbps"]
     compiled_reference = torch.compile(SPEC.reference, dynamic=False)
     impls = {"triton": triton_module.grouped_topk, "torch_eager": SPEC.reference,
              "torch_compile": compiled_reference}

@@ -56,7 +56,6 @@ constexpr int kSharedBytes = kQMaxima + 16 + 1024;  // + room to align the base
 constexpr float kLn2 = 0.6931471805599453f;
 
 
-
 __device__ __forceinline__ float log2_approx(float x) {
     float y;
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -76,10 +75,6 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
     return h;
 #endif
 }
-
-
-
-
 
 
 // Byte offset of 16-byte chunk `chunk` (0 .. 71) of row `row` (0 .. 63) in a tile: its column
@@ -170,9 +165,6 @@ __device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i
 }
 
 
-
-
-
 // A bf16 query tile, as load_tile<128> copied it (thread `loader` its chunks), rewritten in place
 // as fp16 times 2^-shift, where shift puts the tile's largest finite magnitude in [2^15, 2^16),
 // fp16's top binade (clamped to +-100, so 2^shift stays a normal float). Every element within
@@ -183,41 +175,42 @@ __device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i
 __device__ __forceinline__ float q_tile_to_f16(u32 tile, int loader, u32* maxima) {
     constexpr int kMaxBarrier = 7;  // mla_decode_sm90 uses 1 .. 6
     const u32 first = tile + tile_offset(loader >> 3, loader & 7);
-    auto chunk_at = [&](int part, int block) { return first + part * 16 * 128 + block * kColumnBlock; };
-    u32 largest = 0;  // bf16 magnitude bits: for finite values their order is the values' order
+    // visit(address, words) for each of this thread's 36 chunks, read from shared memory.
+    auto for_each_chunk = [&](auto&& visit) {
 #pragma unroll
-    for (int part = 0; part < kHeads / 16; ++part)
+        for (int part = 0; part < kHeads / 16; ++part)
 #pragma unroll
-        for (int block = 0; block < kDim / 64; ++block) {
-            u32 w[4];
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(chunk_at(part, block)));
-#pragma unroll
-            for (int x = 0; x < 4; ++x) {
-                const u32 lo = w[x] & 0x7fffu, hi = (w[x] >> 16) & 0x7fffu;
-                largest = max(largest, lo < 0x7f80u ? lo : 0u);  // inf and NaN left out
-                largest = max(largest, hi < 0x7f80u ? hi : 0u);
+            for (int block = 0; block < kDim / 64; ++block) {
+                const u32 address = first + part * 16 * 128 + block * kColumnBlock;
+                u32 w[4];
+                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(address));
+                visit(address, w);
             }
+    };
+    u32 largest = 0;  // bf16 magnitude bits: for finite values their order is the values' order
+    for_each_chunk([&](u32, const u32 (&w)[4]) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            const u32 lo = w[x] & 0x7fffu, hi = (w[x] >> 16) & 0x7fffu;
+            largest = max(largest, lo < 0x7f80u ? lo : 0u);  // inf and NaN left out
+            largest = max(largest, hi < 0x7f80u ? hi : 0u);
         }
+    });
     largest = __reduce_max_sync(0xffffffffu, largest);
     if ((loader & 31) == 0) maxima[loader >> 5] = largest;
     bar_sync<128>(kMaxBarrier);
     largest = max(max(maxima[0], maxima[1]), max(maxima[2], maxima[3]));
     const int shift = min(max((int)(largest >> 7) - (127 + 15), -100), 100);  // bf16: 7 mantissa bits
     const float down = __int_as_float((127 - shift) << 23);
+    for_each_chunk([&](u32 address, const u32 (&w)[4]) {
+        u32 h[4];
 #pragma unroll
-    for (int part = 0; part < kHeads / 16; ++part)
-#pragma unroll
-        for (int block = 0; block < kDim / 64; ++block) {
-            u32 w[4];
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(chunk_at(part, block)));
-#pragma unroll
-            for (int x = 0; x < 4; ++x)
-                w[x] = pack2<false>(__int_as_float(w[x] << 16) * down, __int_as_float(w[x] & 0xffff0000u) * down);
-            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(chunk_at(part, block)), "r"(w[0]),
-                         "r"(w[1]), "r"(w[2]), "r"(w[3]) : "memory");
-        }
+        for (int x = 0; x < 4; ++x)
+            h[x] = pack2<false>(__int_as_float(w[x] << 16) * down, __int_as_float(w[x] & 0xffff0000u) * down);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(h[0]), "r"(h[1]), "r"(h[2]),
+                     "r"(h[3]) : "memory");
+    });
     return __int_as_float((127 + shift) << 23);
 }
 

@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument("--splits", type=int, default=None)
     args = parser.parse_args()
-    copy = ceilings_module.measure("cuda")["memory_gbps"]
+    copy = ceilings_module.measure("cuda", only=("memory_gbps",))["memory_gbps"]
     cuda_attention._DEFINES = ("KERNELMUX_TRACE",)
     record = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"),
               "copy_gbps": copy, "cases": {}}

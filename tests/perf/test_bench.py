@@ -183,6 +183,14 @@ def test_cuda_ceilings_are_measured_sustained_and_in_bursts():
     # The same matmul both ways: the load changes the clock, not the order of magnitude. (No
     # order between them: quick's small matmuls time their launch too when called one at a time.)
     assert 0.5 < measured["bf16_tflops"] / measured["bf16_tflops_burst"] < 2.0, measured
+    copy_only = ceilings.measure("cuda", quick=True, only=("memory_gbps",))
+    assert set(copy_only) == {"memory_gbps", "memory_gbps_burst"}, copy_only
+    assert 0.5 < copy_only["memory_gbps"] / measured["memory_gbps"] < 2.0, (copy_only, measured)
+
+
+def test_ceilings_refuse_an_unknown_name():
+    with pytest.raises(ValueError, match=r"only takes names from .* got \['hbm_gbps'\]"):
+        ceilings.measure("cuda", only=("memory_gbps", "hbm_gbps"))
 
 
 def test_command_line_runs_writes_reports_and_gates(tmp_path, capsys):
