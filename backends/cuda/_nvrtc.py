@@ -65,6 +65,15 @@ def _torch_cuda_major() -> Optional[int]:
 def find_nvrtc() -> Optional[ctypes.CDLL]:
     """The NVRTC library, or None when none can be loaded."""
     for path in _candidate_paths():
+        # NVRTC opens its builtins library by name at the first compilation; some wheels' libnvrtc
+        # (13.0.x) carries no rpath to its own folder, so that open fails unless the builtins
+        # beside it are loaded first.
+        for builtins in glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*")):
+            if os.path.dirname(path) and ".alt." not in builtins:
+                try:
+                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                except OSError:
+                    pass
         try:
             lib = ctypes.CDLL(path)
         except OSError:

@@ -165,6 +165,24 @@ __device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i
 }
 
 
+// visit(address, words) for each of the 36 chunks of a 64 x 576 tile that load_tile<128> has
+// thread `loader` copy, read from shared memory. (A template, not a generic lambda: NVRTC 13.0
+// takes a generic lambda's call operator for a host function.)
+template <class Visit>
+__device__ __forceinline__ void for_each_loader_chunk(u32 tile, int loader, Visit&& visit) {
+    const u32 first = tile + tile_offset(loader >> 3, loader & 7);
+#pragma unroll
+    for (int part = 0; part < kHeads / 16; ++part)
+#pragma unroll
+        for (int block = 0; block < kDim / 64; ++block) {
+            const u32 address = first + part * 16 * 128 + block * kColumnBlock;
+            u32 w[4];
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(address));
+            visit(address, w);
+        }
+}
+
 // A bf16 query tile, as load_tile<128> copied it (thread `loader` its chunks), rewritten in place
 // as fp16 times 2^-shift, where shift puts the tile's largest finite magnitude in [2^15, 2^16),
 // fp16's top binade (clamped to +-100, so 2^shift stays a normal float). Every element within
@@ -174,22 +192,8 @@ __device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i
 // threads call it together (named barrier kMaxBarrier); `maxima` holds four floats of shared memory.
 __device__ __forceinline__ float q_tile_to_f16(u32 tile, int loader, u32* maxima) {
     constexpr int kMaxBarrier = 7;  // mla_decode_sm90 uses 1 .. 6
-    const u32 first = tile + tile_offset(loader >> 3, loader & 7);
-    // visit(address, words) for each of this thread's 36 chunks, read from shared memory.
-    auto for_each_chunk = [&](auto&& visit) {
-#pragma unroll
-        for (int part = 0; part < kHeads / 16; ++part)
-#pragma unroll
-            for (int block = 0; block < kDim / 64; ++block) {
-                const u32 address = first + part * 16 * 128 + block * kColumnBlock;
-                u32 w[4];
-                asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                             : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(address));
-                visit(address, w);
-            }
-    };
     u32 largest = 0;  // bf16 magnitude bits: for finite values their order is the values' order
-    for_each_chunk([&](u32, const u32 (&w)[4]) {
+    for_each_loader_chunk(tile, loader, [&](u32, const u32 (&w)[4]) {
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
             const u32 lo = w[x] & 0x7fffu, hi = (w[x] >> 16) & 0x7fffu;
@@ -203,7 +207,7 @@ __device__ __forceinline__ float q_tile_to_f16(u32 tile, int loader, u32* maxima
     largest = max(max(maxima[0], maxima[1]), max(maxima[2], maxima[3]));
     const int shift = min(max((int)(largest >> 7) - (127 + 15), -100), 100);  // bf16: 7 mantissa bits
     const float down = __int_as_float((127 - shift) << 23);
-    for_each_chunk([&](u32 address, const u32 (&w)[4]) {
+    for_each_loader_chunk(tile, loader, [&](u32 address, const u32 (&w)[4]) {
         u32 h[4];
 #pragma unroll
         for (int x = 0; x < 4; ++x)
