@@ -24,7 +24,6 @@ import json
 import math
 import os
 import platform as host_platform
-import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -36,6 +35,7 @@ from kernelmux.engine import Engine, Settings
 from kernelmux.engine.report import distribution_version
 from kernelmux.ops.specs import ALL_SPECS
 from kernelmux.perf import ceilings as ceilings_module
+from kernelmux.perf import records
 from kernelmux.perf.timing import Timing, event_time, graph_replay_time, replay_trials, rotation_count, wall_time
 from kernelmux.registry import Backend
 
@@ -62,17 +62,6 @@ class Plan:
 # Environment and ceilings
 
 
-def _commit() -> str:
-    if os.environ.get("KERNELMUX_COMMIT"):
-        return os.environ["KERNELMUX_COMMIT"]
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def environment(engine: Engine, device: str) -> dict[str, Any]:
     env: dict[str, Any] = {
         "device": device,
@@ -84,7 +73,7 @@ def environment(engine: Engine, device: str) -> dict[str, Any]:
         "triton": distribution_version("triton"),
         "kernelmux": distribution_version("kernelmux"),
         "python": sys.version.split()[0],
-        "commit": _commit(),
+        "commit": records.commit(),
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "threads": torch.get_num_threads(),
         "driver": None,
@@ -95,13 +84,7 @@ def environment(engine: Engine, device: str) -> dict[str, Any]:
         props = torch.cuda.get_device_properties(0)
         env["l2_bytes"] = props.L2_cache_size
         env["sms"] = props.multi_processor_count
-        try:
-            env["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, check=True,
-            ).stdout.strip().splitlines()[0]
-        except (OSError, subprocess.CalledProcessError, IndexError):
-            pass
+        env["driver"] = records.driver_version()
     return env
 
 

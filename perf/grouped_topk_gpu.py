@@ -12,17 +12,14 @@ sweep row records its kernel. Writes grouped_topk_gpu.json and .md into --out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kernelmux.perf import ceilings
+from kernelmux.perf import ceilings, records
 from kernelmux.perf.timing import Timing, graph_replay_time, rotation_count
 
 TOKENS = (1, 64, 1024, 8192, 16384)
@@ -31,33 +28,14 @@ SWEEP_WARPS = (1, 2, 4, 8)
 
 
 def _environment() -> dict[str, Any]:
-    import triton
-
     props = torch.cuda.get_device_properties(0)
-    # The device copy of the tree may carry no .git: the caller can pass the commit in.
-    commit = os.environ.get("KERNELMUX_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent, check=False).stdout.strip()
-        except OSError:
-            commit = ""
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, check=False).stdout.strip()
-    except OSError:
-        driver = ""
     return {
-        "device": props.name,
+        **records.header(0),
         "sm_count": props.multi_processor_count,
         "l2_bytes": props.L2_cache_size,
         "capability": f"{props.major}.{props.minor}",
-        "driver": driver,
-        "torch": torch.__version__,
+        "driver": records.driver_version(),
         "cuda": torch.version.cuda,
-        "triton": triton.__version__,
-        "commit": commit,
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 

@@ -49,11 +49,13 @@ for step in "$@"; do
     echo "== $step ($(date -u +%T))"
     case "$step" in
     tests-core)
-        (cd /tmp && timeout 420 python3 -m pytest "$repo/tests" -q -p no:cacheprovider -rfE \
+        # Eight workers, as tests-attention: run one at a time, these two took over 420 s each on
+        # the H100 (5ef64b7); the GB-sized cases keep to one worker (their xdist group).
+        (cd /tmp && timeout 420 python3 -m pytest "$repo/tests" -q -n 8 --dist loadgroup -p no:cacheprovider -rfE \
             --durations=15 "${slow[@]/#/--ignore=$repo/}" 2>&1) | tee "$out/pytest_core.txt" | tail -25 ;;
     tests-slow)
-        (cd /tmp && timeout 420 python3 -m pytest "${slow[@]/#/$repo/}" -q -p no:cacheprovider -rfE \
-            --durations=15 2>&1) | tee "$out/pytest_slow.txt" | tail -25 ;;
+        (cd /tmp && timeout 420 python3 -m pytest "${slow[@]/#/$repo/}" -q -n 8 --dist loadgroup -p no:cacheprovider \
+            -rfE --durations=15 2>&1) | tee "$out/pytest_slow.txt" | tail -25 ;;
     bench)
         timeout 300 python3 -m kernelmux bench --json "$out/bench.json" --md "$out/bench.md" \
             2> "$out/bench.log" | tail -5 ;;

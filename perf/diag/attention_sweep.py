@@ -22,10 +22,10 @@ import time
 import torch
 
 from kernelmux.backends.triton import attention
-from kernelmux.engine.report import distribution_version
 from kernelmux.ops.specs import mla_decode as mla_spec
 from kernelmux.ops.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
+from kernelmux.perf import records
 from kernelmux.perf.timing import graph_replay_time
 
 DECODE_CASES = [
@@ -117,8 +117,7 @@ def run(out_dir: str, ops: list[str], kinds: list[str], cases: list[str], quick:
     groups = [g for g in groups if g[4] in kinds and (not cases or g[2] in cases)]
     rows = []
     record = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "triton": distribution_version("triton"), "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"),
+        **records.header(),
         "ceilings": ceilings, "rows": rows,
     }
     os.makedirs(out_dir, exist_ok=True)

@@ -20,6 +20,8 @@ import tempfile
 import torch
 from attention_profile import case_call  # this folder: on sys.path when run as a script
 
+from kernelmux.perf import records
+
 DEFAULT_CASES = [
     "llama3_70b_tp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b64_ctx4096",
     "llama3_70b_tp8_fp8_decode_b8_ctx32768", "llama3_8b_fp8_decode_b64_ctx4096",
@@ -94,8 +96,7 @@ def main() -> None:
     device = torch.device("cuda")
     rows = [timeline(name, device, args.backend) for name in args.cases]
     report = {
-        "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-        "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"), "backend": args.backend,
+        **records.header(device), "backend": args.backend,
         "method": f"{CALLS} calls in one CUDA graph, {REPLAYS} replays under torch.profiler (CUPTI kernel "
                   "records); medians per call",
         "rows": rows,

@@ -18,9 +18,9 @@ import torch
 
 from kernelmux.backends.cuda import attention as cuda_attention
 from kernelmux.backends.triton import attention as triton_attention
-from kernelmux.engine.report import distribution_version
 from kernelmux.ops.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
+from kernelmux.perf import records
 from kernelmux.perf.timing import graph_replay_time
 
 CASES = ["llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b8_ctx32768",
@@ -37,9 +37,7 @@ def main() -> None:
     copy = ceilings["memory_gbps"]
     print(f"copy bandwidth {copy:.1f} GB/s", flush=True)
     rows = []
-    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": distribution_version("triton"),
-              "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"),
+    record = {**records.header(),
               "ceilings": ceilings, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     variants = [("cuda", dict(read_ahead=ahead, warps=warps, num_splits=s)) for ahead, warps in

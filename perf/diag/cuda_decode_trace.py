@@ -23,6 +23,7 @@ from kernelmux.backends.cuda import _nvrtc
 from kernelmux.backends.cuda import attention as cuda_attention
 from kernelmux.ops.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
+from kernelmux.perf import records
 
 CASES = ["llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b8_ctx32768",
          "llama3_8b_fp8_decode_b64_ctx4096"]
@@ -78,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     copy = ceilings_module.measure("cuda", only=("memory_gbps",))["memory_gbps"]
     cuda_attention._DEFINES = ("KERNELMUX_TRACE",)
-    record = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"),
+    record = {**records.header(),
               "copy_gbps": copy, "cases": {}}
     lines = [f"copy bandwidth {copy:.1f} GB/s"]
     for case in args.cases:

@@ -14,12 +14,12 @@ import json
 import os
 import time
 
-import torch
 
 from kernelmux.backends.cuda import mla
 from kernelmux.ops._spec import Case
 from kernelmux.ops.specs import mla_decode as mla_spec
 from kernelmux.perf import ceilings as ceilings_module
+from kernelmux.perf import records
 from kernelmux.perf.timing import graph_replay_time
 
 CASES = ["deepseek_v3_h128_decode_b64_ctx4096", "deepseek_v3_h128_decode_b128_ctx4096",
@@ -68,8 +68,7 @@ def main() -> None:
             print(f"{name:40s} {label:26s} {timing.median_us:8.1f} us  "
                   f"{rows[-1]['pct_of_copy']:5.1f}% of copy  (at {time.perf_counter() - started:.0f} s)", flush=True)
     mla._DEFINES = ()
-    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"), "copy_gbps": copy, "rows": rows}
+    record = {**records.header(), "copy_gbps": copy, "rows": rows}
     with open(os.path.join(args.out, "cuda_mla_ablation.json"), "w") as f:
         json.dump(record, f, indent=1)
 

@@ -26,9 +26,9 @@ import torch
 from kernelmux.backends.cuda import attention as cuda_attention
 from kernelmux.backends.cuda import prefill
 from kernelmux.backends.triton import attention as triton_attention
-from kernelmux.engine.report import distribution_version
 from kernelmux.ops.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
+from kernelmux.perf import records
 from kernelmux.perf.timing import graph_replay_time, rotation_count
 
 CASES = ["llama3_8b_prefill_t8192", "llama3_8b_prefill_t1024", "llama3_8b_prefill_t1024_4seqs",
@@ -67,9 +67,7 @@ def main() -> None:
     matmul, matmul_burst = ceilings["bf16_tflops"], ceilings["bf16_tflops_burst"]
     print(f"bf16 matmul {matmul:.1f} TFLOP/s sustained, {matmul_burst:.1f} in bursts", flush=True)
     rows = []
-    record = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": distribution_version("triton"),
-              "commit": os.environ.get("KERNELMUX_COMMIT", "unknown"),
+    record = {**records.header(),
               "ceilings": ceilings, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
