@@ -68,8 +68,10 @@ def find_nvrtc() -> Optional[ctypes.CDLL]:
         # NVRTC opens its builtins library by name at the first compilation; some wheels' libnvrtc
         # (13.0.x) carries no rpath to its own folder, so that open fails unless the builtins
         # beside it are loaded first.
-        for builtins in glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*")):
-            if os.path.dirname(path) and ".alt." not in builtins:
+        # (Bare names are the loader's to resolve: no folder to look in.)
+        folder = os.path.dirname(path)
+        for builtins in glob.glob(os.path.join(folder, "libnvrtc-builtins.so.*")) if folder else ():
+            if ".alt." not in builtins:
                 try:
                     ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
                 except OSError:

@@ -142,16 +142,21 @@ __device__ __forceinline__ void store_fp8_tile(u32 tile, const Bytes16 (&raw)[18
     }
 }
 
+// The chunk of a tile that thread `tid` of THREADS copies for row group `part` and column block
+// `block`: chunk tid % 8 of row tid / 8 + part THREADS / 8 (a warp: four whole 128-byte row
+// segments), so a thread's addresses are one per-thread offset plus constants.
+template <int THREADS>
+__device__ __forceinline__ u32 loader_chunk(u32 tile, int tid, int part, int block) {
+    return tile + tile_offset(tid >> 3, tid & 7) + part * (THREADS / 8) * 128 + block * kColumnBlock;
+}
+
 // Rows 0 .. 63 of a tile, row r from rows + r * stride (bytes); rows >= valid are zero-filled
-// and nothing is read for them, by THREADS threads. Thread t copies chunk t % 8 of every column
-// block of rows t / 8 + k THREADS / 8 (a warp: four whole 128-byte row segments a copy), so its
-// addresses are one per-thread offset plus constants.
+// and nothing is read for them, by THREADS threads, each copying its loader_chunk's.
 template <int THREADS>
 __device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i64 stride, int valid,
                                           int tid) {
     constexpr int kRowsAtOnce = THREADS / 8;
     const int row = tid >> 3, slot = tid & 7;
-    const u32 dst = tile + tile_offset(row, slot);
     const unsigned char* src = rows + row * stride + slot * 16;
 #pragma unroll
     for (int part = 0; part < kStep / kRowsAtOnce; ++part) {
@@ -159,23 +164,21 @@ __device__ __forceinline__ void load_tile(u32 tile, const unsigned char* rows, i
         const unsigned char* from = live ? src + kRowsAtOnce * part * stride : rows;
 #pragma unroll
         for (int block = 0; block < kDim / 64; ++block)
-            copy16(dst + part * kRowsAtOnce * 128 + block * kColumnBlock, from + block * 128,
-                   live ? 16u : 0u);
+            copy16(loader_chunk<THREADS>(tile, tid, part, block), from + block * 128, live ? 16u : 0u);
     }
 }
 
 
 // visit(address, words) for each of the 36 chunks of a 64 x 576 tile that load_tile<128> has
-// thread `loader` copy, read from shared memory. (A template, not a generic lambda: NVRTC 13.0
-// takes a generic lambda's call operator for a host function.)
+// thread `loader` copy (loader_chunk, the one map both use), read from shared memory. (A template,
+// not a generic lambda: NVRTC 13.0 takes a generic lambda's call operator for a host function.)
 template <class Visit>
 __device__ __forceinline__ void for_each_loader_chunk(u32 tile, int loader, Visit&& visit) {
-    const u32 first = tile + tile_offset(loader >> 3, loader & 7);
 #pragma unroll
     for (int part = 0; part < kHeads / 16; ++part)
 #pragma unroll
         for (int block = 0; block < kDim / 64; ++block) {
-            const u32 address = first + part * 16 * 128 + block * kColumnBlock;
+            const u32 address = loader_chunk<128>(tile, loader, part, block);
             u32 w[4];
             asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
                          : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(address));

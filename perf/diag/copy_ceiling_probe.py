@@ -13,6 +13,7 @@ import json
 
 import torch
 
+from kernelmux.perf import records
 from kernelmux.perf.ceilings import _cuda_seconds as one_call_at_a_time_seconds
 from kernelmux.perf.timing import graph_replay_time
 
@@ -28,7 +29,7 @@ def main() -> None:
         gbps[f"{name}_eager"] = 2 * nbytes / one_call_at_a_time_seconds(fn, 20) / 1e9
     for name, fn in ops.items():
         gbps[f"{name}_graph"] = 2 * nbytes / (graph_replay_time(fn, [{}]).median_us / 1e6) / 1e9
-    print(json.dumps({"device": torch.cuda.get_device_name(), "gbps": {k: round(v, 1) for k, v in gbps.items()}}))
+    print(json.dumps({**records.header(), "gbps": {k: round(v, 1) for k, v in gbps.items()}}))
 
 
 if __name__ == "__main__":

@@ -181,8 +181,8 @@ def test_goal_shape_against_reference(cache):
 @needs_hopper
 @pytest.mark.parametrize("cache", ["same", "fp8_scaled"])
 def test_cache_with_padded_rows_against_reference(cache):
-    # Rows 16 bytes (fp8) or elements apart beyond their 576: the fp8 tiles are then fetched row by
-    # row instead of as one 36 KB run (mla_decode_sm90.cu, fetch_fp8_tile).
+    # Rows 16 elements apart beyond their 576 (bytes for fp8): every cache read must follow the
+    # row stride it is given (cp.async tiles, and fetch_fp8_tile in mla_decode_sm90.cu).
     kwargs = build(mla_spec._maker(Q_LENS, KV_LENS, 128, scale=mla_spec.DEEPSEEK_V3_SCALE, **CACHES[cache]), 3,
                    DEVICE)
     packed = kwargs["kv_cache"]
