@@ -41,6 +41,8 @@ FP8 = torch.float8_e4m3fn
 HEAD_DIM = 128  # the kernel's lane-to-dim maps are written for 128 dims
 MAX_GROUP = 16  # query heads per KV head: two 8-column MMA tiles
 MIN_CAPABILITY = (8, 9)  # cvt.rn.f16x2.e4m3x2 (sm_89+); movmatrix and mma.m16n8k16 are older
+CLUSTER_CAPABILITY = (9, 0)  # thread-block clusters and distributed shared memory
+MAX_CLUSTER = 16  # CTAs a cluster may hold on sm_90 (above 8 is a non-portable size)
 # Splits: each share at least this many positions (two 32-position steps per warp of a 4-warp
 # CTA: shorter shares spend more on partials and the merge than they gain), at most _MAX_SPLITS.
 MIN_SPLIT_LEN = 256
@@ -70,11 +72,14 @@ def split_count(ctas: int, slots: int, max_seq_len: int, min_split_len: int = MI
 class DecodePlan:
     """A launch's choices: KV splits (None: split_count's), whether each warp reads the next
     step's K while this step's softmax and values run (``read_ahead``: more registers, 12 warps
-    per SM instead of 16), and warps per CTA."""
+    per SM instead of 16), warps per CTA, and whether the splits of a (KV head, sequence) combine
+    inside one thread-block cluster (``cluster``: sm_90 and at most MAX_CLUSTER splits, else the
+    merge kernel does it) instead of through partials and the merge kernel."""
 
     num_splits: Optional[int] = None
     read_ahead: bool = False
-    warps: int = 4  # per CTA; 8 only for groups of up to 8 heads (the combine's shared memory)
+    warps: int = 4  # per CTA, at most: see _warps
+    cluster: bool = False
 
 
 DEFAULT_PLAN = DecodePlan()
@@ -84,8 +89,12 @@ def _plan_problem(plan: DecodePlan) -> Optional[str]:
     splits = plan.num_splits
     if splits is not None and (type(splits) is not int or not 1 <= splits <= _MAX_SPLITS):
         return f"num_splits must be an int in [1, {_MAX_SPLITS}] or None, got {splits!r}"
-    if plan.warps not in (4, 8):
-        return f"warps must be 4 or 8, got {plan.warps!r}"
+    if plan.warps not in (4, 8, 16):
+        return f"warps must be 4, 8 or 16, got {plan.warps!r}"
+    if plan.warps == 16 and plan.read_ahead:
+        return "read_ahead needs more than 128 registers a thread: at most 8 warps with it, got 16"
+    if type(plan.cluster) is not bool:
+        return f"cluster must be a bool, got {plan.cluster!r}"
     return None
 
 
@@ -168,7 +177,8 @@ _sm_count = probes.compute_units
 def _compiled(arch: tuple[int, int], defines: tuple[str, ...],
               *template: bool | int) -> tuple[_nvrtc.CompiledModule, str, str]:
     """One NVRTC compilation per template set (head tiles, bf16 query, log2 block size, soft cap,
-    split, read ahead, warps), arch and macro set: (module, decode kernel name, merge kernel name)."""
+    split, read ahead, warps, cluster), arch and macro set: (module, decode kernel name, merge
+    kernel name)."""
     args = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in template)
     decode = f"paged_decode_fp8<{args}>"
     merge = f"merge_splits<{str(template[1]).lower()}>"
@@ -184,10 +194,23 @@ def _kernels(device: torch.device, *template: bool | int) -> tuple[_nvrtc.Kernel
     """The decode and merge kernels for ``template`` loaded on ``device`` (cached per device)."""
     def build():
         module, decode, merge = _compiled(_capability(device), _DEFINES, *template)
-        return module, [_nvrtc.KernelSpec(decode, _DECODE_SIGNATURE, template[-1] * 32),
+        head_tiles, warps = template[0], template[6]
+        return module, [_nvrtc.KernelSpec(decode, _DECODE_SIGNATURE, warps * 32,
+                                          shared_bytes=warps * head_tiles * 8 * HEAD_DIM * 4),
                         _nvrtc.KernelSpec(merge, _MERGE_SIGNATURE, 2 * HEAD_DIM)]
 
     return _LOADED.get(device, (_DEFINES, template), build)
+
+
+def _warps(plan: DecodePlan, head_tiles: int, q_bf16: bool, shift: int, soft_cap: bool) -> int:
+    """Warps per CTA for ``plan`` and a template: the plan's, at most what the template's registers
+    allow (two head tiles: 4; blocks under 16 positions or a soft cap, whose kernels need more
+    than 128 registers a thread: 8)."""
+    if head_tiles > 1:
+        return 4
+    if shift < 4 or soft_cap:
+        return min(plan.warps, 8)
+    return plan.warps
 
 
 def paged_attention(
@@ -226,15 +249,17 @@ def paged_attention(
     plan = _plans.current
     template = (-(-group // 8), query.dtype == torch.bfloat16, page_shift(k_cache.shape[1]),
                 logits_soft_cap > 0)
-    warps = plan.warps if template[0] == 1 else 4  # two head tiles: the combine fits 4 warps' smem
+    warps = _warps(plan, *template)
     with torch.cuda.device(device):
         splits = plan.num_splits
         if splits is None:
-            unsplit, _ = _kernels(device, *template, False, plan.read_ahead, warps)
+            unsplit, _ = _kernels(device, *template, False, plan.read_ahead, warps, False)
             slots = unsplit.blocks_per_sm * _sm_count(device)
             splits = split_count(num_kv_heads * num_seqs, slots, max_seq_len)
-        decode, merge = _kernels(device, *template, splits > 1, plan.read_ahead, warps)
-        if splits > 1:
+        cluster = (plan.cluster and 1 < splits <= MAX_CLUSTER
+                   and _capability(device) >= CLUSTER_CAPABILITY)
+        decode, merge = _kernels(device, *template, splits > 1 and not cluster, plan.read_ahead, warps, cluster)
+        if splits > 1 and not cluster:
             part_acc = torch.empty((splits, num_tokens, num_q_heads, HEAD_DIM), dtype=torch.float32,
                                    device=device)
             part_ml = torch.empty((2, splits, num_tokens, num_q_heads), dtype=torch.float32, device=device)
@@ -250,8 +275,9 @@ def paged_attention(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0),
+            cluster=(1, 1, splits) if cluster else None,
         )
-        if splits > 1:
+        if splits > 1 and not cluster:
             merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, num_tokens, num_q_heads,
                   splits, out.stride(0), out.stride(1))
     return out

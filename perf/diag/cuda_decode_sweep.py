@@ -1,11 +1,16 @@
 """Plan sweep for the cuda backend's fp8 paged-attention decode on the perf goals' fp8 shapes:
-split counts, read-ahead and 8-warp CTAs, each checked against the spec's reference before it
-is timed (CUDA-graph replay), with the triton backend's kernel on the same inputs for comparison.
-Bandwidth is the spec's byte count over the median time, as a percent of the device-copy
-bandwidth measured in the same run. DEFAULT_PLAN and split_count in
+split counts, read-ahead, warps per CTA and cluster combines, each checked against the spec's
+reference before it is timed (CUDA-graph replay), with the triton backend's kernel on the same
+inputs for comparison. Bandwidth is the spec's byte count over the median time, as a percent of
+the device-copy bandwidth measured in the same run. DEFAULT_PLAN and split_count in
 backends/cuda/attention.py are chosen from these numbers.
 
     python perf/diag/cuda_decode_sweep.py --out DIR [--cases NAME ...] [--splits 1 4 8 16]
+        [--plans w16s2c w4a ...]
+
+A --plans entry names a DecodePlan: w<warps>, s<splits> (else split_count's), a (read ahead),
+c (cluster combine); without --plans, 4 and 8 warps with and without read-ahead at each split
+count.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
 import torch
 
@@ -27,11 +33,22 @@ CASES = ["llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b8_
          "llama3_8b_fp8_decode_b64_ctx4096", "llama3_8b_fp8_decode_b8_ctx4096"]
 
 
+def plan_fields(name: str) -> dict:
+    """DecodePlan fields from a --plans entry such as ``w16s2c``."""
+    match = re.fullmatch(r"w(\d+)(?:s(\d+))?(a?)(c?)", name)
+    if match is None:
+        raise SystemExit(f"--plans entry {name!r} is not w<warps>[s<splits>][a][c]")
+    warps, splits, ahead, cluster = match.groups()
+    return dict(warps=int(warps), num_splits=int(splits) if splits else None, read_ahead=bool(ahead),
+                cluster=bool(cluster))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument("--splits", nargs="*", type=int, default=[])
+    parser.add_argument("--plans", nargs="*", default=None)
     args = parser.parse_args()
     ceilings = ceilings_module.measure("cuda", only=("memory_gbps",))
     copy = ceilings["memory_gbps"]
@@ -40,8 +57,11 @@ def main() -> None:
     record = {**records.header(),
               "ceilings": ceilings, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
-    variants = [("cuda", dict(read_ahead=ahead, warps=warps, num_splits=s)) for ahead, warps in
-                ((False, 4), (True, 4), (False, 8), (True, 8)) for s in [None, *args.splits]]
+    if args.plans is None:
+        variants = [("cuda", dict(read_ahead=ahead, warps=warps, num_splits=s)) for ahead, warps in
+                    ((False, 4), (True, 4), (False, 8), (True, 8)) for s in [None, *args.splits]]
+    else:
+        variants = [("cuda", plan_fields(name)) for name in args.plans]
     variants.append(("triton", {}))
     for case in args.cases:
         kwargs = pa_spec.SPEC.case(case).build(torch.device("cuda"), 0)

@@ -84,36 +84,47 @@ def test_override_plan_checks_its_argument():
     with pytest.raises(ValueError, match="num_splits must be an int in .* got 65"):
         with attention.override_plan(num_splits=65):
             pass
-    with pytest.raises(ValueError, match="warps must be 4 or 8, got 16"):
-        with attention.override_plan(warps=16):
+    with pytest.raises(ValueError, match="warps must be 4, 8 or 16, got 2"):
+        with attention.override_plan(warps=2):
+            pass
+    with pytest.raises(ValueError, match="read_ahead needs more than 128 registers .* got 16"):
+        with attention.override_plan(warps=16, read_ahead=True):
+            pass
+    with pytest.raises(ValueError, match="cluster must be a bool, got 1"):
+        with attention.override_plan(cluster=1):
             pass
 
 
-NAMES = [f"paged_decode_fp8<{tiles}, {bf16}, {shift}, {cap}, {split}, {ahead}, {warps}>"
-         for tiles, bf16, shift, cap, split, ahead, warps in itertools.product(
-             (1, 2), ("true", "false"), (0, 4), ("false", "true"), ("false", "true"), ("false", "true"),
-             (4, 8))
-         if tiles == 1 or warps == 4]
-NAMES += ["merge_splits<true>", "merge_splits<false>"]
+def _names(cluster: bool) -> list[str]:
+    """Every decode instantiation the host can ask for (``cluster``: with the sm_90-only ones)."""
+    names = [f"paged_decode_fp8<{tiles}, {bf16}, {shift}, {cap}, {split}, {ahead}, {warps}, {clustered}>"
+             for tiles, bf16, shift, cap, split, ahead, warps, clustered in itertools.product(
+                 (1, 2), ("true", "false"), (0, 4), ("false", "true"), ("false", "true"), ("false", "true"),
+                 (4, 8, 16), ("false", "true") if cluster else ("false",))
+             if (tiles == 1 or warps == 4) and not (split == clustered == "true")
+             and (warps < 16 or (shift, cap, ahead) == (4, "false", "false"))]
+    return names + ["merge_splits<true>", "merge_splits<false>"]
 
 
 @needs_nvrtc
 @pytest.mark.parametrize("arch", [(8, 9), (10, 0), (12, 0)])
 def test_every_template_compiles(arch):
-    module = _nvrtc.compile_module(attention._SOURCE.read_text(), NAMES, arch, verbose=True)
-    assert all(module.registers(name) > 0 for name in NAMES)
+    names = _names(cluster=arch >= attention.CLUSTER_CAPABILITY)
+    module = _nvrtc.compile_module(attention._SOURCE.read_text(), names, arch, verbose=True)
+    assert all(module.registers(name) > 0 for name in names)
 
 
 @needs_nvrtc
 def test_hopper_kernels_hold_their_occupancy_without_spills():
     # Every instantiation the host can ask for, for sm_90: no spills, and the one-tile kernels
     # with whole 16-position tiles per cache block (no soft cap, no read-ahead) fit 128
-    # registers: four CTAs per SM, as the goal shapes' split counts assume.
-    module = _nvrtc.compile_module(attention._SOURCE.read_text(), NAMES, (9, 0), verbose=True)
-    for name in NAMES:
+    # registers: 16 warps per SM, as the goal shapes' split counts assume.
+    names = _names(cluster=True)
+    module = _nvrtc.compile_module(attention._SOURCE.read_text(), names, (9, 0), verbose=True)
+    for name in names:
         assert module.spill_bytes(name) == 0, name
-    held = [n for n in NAMES if re.fullmatch(r"paged_decode_fp8<1, \w+, 4, false, \w+, false, \d>", n)]
-    assert len(held) == 2 * 2 * 2  # query dtypes x split or not x warps
+    held = [n for n in names if re.fullmatch(r"paged_decode_fp8<1, \w+, 4, false, \w+, false, \d+, \w+>", n)]
+    assert len(held) == 2 * 3 * 3  # query dtypes x (unsplit, split, cluster) x warps
     for name in held:
         assert module.registers(name) <= 128, (name, module.registers(name))
 
@@ -122,9 +133,9 @@ def test_hopper_kernels_hold_their_occupancy_without_spills():
 def test_traced_build_compiles_without_spills(tmp_path, monkeypatch):
     # perf/diag/cuda_decode_trace.py's build: the marks must not change what they time by spilling.
     monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
-    module, decode, _ = attention._compiled((9, 0), ("KERNELMUX_TRACE",), 1, True, 4, False, True, False, 4)
+    module, decode, _ = attention._compiled((9, 0), ("KERNELMUX_TRACE",), 1, True, 4, False, True, False, 4, False)
     assert b"kernelmux_trace" in module.cubin
-    plain, _, _ = attention._compiled((9, 0), (), 1, True, 4, False, True, False, 4)
+    plain, _, _ = attention._compiled((9, 0), (), 1, True, 4, False, True, False, 4, False)
     assert b"kernelmux_trace" not in plain.cubin
     traced = _nvrtc.compile_module("#define KERNELMUX_TRACE 1\n" + attention._SOURCE.read_text(), [decode],
                                    (9, 0), verbose=True)
@@ -170,10 +181,13 @@ def test_decode_against_reference(options, block_size, num_heads, num_kv_heads):
 @needs_gpu
 @pytest.mark.parametrize("options", ["scales", "window", "sinks_cap"])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 1), (12, 1), (3, 3)])
-@pytest.mark.parametrize("splits", [1, 3, 8, 64])
-@pytest.mark.parametrize("plan", [{}, {"read_ahead": True}, {"warps": 8}],
-                         ids=["default", "read_ahead", "warps8"])
+@pytest.mark.parametrize("splits", [1, 3, 8, 16, 64])
+@pytest.mark.parametrize("plan", [{}, {"read_ahead": True}, {"warps": 8}, {"warps": 16}, {"cluster": True},
+                                  {"warps": 16, "cluster": True}],
+                         ids=["default", "read_ahead", "warps8", "warps16", "cluster", "warps16_cluster"])
 def test_every_plan_against_reference(options, num_heads, num_kv_heads, splits, plan):
+    # Cluster plans: 3 and 8 splits in portable clusters, 16 in a non-portable one, 64 through
+    # the merge kernel (more than a cluster holds).
     seed = 10 * num_heads + splits
     make = pa_spec._maker(Q_LENS, KV_LENS, num_heads, num_kv_heads, 128, block_size=16, cache_dtype=FP8,
                           **OPTIONS[options])
@@ -192,7 +206,8 @@ def test_decode_ignores_nan_in_unread_slots():
             read[kwargs["block_table"][b, j // 16], j % 16] = True
     for name in ("k_cache", "v_cache"):
         kwargs[name].view(torch.uint8)[~read] = 0x7F  # e4m3 NaN
-    for splits, plan in itertools.product((1, 3), ({}, {"read_ahead": True}, {"warps": 8})):
+    for splits, plan in itertools.product((1, 3), ({}, {"read_ahead": True}, {"warps": 8}, {"warps": 16},
+                                                    {"cluster": True})):
         with attention.override_plan(num_splits=splits, **plan):
             pa_spec.SPEC.check_close(attention.paged_attention(**kwargs), expected, kwargs)
 
@@ -219,13 +234,14 @@ def test_misaligned_cache_view_is_refused_by_name():
 
 
 @needs_gpu
-@pytest.mark.parametrize("splits", [None, 1, 4])
-def test_decode_graph_replays_new_inputs(splits):
+@pytest.mark.parametrize("splits, plan", [(None, {}), (1, {}), (4, {}), (4, {"cluster": True}),
+                                          (2, {"warps": 16, "cluster": True})])
+def test_decode_graph_replays_new_inputs(splits, plan):
     batch, max_len = 16, 2048
     make = pa_spec._maker((1,) * batch, (max_len,) * batch, 8, 1, 128, cache_dtype=FP8, scales=(0.23, 0.31),
                           spare_blocks=64)
     static = _build(make, 0)
-    with attention.override_plan(num_splits=splits):
+    with attention.override_plan(num_splits=splits, **plan):
         graph, out = capture(attention.paged_attention, static)
     replay_on_new_inputs(pa_spec, make, static, graph, out, batch, max_len)
 
