@@ -16,6 +16,7 @@ count.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from kernelmux.backends.triton import attention as triton_attention
 from kernelmux.ops.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
-from kernelmux.perf.timing import graph_replay_time
+from kernelmux.perf.timing import graph_replay_time, rotation_count
 
 CASES = ["llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b8_ctx32768",
          "llama3_8b_fp8_decode_b64_ctx4096", "llama3_8b_fp8_decode_b8_ctx4096"]
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument("--splits", nargs="*", type=int, default=[])
     parser.add_argument("--plans", nargs="*", default=None)
+    parser.add_argument("--repeat", type=int, default=1, help="time every variant this many rounds")
     args = parser.parse_args()
     ceilings = ceilings_module.measure("cuda", only=("memory_gbps",))
     copy = ceilings["memory_gbps"]
@@ -63,24 +65,28 @@ def main() -> None:
     else:
         variants = [("cuda", plan_fields(name)) for name in args.plans]
     variants.append(("triton", {}))
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     for case in args.cases:
         kwargs = pa_spec.SPEC.case(case).build(torch.device("cuda"), 0)
         cost = pa_spec.SPEC.cost(kwargs)
         expected = pa_spec.SPEC.reference(**kwargs)
-        for backend, fields in variants:
+        # Input sets spanning 3x the L2, as the bench rotates them (each call reads from memory).
+        inputs = [kwargs] + [pa_spec.SPEC.case(case).build(torch.device("cuda"), seed)
+                             for seed in range(1, rotation_count(cost.bytes, l2_bytes, 8))]
+        for trial, (backend, fields) in itertools.product(range(args.repeat), variants):
             fn = cuda_attention.paged_attention if backend == "cuda" else triton_attention.paged_attention
-            row = dict(case=case, backend=backend, plan=fields)
+            row = dict(case=case, backend=backend, plan=fields, trial=trial, input_sets=len(inputs))
             try:
                 with cuda_attention.override_plan(**fields):
                     pa_spec.SPEC.check_close(fn(**kwargs), expected, kwargs)
-                    us = graph_replay_time(fn, [kwargs], calls_per_graph=4, trials=10).median_us
+                    us = graph_replay_time(fn, inputs, calls_per_graph=8, trials=10).median_us
                 row.update(us=us, bandwidth_pct=100 * cost.bytes / us / 1e3 / copy, status="ok")
             except AssertionError as error:
                 row.update(status="wrong", error=str(error)[:300])
             rows.append(row)
             shown = f"{row['us']:8.1f} us {row['bandwidth_pct']:5.1f}% bw" if "us" in row else row["error"]
             print(f"{case:40s} {backend:6s} {str(fields):45s} {shown}", flush=True)
-        del kwargs, expected
+        del kwargs, expected, inputs
         torch.cuda.empty_cache()
         with open(os.path.join(args.out, "cuda_decode_sweep.json"), "w") as f:
             json.dump(record, f, indent=1, default=str)

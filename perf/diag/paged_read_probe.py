@@ -7,9 +7,10 @@ buffer read in order) shows how the read rate depends on the contiguous run a bl
 Llama-3-70B at TP8 (one KV head) with an fp8 cache and 16-position blocks holds 2 KiB per block
 and tensor, Llama-3-8B (eight KV heads) 16 KiB.
 
-The probe reads with a Triton kernel: each program gathers R rows (chunks) of one tensor with
-16-byte loads, 32 KiB a program, and stores one int (a sum, so the loads are not dead). Every
-timing is CUDA-graph replay over input sets spanning three times the L2, as the bench times.
+The probe reads with a Triton kernel, K and V in one launch as a decode call reads them: each
+program gathers R rows (chunks) of one tensor with 16-byte loads, 32 KiB a program, and stores
+one int (a sum, so the loads are not dead). Every timing is CUDA-graph replay over input sets
+spanning three times the L2, as the bench times.
 
     python perf/diag/paged_read_probe.py --out DIR [--cases NAME ...]
 """
@@ -36,30 +37,37 @@ PROGRAM_BYTES = 32 * 1024
 
 
 @triton.jit
-def _read_rows(src, rows, out, ROW_INTS: tl.constexpr, R: tl.constexpr):
+def _read_rows(first, second, rows, out, PROGRAMS, ROW_INTS: tl.constexpr, R: tl.constexpr):
+    # Programs 0 .. PROGRAMS - 1 read `first`, the rest the same rows of `second` (a decode call's
+    # K and V in one launch).
     pid = tl.program_id(0)
-    row = tl.load(rows + pid * R + tl.arange(0, R)).to(tl.int64)
-    x = tl.load(src + row[:, None] * ROW_INTS + tl.arange(0, ROW_INTS)[None, :])
+    part = pid % PROGRAMS
+    row = tl.load(rows + part * R + tl.arange(0, R)).to(tl.int64)
+    offsets = row[:, None] * ROW_INTS + tl.arange(0, ROW_INTS)[None, :]
+    if pid < PROGRAMS:
+        x = tl.load(first + offsets)
+    else:
+        x = tl.load(second + offsets)
     tl.store(out + pid, tl.sum(tl.sum(x, axis=1), axis=0))
 
 
-def read_rows(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
-    """Read rows ``rows`` of the int32 matrix ``src`` (``len(rows)`` a multiple of R)."""
-    row_ints = src.shape[1]
+def read_rows(first: torch.Tensor, second: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """Read rows ``rows`` of the int32 matrices ``first`` and ``second`` in one launch
+    (``len(rows)`` a multiple of R; ``out`` holds two ints per R rows)."""
+    row_ints = first.shape[1]
     r = max(1, PROGRAM_BYTES // (4 * row_ints))
-    _read_rows[(rows.numel() // r,)](src, rows, out, ROW_INTS=row_ints, R=r, num_warps=4)
+    programs = rows.numel() // r
+    _read_rows[(2 * programs,)](first, second, rows, out, programs, ROW_INTS=row_ints, R=r, num_warps=4)
 
 
-def read_gbps(sources: list[torch.Tensor], rows: torch.Tensor) -> float:
-    """Bytes of ``rows`` of each source over the replayed time of reading them all, GB/s."""
-    out = torch.empty(rows.numel(), dtype=torch.int32, device=rows.device)
-    nbytes = sum(rows.numel() * s.shape[1] * 4 for s in sources)
-
-    def read(srcs):
-        for src in srcs:
-            read_rows(src, rows, out)
-
-    return nbytes / graph_replay_time(read, [{"srcs": sources}], calls_per_graph=8, trials=10).median_us / 1e3
+def read_gbps(pairs: list[tuple[torch.Tensor, torch.Tensor]], rows: torch.Tensor) -> float:
+    """Bytes of ``rows`` of both tensors of a pair over the replayed time of one launch reading
+    them, GB/s; the graph cycles through the pairs."""
+    out = torch.empty(2 * rows.numel(), dtype=torch.int32, device=rows.device)
+    nbytes = 2 * rows.numel() * pairs[0][0].shape[1] * 4
+    return nbytes / graph_replay_time(read_rows, [{"first": a, "second": b, "rows": rows, "out": out}
+                                                  for a, b in pairs],
+                                      calls_per_graph=8, trials=10).median_us / 1e3
 
 
 def chunk_sweep(copy_gbps: float, l2_bytes: int) -> list[dict]:
@@ -68,12 +76,12 @@ def chunk_sweep(copy_gbps: float, l2_bytes: int) -> list[dict]:
     buffer = torch.randint(-1000, 1000, (total // 4,), dtype=torch.int32, device="cuda")
     found = []
     for chunk in (1024, 2048, 4096, 8192, 16384, 32768, 65536):
-        matrix = buffer.view(-1, chunk // 4)
-        ordered = torch.arange(matrix.shape[0], device="cuda", dtype=torch.int32)
-        shuffled = ordered[torch.randperm(matrix.shape[0], device="cuda")]
+        halves = buffer.view(2, -1, chunk // 4)
+        ordered = torch.arange(halves.shape[1], device="cuda", dtype=torch.int32)
+        shuffled = ordered[torch.randperm(halves.shape[1], device="cuda")]
         row = {"chunk_bytes": chunk}
         for name, rows in (("in_order", ordered), ("random", shuffled)):
-            gbps = read_gbps([matrix], rows)
+            gbps = read_gbps([(halves[0], halves[1])], rows)
             row[name] = {"gbps": round(gbps, 1), "pct_of_copy": round(100 * gbps / copy_gbps, 1)}
         found.append(row)
         print(f"chunk {chunk:6d} B: in order {row['in_order']['pct_of_copy']:5.1f}%, "
@@ -115,9 +123,8 @@ def case_rows(case: str, copy_gbps: float, l2_bytes: int) -> dict:
     found = {"case": case, "block_bytes": block_bytes, "input_sets": sets}
 
     # The probe: the same blocks, the same order, 16-byte loads and nothing else.
-    caches = [kwargs[name].view(torch.int32).view(kwargs[name].shape[0], -1) for name in ("k_cache", "v_cache")]
-    copies = [[c.clone() for c in caches] for _ in range(sets - 1)]
-    sources = caches + [c for pair in copies for c in pair]
+    caches = tuple(kwargs[name].view(torch.int32).view(kwargs[name].shape[0], -1) for name in ("k_cache", "v_cache"))
+    pairs = [caches] + [tuple(c.clone() for c in caches) for _ in range(sets - 1)]
     blocks = _blocks_read(kwargs)
     r = max(1, PROGRAM_BYTES // block_bytes)
     if blocks.numel() % r:
@@ -125,9 +132,9 @@ def case_rows(case: str, copy_gbps: float, l2_bytes: int) -> dict:
     for name, rows in (("table_order", blocks), ("address_order", blocks.sort().values),
                        ("contiguous", torch.arange(blocks.numel(), device="cuda", dtype=torch.int32)
                         % caches[0].shape[0])):
-        gbps = read_gbps(sources, rows.to(torch.int32).contiguous())
+        gbps = read_gbps(pairs, rows.to(torch.int32).contiguous())
         found[f"probe_{name}"] = {"gbps": round(gbps, 1), "pct_of_copy": round(100 * gbps / copy_gbps, 1)}
-    del copies, sources
+    del pairs
 
     # The kernel, on the case's table and on a contiguous one (its own reference each).
     for layout, base in (("table", kwargs), ("contiguous", _contiguous(kwargs))):
