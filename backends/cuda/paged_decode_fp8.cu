@@ -60,6 +60,10 @@ __device__ __forceinline__ Bytes16 load16(const unsigned char* p) {
     return v;
 }
 
+__device__ __forceinline__ void prefetch_l2(const unsigned char* p) {
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
+}
+
 __device__ __forceinline__ Bytes16 zero16() {
     Bytes16 v;
     v.w[0] = v.w[1] = v.w[2] = v.w[3] = 0u;
@@ -410,6 +414,17 @@ __global__ void __launch_bounds__(
         }
 
         if (AHEAD && next < hi) load_k(next);  // K's registers are free once the scores are computed
+#ifdef KERNELMUX_PREFETCH
+        // The next step's K and V rows into L2 (one 128-byte row of each a lane; no registers
+        // held): its table entries were requested with this step's K, which the scores waited on.
+        if (!AHEAD && PAGE_SHIFT >= 4 && next < hi) {
+            const int pos = next + lane;
+            const i64 block = lane < 16 ? ahead_block[0] : ahead_block[1];
+            const i64 offset = (i64)(pos & (kPage - 1));
+            prefetch_l2(k_cache + (i64)kv_head * k_stride_h + block * k_stride_b + offset * k_stride_s);
+            prefetch_l2(v_cache + (i64)kv_head * v_stride_h + block * v_stride_b + offset * v_stride_s);
+        }
+#endif
 
         // Online softmax per head (heads 8j + 2t + e: element e + 2h of s[c][j] is position
         // 16c + g + 8h). Sums stay per lane until the end; maxima are shared by the 8 lanes of

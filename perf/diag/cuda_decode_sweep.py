@@ -51,13 +51,16 @@ def main() -> None:
     parser.add_argument("--splits", nargs="*", type=int, default=[])
     parser.add_argument("--plans", nargs="*", default=None)
     parser.add_argument("--repeat", type=int, default=1, help="time every variant this many rounds")
+    parser.add_argument("--defines", nargs="*", default=[],
+                        help="macros to compile the kernel with (experiments guarded in the .cu file)")
     args = parser.parse_args()
+    cuda_attention._DEFINES = tuple(args.defines)
     ceilings = ceilings_module.measure("cuda", only=("memory_gbps",))
     copy = ceilings["memory_gbps"]
     print(f"copy bandwidth {copy:.1f} GB/s", flush=True)
     rows = []
     record = {**records.header(),
-              "ceilings": ceilings, "rows": rows}
+              "defines": args.defines, "ceilings": ceilings, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     if args.plans is None:
         variants = [("cuda", dict(read_ahead=ahead, warps=warps, num_splits=s)) for ahead, warps in
