@@ -16,7 +16,6 @@ import functools
 import glob
 import hashlib
 import json
-import math
 import os
 import re
 import tempfile
@@ -271,23 +270,6 @@ _PTR, _I32, _I64, _F32 = "p", "i", "q", "f"
 _CTYPES = {_PTR: ctypes.c_void_p, _I32: ctypes.c_int32, _I64: ctypes.c_int64, _F32: ctypes.c_float}
 _CU_OCCUPANCY = "cuOccupancyMaxActiveBlocksPerMultiprocessor"
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-_CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
-_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
-_PORTABLE_CLUSTER = 8  # CTAs per cluster any sm_90 part launches; more needs the kernel's opt-in
-
-
-class _LaunchAttribute(ctypes.Structure):
-    """CUlaunchAttribute (cuda.h): an id, padding to 8 bytes, a 64-byte value union."""
-
-    _fields_ = [("id", ctypes.c_uint32), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint32 * 16)]
-
-
-class _LaunchConfig(ctypes.Structure):
-    """CUlaunchConfig (cuda.h), cuLaunchKernelEx's first argument."""
-
-    _fields_ = [("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3), ("shared_bytes", ctypes.c_uint32),
-                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
-                ("num_attrs", ctypes.c_uint32)]
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without opting in
 
 
@@ -319,7 +301,6 @@ class Kernel:
         self._shared_bytes = shared_bytes  # dynamic shared memory per CTA
         self._module = module  # kept alive with the function
         self._per_thread = threading.local()
-        self._non_portable_clusters = False
 
     @functools.cached_property
     def blocks_per_sm(self) -> int:
@@ -349,33 +330,14 @@ class Kernel:
                 value.value = arg
         return params
 
-    def __call__(self, grid: tuple[int, int, int], *args,
-                 cluster: Optional[tuple[int, int, int]] = None) -> None:
-        """Launch on ``grid`` (CTAs per axis); ``cluster`` (sm_90+) groups the CTAs into
-        thread-block clusters of that shape, each axis dividing the grid's."""
+    def __call__(self, grid: tuple[int, int, int], *args) -> None:
         import torch
 
         params = self.parameters(*args)
         stream = torch.cuda.current_stream().cuda_stream
-        if cluster is None:
-            _cu_check(_libcuda().cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1,
-                                                self._shared_bytes, ctypes.c_void_p(stream), params, None),
-                      "cuLaunchKernel")
-            return
-        if any(c < 1 or g % c for g, c in zip(grid, cluster)):
-            raise ValueError(f"cluster {cluster} must divide grid {grid} on every axis")
-        if math.prod(cluster) > _PORTABLE_CLUSTER and not self._non_portable_clusters:
-            _cu_check(_libcuda().cuFuncSetAttribute(self._function, _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                                                    ctypes.c_int(1)),
-                      "cuFuncSetAttribute(non-portable cluster size)")
-            self._non_portable_clusters = True
-        attribute = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)
-        attribute.value[0], attribute.value[1], attribute.value[2] = cluster
-        config = _LaunchConfig(grid=(ctypes.c_uint32 * 3)(*grid), block=(ctypes.c_uint32 * 3)(self._block, 1, 1),
-                               shared_bytes=self._shared_bytes, stream=ctypes.c_void_p(stream),
-                               attrs=ctypes.pointer(attribute), num_attrs=1)
-        _cu_check(_libcuda().cuLaunchKernelEx(ctypes.byref(config), self._function, params, None),
-                  "cuLaunchKernelEx")
+        _cu_check(_libcuda().cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1,
+                                            self._shared_bytes, ctypes.c_void_p(stream), params, None),
+                  "cuLaunchKernel")
 
 
 def load_kernel(module: CompiledModule, name: str, signature: str, block: int,

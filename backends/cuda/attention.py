@@ -10,13 +10,15 @@ same at one query). Everything else (16-bit caches at decode, other head dims, a
 prefill.py declines) is the triton backend's: ``paged_attention_supports`` says why per call,
 and dispatch moves on.
 
-The launch plan comes from host ints only: one CTA per (KV head, sequence) and, when those are
-short of one wave of the GPU (the driver's occupancy for the compiled kernel times the SMs),
-KV splits merged by a second kernel; no device data is read, so CUDA graphs stay valid when
-lengths and tables change under them. First call per (GPU arch, template set): one NVRTC
-compilation, 0.3-0.8 s on a 2-core VM for sm_90, kept on disk (_nvrtc.compile_module_cached:
-later processes load the cubin), then one module load per device. No autotuning: the split count
-and plan come from perf/diag/cuda_decode_sweep.py's measurements (DEFAULT_PLAN, split_count).
+The launch plan comes from host ints only: one CTA per (KV head, sequence), of 16 warps (one per
+SM) when those are fewer than the SMs and of 4 otherwise, and, when the grid is short of one
+wave of the GPU (the driver's occupancy for the compiled kernel times the SMs; for 16-warp CTAs,
+short of a quarter of the SMs), KV splits merged by a second kernel; no device data is read, so
+CUDA graphs stay valid when lengths and tables change under them. First call per (GPU arch,
+template set): one NVRTC compilation, 0.3-0.8 s on a 2-core VM for sm_90, kept on disk
+(_nvrtc.compile_module_cached: later processes load the cubin), then one module load per device.
+No autotuning: the warps, split counts and plan come from perf/diag/cuda_decode_sweep.py's
+measurements (DEFAULT_PLAN, _warps, split_count, wide_split_count).
 """
 
 from __future__ import annotations
@@ -35,18 +37,18 @@ from kernelmux.backends.cuda._layout import page_shift, vector_alignment_problem
 from kernelmux.engine import probes
 
 __all__ = ["DecodePlan", "HEAD_DIM", "MAX_GROUP", "override_plan", "paged_attention",
-           "paged_attention_supports", "split_count"]
+           "paged_attention_supports", "split_count", "wide_split_count"]
 
 FP8 = torch.float8_e4m3fn
 HEAD_DIM = 128  # the kernel's lane-to-dim maps are written for 128 dims
 MAX_GROUP = 16  # query heads per KV head: two 8-column MMA tiles
 MIN_CAPABILITY = (8, 9)  # cvt.rn.f16x2.e4m3x2 (sm_89+); movmatrix and mma.m16n8k16 are older
-CLUSTER_CAPABILITY = (9, 0)  # thread-block clusters and distributed shared memory
-MAX_CLUSTER = 16  # CTAs a cluster may hold on sm_90 (above 8 is a non-portable size)
 # Splits: each share at least this many positions (two 32-position steps per warp of a 4-warp
 # CTA: shorter shares spend more on partials and the merge than they gain), at most _MAX_SPLITS.
 MIN_SPLIT_LEN = 256
 _MAX_SPLITS = 64  # the merge kernel's kMaxSplits
+# 16-warp CTAs (one per SM) do not split a grid holding at least 1 / WIDE_MIN_FILL of the SMs.
+WIDE_MIN_FILL = 4
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode_fp8.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
 _DECODE_SIGNATURE = "pppppppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
@@ -68,18 +70,27 @@ def split_count(ctas: int, slots: int, max_seq_len: int, min_split_len: int = MI
     return min(range(1, most + 1), key=lambda s: (math.ceil(ctas * s / slots) / s, s))
 
 
+def wide_split_count(ctas: int, sms: int, max_seq_len: int) -> int:
+    """KV splits for ``ctas`` 16-warp CTAs (one per SM): none while the grid holds at least
+    1 / WIDE_MIN_FILL of the SMs, else the most that fit one wave with shares of at least
+    MIN_SPLIT_LEN positions. Measured on the H100 (perf/notes/attention.md round 13): 64 CTAs
+    unsplit on 132 SMs beat 2 splits and the merge; 8 CTAs stream fastest at 16 splits (one
+    wave), ahead of 8 splits and of 33 (two waves)."""
+    if ctas <= 0 or ctas * WIDE_MIN_FILL >= sms:
+        return 1
+    return max(1, min(sms // ctas, max_seq_len // MIN_SPLIT_LEN, _MAX_SPLITS))
+
+
 @dataclass(frozen=True)
 class DecodePlan:
-    """A launch's choices: KV splits (None: split_count's), whether each warp reads the next
-    step's K while this step's softmax and values run (``read_ahead``: more registers, 12 warps
-    per SM instead of 16), warps per CTA, and whether the splits of a (KV head, sequence) combine
-    inside one thread-block cluster (``cluster``: sm_90 and at most MAX_CLUSTER splits, else the
-    merge kernel does it) instead of through partials and the merge kernel."""
+    """A launch's choices: KV splits (None: split_count's or wide_split_count's), whether each
+    warp reads the next step's K while this step's softmax and values run (``read_ahead``: more
+    registers, 12 warps per SM instead of 16), and warps per CTA (None: _warps' choice; a number
+    is an upper bound, lowered where the kernel's registers allow fewer)."""
 
     num_splits: Optional[int] = None
     read_ahead: bool = False
-    warps: int = 4  # per CTA, at most: see _warps
-    cluster: bool = False
+    warps: Optional[int] = None
 
 
 DEFAULT_PLAN = DecodePlan()
@@ -89,12 +100,10 @@ def _plan_problem(plan: DecodePlan) -> Optional[str]:
     splits = plan.num_splits
     if splits is not None and (type(splits) is not int or not 1 <= splits <= _MAX_SPLITS):
         return f"num_splits must be an int in [1, {_MAX_SPLITS}] or None, got {splits!r}"
-    if plan.warps not in (4, 8, 16):
-        return f"warps must be 4, 8 or 16, got {plan.warps!r}"
+    if plan.warps not in (None, 4, 8, 16):
+        return f"warps must be 4, 8, 16 or None, got {plan.warps!r}"
     if plan.warps == 16 and plan.read_ahead:
         return "read_ahead needs more than 128 registers a thread: at most 8 warps with it, got 16"
-    if type(plan.cluster) is not bool:
-        return f"cluster must be a bool, got {plan.cluster!r}"
     return None
 
 
@@ -177,8 +186,7 @@ _sm_count = probes.compute_units
 def _compiled(arch: tuple[int, int], defines: tuple[str, ...],
               *template: bool | int) -> tuple[_nvrtc.CompiledModule, str, str]:
     """One NVRTC compilation per template set (head tiles, bf16 query, log2 block size, soft cap,
-    split, read ahead, warps, cluster), arch and macro set: (module, decode kernel name, merge
-    kernel name)."""
+    split, read ahead, warps), arch and macro set: (module, decode kernel name, merge kernel name)."""
     args = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in template)
     decode = f"paged_decode_fp8<{args}>"
     merge = f"merge_splits<{str(template[1]).lower()}>"
@@ -202,15 +210,18 @@ def _kernels(device: torch.device, *template: bool | int) -> tuple[_nvrtc.Kernel
     return _LOADED.get(device, (_DEFINES, template), build)
 
 
-def _warps(plan: DecodePlan, head_tiles: int, q_bf16: bool, shift: int, soft_cap: bool) -> int:
-    """Warps per CTA for ``plan`` and a template: the plan's, at most what the template's registers
-    allow (two head tiles: 4; blocks under 16 positions or a soft cap, whose kernels need more
-    than 128 registers a thread: 8)."""
-    if head_tiles > 1:
-        return 4
-    if shift < 4 or soft_cap:
-        return min(plan.warps, 8)
-    return plan.warps
+def _warps(plan: DecodePlan, ctas: int, sms: int, head_tiles: int, q_bf16: bool, shift: int,
+           soft_cap: bool) -> int:
+    """Warps per CTA for ``plan``, a grid of ``ctas`` unsplit CTAs and a template: the plan's,
+    at most what the template's registers allow (two head tiles: 4; blocks under 16 positions or
+    a soft cap, whose kernels need more than 128 registers a thread: 8); by default 16 (one CTA
+    per SM) for a grid short of one CTA per SM where the template allows it, else 4. Measured
+    (round 13): 16-warp CTAs take Llama-3-70B TP8 fp8 from 73% to 76% at B 64 x 4096 and 73 to
+    74% at B 8 x 32768; at Llama-3-8B (512 CTAs) 4-warp CTAs stay ahead, 94% against 91%."""
+    most = 4 if head_tiles > 1 else 8 if shift < 4 or soft_cap else 16
+    if plan.warps is not None:
+        return min(plan.warps, most)
+    return 16 if most == 16 and not plan.read_ahead and ctas < sms else 4
 
 
 def paged_attention(
@@ -249,17 +260,17 @@ def paged_attention(
     plan = _plans.current
     template = (-(-group // 8), query.dtype == torch.bfloat16, page_shift(k_cache.shape[1]),
                 logits_soft_cap > 0)
-    warps = _warps(plan, *template)
+    ctas, sms = num_kv_heads * num_seqs, _sm_count(device)
+    warps = _warps(plan, ctas, sms, *template)
     with torch.cuda.device(device):
         splits = plan.num_splits
-        if splits is None:
-            unsplit, _ = _kernels(device, *template, False, plan.read_ahead, warps, False)
-            slots = unsplit.blocks_per_sm * _sm_count(device)
-            splits = split_count(num_kv_heads * num_seqs, slots, max_seq_len)
-        cluster = (plan.cluster and 1 < splits <= MAX_CLUSTER
-                   and _capability(device) >= CLUSTER_CAPABILITY)
-        decode, merge = _kernels(device, *template, splits > 1 and not cluster, plan.read_ahead, warps, cluster)
-        if splits > 1 and not cluster:
+        if splits is None and warps == 16:
+            splits = wide_split_count(ctas, sms, max_seq_len)
+        elif splits is None:
+            unsplit, _ = _kernels(device, *template, False, plan.read_ahead, warps)
+            splits = split_count(ctas, unsplit.blocks_per_sm * sms, max_seq_len)
+        decode, merge = _kernels(device, *template, splits > 1, plan.read_ahead, warps)
+        if splits > 1:
             part_acc = torch.empty((splits, num_tokens, num_q_heads, HEAD_DIM), dtype=torch.float32,
                                    device=device)
             part_ml = torch.empty((2, splits, num_tokens, num_q_heads), dtype=torch.float32, device=device)
@@ -275,9 +286,8 @@ def paged_attention(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0),
-            cluster=(1, 1, splits) if cluster else None,
         )
-        if splits > 1 and not cluster:
+        if splits > 1:
             merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, num_tokens, num_q_heads,
                   splits, out.stride(0), out.stride(1))
     return out

@@ -28,13 +28,9 @@
 // MMAs run in fp16 with fp32 accumulation (a bf16 query is scaled into fp16's range by a power
 // of two, as the triton backend does).
 //
-// Output: the normalized result in the query's dtype (one split, or CLUSTER), or, with SPLIT,
-// each split's unnormalized partial (times v_scale), running max (base 2) and sum, merged by
-// merge_splits below. With CLUSTER (sm_90) the splits of one (KV head, sequence) are the CTAs of
-// one thread-block cluster: each leaves its state in its shared memory, and after a cluster
-// barrier each CTA combines a share of the heads' dims from every CTA's shared memory and writes
-// it out, so no partials reach global memory and no second kernel runs. Compiled at runtime by
-// NVRTC (no headers); see attention.py.
+// Output: either the normalized result in the query's dtype (one split) or, with SPLIT, each
+// split's unnormalized partial (times v_scale), running max (base 2) and sum, merged by
+// merge_splits below. Compiled at runtime by NVRTC (no headers); see attention.py.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -58,10 +54,6 @@ __device__ __forceinline__ Bytes16 load16(const unsigned char* p) {
         : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
         : "l"(p));
     return v;
-}
-
-__device__ __forceinline__ void prefetch_l2(const unsigned char* p) {
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(p));
 }
 
 __device__ __forceinline__ Bytes16 zero16() {
@@ -131,46 +123,6 @@ __device__ __forceinline__ float finite_abs(float x) {
     return a < __int_as_float(0x7f800000) ? a : 0.0f;  // NaN and inf compare false
 }
 
-// Thread-block clusters (sm_90; only CLUSTER kernels use these). The barrier orders each CTA's
-// shared-memory writes before its arrival against every CTA's reads after the wait.
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-
-__device__ __forceinline__ u32 cluster_size() {
-    u32 n;
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-    return n;
-}
-
-// `p` (this CTA's shared memory) as the same variable in CTA `rank` of the cluster.
-__device__ __forceinline__ u32 cluster_address(const void* p, u32 rank) {
-    unsigned long long local;
-    u32 remote;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(local) : "l"(p));
-    asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"((u32)local), "r"(rank));
-    return remote;
-}
-
-__device__ __forceinline__ float load_cluster(u32 address) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ float4 load_cluster4(u32 address) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(address) : "memory");
-    return v;
-}
-
 }  // namespace
 
 // Diagnostics only: perf/diag/cuda_decode_trace.py compiles this file with KERNELMUX_TRACE
@@ -201,20 +153,15 @@ __device__ __forceinline__ void trace_mark(int slot, u32 after) {
 // HEAD_TILES: query heads per KV head padded to 8 * HEAD_TILES (the MMA's 8 columns each).
 // Q_BF16: bf16 query and output (else fp16). PAGE_SHIFT: log2 of the cache block size.
 // AHEAD: the next step's K is read while this step's softmax and values run (more registers).
-// SPLIT: partials for merge_splits; CLUSTER: the splits combine within their cluster (above).
-// Occupancy: 16 warps per SM (128 registers a thread) for one head tile with whole 16-position
-// tiles per cache block, without AHEAD or soft cap; lookups per position (blocks under 16),
-// AHEAD, soft cap or a second head tile need more registers than that without spilling.
-// Dynamic shared memory: the warps' states, WARPS * HEAD_TILES * 8 * 128 floats (attention.py).
-__host__ __device__ constexpr int warps_per_sm(int head_tiles, int page_shift, bool ahead, bool soft_cap) {
-    return head_tiles == 1 ? (page_shift >= 4 && !ahead && !soft_cap ? 16 : 12) : 8;
-}
-
-template <int HEAD_TILES, bool Q_BF16, int PAGE_SHIFT, bool SOFT_CAP, bool SPLIT, bool AHEAD, int WARPS,
-          bool CLUSTER>
+// Occupancy: 16 warps per SM (128 registers a thread: four 4-warp CTAs or one of 16 warps) for
+// one head tile with whole 16-position tiles per cache block, without AHEAD or soft cap; lookups
+// per position (blocks under 16), AHEAD, soft cap or a second head tile need more registers than
+// that without spilling (12 or 8 warps per SM; attention.py asks for no more warps per CTA).
+// Dynamic shared memory: the warps' states for the combine, WARPS * HEAD_TILES * 8 * 128 floats
+// (64 KiB at 16 warps, past the 48 KiB a static array may hold).
+template <int HEAD_TILES, bool Q_BF16, int PAGE_SHIFT, bool SOFT_CAP, bool SPLIT, bool AHEAD, int WARPS>
 __global__ void __launch_bounds__(
-    WARPS * 32, warps_per_sm(HEAD_TILES, PAGE_SHIFT, AHEAD, SOFT_CAP) / WARPS > 0
-                    ? warps_per_sm(HEAD_TILES, PAGE_SHIFT, AHEAD, SOFT_CAP) / WARPS : 1)
+    WARPS * 32, (HEAD_TILES == 1 ? (PAGE_SHIFT >= 4 && !AHEAD && !SOFT_CAP ? 16 : 12) : 8) / WARPS)
     paged_decode_fp8(
     const unsigned char* __restrict__ query,    // [T, Hq, 128] bf16 / fp16
     const unsigned char* __restrict__ k_cache,  // [blocks, block_size, Hkv, 128] e4m3
@@ -234,7 +181,6 @@ __global__ void __launch_bounds__(
     i64 k_stride_b, i64 k_stride_s, i64 k_stride_h,
     i64 v_stride_b, i64 v_stride_s, i64 v_stride_h,
     i64 table_stride) {
-    static_assert(!(SPLIT && CLUSTER), "partials or a cluster, not both");
     constexpr int kPage = 1 << PAGE_SHIFT;
     extern __shared__ __align__(16) float sm_dynamic[];
     auto sm_acc = reinterpret_cast<float (*)[HEAD_TILES * 8][kHeadDim]>(sm_dynamic);  // [WARPS]
@@ -242,7 +188,6 @@ __global__ void __launch_bounds__(
     __shared__ float sm_l[WARPS][HEAD_TILES * 8];
     __shared__ float sm_sink[HEAD_TILES * 8];  // per head of the group (-inf: none)
     __shared__ float sm_v_mul;
-    __shared__ float sm_cta_m[HEAD_TILES * 8], sm_cta_l[HEAD_TILES * 8];  // CLUSTER: this CTA's state
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -258,7 +203,7 @@ __global__ void __launch_bounds__(
     int lo = window > 0 ? max(kv_len - window, 0) : 0;
     int hi = kv_len;
     int first = lo & ~(kStep - 1);
-    if (SPLIT || CLUSTER) {
+    if (SPLIT) {
         const int steps = (hi - first + kStep - 1) / kStep;
         const int share = (steps + num_splits - 1) / num_splits;
         first += split * share * kStep;
@@ -414,17 +359,6 @@ __global__ void __launch_bounds__(
         }
 
         if (AHEAD && next < hi) load_k(next);  // K's registers are free once the scores are computed
-#ifdef KERNELMUX_PREFETCH
-        // The next step's K and V rows into L2 (one 128-byte row of each a lane; no registers
-        // held): its table entries were requested with this step's K, which the scores waited on.
-        if (!AHEAD && PAGE_SHIFT >= 4 && next < hi) {
-            const int pos = next + lane;
-            const i64 block = lane < 16 ? ahead_block[0] : ahead_block[1];
-            const i64 offset = (i64)(pos & (kPage - 1));
-            prefetch_l2(k_cache + (i64)kv_head * k_stride_h + block * k_stride_b + offset * k_stride_s);
-            prefetch_l2(v_cache + (i64)kv_head * v_stride_h + block * v_stride_b + offset * v_stride_s);
-        }
-#endif
 
         // Online softmax per head (heads 8j + 2t + e: element e + 2h of s[c][j] is position
         // 16c + g + 8h). Sums stay per lane until the end; maxima are shared by the 8 lanes of
@@ -507,7 +441,7 @@ __global__ void __launch_bounds__(
     }
 
     TRACE_MARK(3, __float_as_uint(acc[0][0][0]));  // warp 0's last step done
-    // Combine the four warps: sums over the 8 lanes of each head, then shared memory.
+    // Combine the warps: sums over the 8 lanes of each head, then shared memory.
 #pragma unroll
     for (int j = 0; j < HEAD_TILES; ++j)
 #pragma unroll
@@ -561,14 +495,6 @@ __global__ void __launch_bounds__(
                 part_ml[ml] = m_max;
                 part_ml[(i64)num_splits * num_tokens * num_q_heads + ml] = total;
             }
-        } else if (CLUSTER) {
-            // This CTA's state for the cluster's combine below; (h, d .. d + 3) of warp 0's slot
-            // is read by this thread only, so it takes the CTA's values.
-            *reinterpret_cast<float4*>(&sm_acc[0][h][d]) = value;
-            if (d == 0) {
-                sm_cta_m[h] = m_max;
-                sm_cta_l[h] = total;
-            }
         } else {
             float denominator = total;
             denominator += exp2_approx(sm_sink[h] * kLog2e - m_use);  // 0 without a sink
@@ -576,35 +502,6 @@ __global__ void __launch_bounds__(
             store4<Q_BF16>(out + ((i64)token * o_stride_t + (i64)q_head * o_stride_h + d) * 2, value,
                            sm_v_mul / denominator);
         }
-    }
-    if (CLUSTER) {
-        cluster_sync();  // every CTA's state is in its shared memory
-        const int ranks = (int)cluster_size(), rank = (int)cluster_rank();
-        constexpr int kChunks = HEAD_TILES * 8 * (kHeadDim / 4);
-        const int share = (kChunks + ranks - 1) / ranks, end = min((rank + 1) * share, kChunks);
-        for (int idx = rank * share + threadIdx.x; idx < end; idx += WARPS * 32) {
-            const int h = idx / (kHeadDim / 4), d = 4 * (idx % (kHeadDim / 4));
-            if (h >= group) continue;
-            float m_max = neg_inf();
-            for (int r = 0; r < ranks; ++r) m_max = fmaxf(m_max, load_cluster(cluster_address(&sm_cta_m[h], r)));
-            const float m_use = m_max == neg_inf() ? 0.0f : m_max;
-            float total = 0.0f;
-            float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            for (int r = 0; r < ranks; ++r) {
-                const float weight = exp2_approx(load_cluster(cluster_address(&sm_cta_m[h], r)) - m_use);
-                total += load_cluster(cluster_address(&sm_cta_l[h], r)) * weight;
-                const float4 a = load_cluster4(cluster_address(&sm_acc[0][h][d], r));
-                value.x += a.x * weight;
-                value.y += a.y * weight;
-                value.z += a.z * weight;
-                value.w += a.w * weight;
-            }
-            float denominator = total + exp2_approx(sm_sink[h] * kLog2e - m_use);  // 0 without a sink
-            if (denominator == 0.0f) denominator = 1.0f;  // nothing visible: zeros
-            store4<Q_BF16>(out + ((i64)token * o_stride_t + (i64)(kv_head * group + h) * o_stride_h + d) * 2,
-                           value, sm_v_mul / denominator);
-        }
-        cluster_sync();  // no CTA leaves while another may still read its shared memory
     }
     TRACE_MARK(5, 0);  // this thread's stores issued
 }

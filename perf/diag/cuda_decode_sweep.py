@@ -1,16 +1,17 @@
 """Plan sweep for the cuda backend's fp8 paged-attention decode on the perf goals' fp8 shapes:
-split counts, read-ahead, warps per CTA and cluster combines, each checked against the spec's
-reference before it is timed (CUDA-graph replay), with the triton backend's kernel on the same
+split counts, read-ahead and warps per CTA, each checked against the spec's reference before
+it is timed (CUDA-graph replay), with the triton backend's kernel on the same
 inputs for comparison. Bandwidth is the spec's byte count over the median time, as a percent of
 the device-copy bandwidth measured in the same run. DEFAULT_PLAN and split_count in
 backends/cuda/attention.py are chosen from these numbers.
 
     python perf/diag/cuda_decode_sweep.py --out DIR [--cases NAME ...] [--splits 1 4 8 16]
-        [--plans w16s2c w4a ...]
+        [--plans w16s2 w4a auto ...] [--shapes 32:4096:8:1 ...] [--repeat N] [--defines MACRO ...]
 
-A --plans entry names a DecodePlan: w<warps>, s<splits> (else split_count's), a (read ahead),
-c (cluster combine); without --plans, 4 and 8 warps with and without read-ahead at each split
-count.
+A --plans entry names a DecodePlan: w<warps> (or auto: the default plan), s<splits> (else the
+default's), a (read ahead); without --plans, 4 and 8 warps with and without read-ahead at each
+--splits count. A --shapes entry adds an fp8 decode case batch:context:heads:kv_heads (one query
+a sequence, block 16, the goal cases' scales).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from kernelmux.backends.cuda import attention as cuda_attention
 from kernelmux.backends.triton import attention as triton_attention
+from kernelmux.ops._spec import Case
 from kernelmux.ops.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
@@ -35,13 +37,23 @@ CASES = ["llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b8_
 
 
 def plan_fields(name: str) -> dict:
-    """DecodePlan fields from a --plans entry such as ``w16s2c``."""
-    match = re.fullmatch(r"w(\d+)(?:s(\d+))?(a?)(c?)", name)
+    """DecodePlan fields from a --plans entry such as ``w16s2`` or ``auto``."""
+    match = re.fullmatch(r"(?:w(\d+)|auto)(?:s(\d+))?(a?)", name)
     if match is None:
-        raise SystemExit(f"--plans entry {name!r} is not w<warps>[s<splits>][a][c]")
-    warps, splits, ahead, cluster = match.groups()
-    return dict(warps=int(warps), num_splits=int(splits) if splits else None, read_ahead=bool(ahead),
-                cluster=bool(cluster))
+        raise SystemExit(f"--plans entry {name!r} is not w<warps>|auto[s<splits>][a]")
+    warps, splits, ahead = match.groups()
+    return dict(warps=int(warps) if warps else None, num_splits=int(splits) if splits else None,
+                read_ahead=bool(ahead))
+
+
+def builder(name: str):
+    """(device, seed) -> kwargs for a spec case name or a --shapes entry."""
+    match = re.fullmatch(r"(\d+):(\d+):(\d+):(\d+)", name)
+    if match is None:
+        return pa_spec.SPEC.case(name).build
+    batch, context, heads, kv_heads = map(int, match.groups())
+    make = pa_spec._decode(batch, context, heads, kv_heads, cache_dtype=torch.float8_e4m3fn, scales=(0.23, 0.31))
+    return Case(name, make, frozenset(), "--shapes entry").build
 
 
 def main() -> None:
@@ -50,6 +62,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument("--splits", nargs="*", type=int, default=[])
     parser.add_argument("--plans", nargs="*", default=None)
+    parser.add_argument("--shapes", nargs="*", default=[])
     parser.add_argument("--repeat", type=int, default=1, help="time every variant this many rounds")
     parser.add_argument("--defines", nargs="*", default=[],
                         help="macros to compile the kernel with (experiments guarded in the .cu file)")
@@ -69,12 +82,13 @@ def main() -> None:
         variants = [("cuda", plan_fields(name)) for name in args.plans]
     variants.append(("triton", {}))
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
-    for case in args.cases:
-        kwargs = pa_spec.SPEC.case(case).build(torch.device("cuda"), 0)
+    for case in [*args.cases, *args.shapes]:
+        build = builder(case)
+        kwargs = build(torch.device("cuda"), 0)
         cost = pa_spec.SPEC.cost(kwargs)
         expected = pa_spec.SPEC.reference(**kwargs)
         # Input sets spanning 3x the L2, as the bench rotates them (each call reads from memory).
-        inputs = [kwargs] + [pa_spec.SPEC.case(case).build(torch.device("cuda"), seed)
+        inputs = [kwargs] + [build(torch.device("cuda"), seed)
                              for seed in range(1, rotation_count(cost.bytes, l2_bytes, 8))]
         for trial, (backend, fields) in itertools.product(range(args.repeat), variants):
             fn = cuda_attention.paged_attention if backend == "cuda" else triton_attention.paged_attention

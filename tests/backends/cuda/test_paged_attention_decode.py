@@ -69,9 +69,10 @@ def test_split_count_fills_one_wave_with_long_enough_shares(ctas, slots, max_seq
 
 
 def test_split_count_on_the_goal_shapes():
-    # H100: 132 SMs x 4 CTAs (128 registers a thread). Llama-3-70B TP8 B64 x 4096: 64 CTAs ->
-    # 8 splits (512 CTAs, one wave); B8 x 32768: 8 CTAs -> 64 splits; Llama-3-8B B64: 512 CTAs
-    # already fill the wave.
+    # 4-warp CTAs on the H100: 132 SMs x 4 CTAs (128 registers a thread). Llama-3-70B TP8 B64 x
+    # 4096: 64 CTAs -> 8 splits (512 CTAs, one wave); B8 x 32768: 8 CTAs -> 64 splits; Llama-3-8B
+    # B64: 512 CTAs already fill the wave. (By default the first two run 16-warp CTAs since
+    # round 13: test_wide_split_count.)
     assert attention.split_count(64, 528, 4096) == 8
     assert attention.split_count(8, 528, 32768) == 64
     assert attention.split_count(512, 528, 4096) == 1
@@ -84,32 +85,64 @@ def test_override_plan_checks_its_argument():
     with pytest.raises(ValueError, match="num_splits must be an int in .* got 65"):
         with attention.override_plan(num_splits=65):
             pass
-    with pytest.raises(ValueError, match="warps must be 4, 8 or 16, got 2"):
+    with pytest.raises(ValueError, match="warps must be 4, 8, 16 or None, got 2"):
         with attention.override_plan(warps=2):
             pass
     with pytest.raises(ValueError, match="read_ahead needs more than 128 registers .* got 16"):
         with attention.override_plan(warps=16, read_ahead=True):
             pass
-    with pytest.raises(ValueError, match="cluster must be a bool, got 1"):
-        with attention.override_plan(cluster=1):
-            pass
 
 
-def _names(cluster: bool) -> list[str]:
-    """Every decode instantiation the host can ask for (``cluster``: with the sm_90-only ones)."""
-    names = [f"paged_decode_fp8<{tiles}, {bf16}, {shift}, {cap}, {split}, {ahead}, {warps}, {clustered}>"
-             for tiles, bf16, shift, cap, split, ahead, warps, clustered in itertools.product(
+@pytest.mark.parametrize("plan, ctas, template, warps", [
+    # Default: 16 warps for a grid short of one CTA per SM, where the template holds them.
+    (attention.DecodePlan(), 64, (1, True, 4, False), 16),
+    (attention.DecodePlan(), 8, (1, False, 6, False), 16),
+    (attention.DecodePlan(), 131, (1, True, 4, False), 16),
+    (attention.DecodePlan(), 132, (1, True, 4, False), 4),
+    (attention.DecodePlan(), 512, (1, True, 4, False), 4),
+    (attention.DecodePlan(), 64, (2, True, 4, False), 4),  # two head tiles
+    (attention.DecodePlan(), 64, (1, True, 2, False), 4),  # blocks of 4: lookups per position
+    (attention.DecodePlan(), 64, (1, True, 4, True), 4),  # soft cap
+    (attention.DecodePlan(read_ahead=True), 64, (1, True, 4, False), 4),
+    # A plan's warps are an upper bound.
+    (attention.DecodePlan(warps=8), 64, (1, True, 4, False), 8),
+    (attention.DecodePlan(warps=16), 512, (1, True, 4, False), 16),
+    (attention.DecodePlan(warps=16), 64, (1, True, 4, True), 8),
+    (attention.DecodePlan(warps=16), 64, (1, True, 0, False), 8),
+    (attention.DecodePlan(warps=16), 64, (2, True, 4, False), 4),
+])
+def test_warps_per_cta(plan, ctas, template, warps):
+    assert attention._warps(plan, ctas, 132, *template) == warps
+
+
+@pytest.mark.parametrize("ctas, sms, max_seq_len, splits", [
+    (64, 132, 4096, 1),  # Llama-3-70B TP8 B 64: unsplit (a quarter of the SMs or more)
+    (33, 132, 4096, 1),
+    (32, 132, 4096, 4),  # the most that fit one wave
+    (8, 132, 32768, 16),  # B 8 x 32768
+    (8, 132, 1024, 4),  # shares of at least MIN_SPLIT_LEN
+    (8, 132, 255, 1),
+    (1, 132, 1 << 20, 64),  # at most the merge kernel's 64
+    (0, 132, 4096, 1),
+])
+def test_wide_split_count(ctas, sms, max_seq_len, splits):
+    assert attention.wide_split_count(ctas, sms, max_seq_len) == splits
+
+
+def _names() -> list[str]:
+    """Every decode instantiation the host can ask for (16 warps only where 128 registers hold)."""
+    names = [f"paged_decode_fp8<{tiles}, {bf16}, {shift}, {cap}, {split}, {ahead}, {warps}>"
+             for tiles, bf16, shift, cap, split, ahead, warps in itertools.product(
                  (1, 2), ("true", "false"), (0, 4), ("false", "true"), ("false", "true"), ("false", "true"),
-                 (4, 8, 16), ("false", "true") if cluster else ("false",))
-             if (tiles == 1 or warps == 4) and not (split == clustered == "true")
-             and (warps < 16 or (shift, cap, ahead) == (4, "false", "false"))]
+                 (4, 8, 16))
+             if (tiles == 1 or warps == 4) and (warps < 16 or (shift, cap, ahead) == (4, "false", "false"))]
     return names + ["merge_splits<true>", "merge_splits<false>"]
 
 
 @needs_nvrtc
 @pytest.mark.parametrize("arch", [(8, 9), (10, 0), (12, 0)])
 def test_every_template_compiles(arch):
-    names = _names(cluster=arch >= attention.CLUSTER_CAPABILITY)
+    names = _names()
     module = _nvrtc.compile_module(attention._SOURCE.read_text(), names, arch, verbose=True)
     assert all(module.registers(name) > 0 for name in names)
 
@@ -118,13 +151,13 @@ def test_every_template_compiles(arch):
 def test_hopper_kernels_hold_their_occupancy_without_spills():
     # Every instantiation the host can ask for, for sm_90: no spills, and the one-tile kernels
     # with whole 16-position tiles per cache block (no soft cap, no read-ahead) fit 128
-    # registers: 16 warps per SM, as the goal shapes' split counts assume.
-    names = _names(cluster=True)
+    # registers: 16 warps per SM, as the goal shapes' warps and split counts assume.
+    names = _names()
     module = _nvrtc.compile_module(attention._SOURCE.read_text(), names, (9, 0), verbose=True)
     for name in names:
         assert module.spill_bytes(name) == 0, name
-    held = [n for n in names if re.fullmatch(r"paged_decode_fp8<1, \w+, 4, false, \w+, false, \d+, \w+>", n)]
-    assert len(held) == 2 * 3 * 3  # query dtypes x (unsplit, split, cluster) x warps
+    held = [n for n in names if re.fullmatch(r"paged_decode_fp8<1, \w+, 4, false, \w+, false, \d+>", n)]
+    assert len(held) == 2 * 2 * 3  # query dtypes x split or not x warps
     for name in held:
         assert module.registers(name) <= 128, (name, module.registers(name))
 
@@ -133,9 +166,9 @@ def test_hopper_kernels_hold_their_occupancy_without_spills():
 def test_traced_build_compiles_without_spills(tmp_path, monkeypatch):
     # perf/diag/cuda_decode_trace.py's build: the marks must not change what they time by spilling.
     monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
-    module, decode, _ = attention._compiled((9, 0), ("KERNELMUX_TRACE",), 1, True, 4, False, True, False, 4, False)
+    module, decode, _ = attention._compiled((9, 0), ("KERNELMUX_TRACE",), 1, True, 4, False, True, False, 4)
     assert b"kernelmux_trace" in module.cubin
-    plain, _, _ = attention._compiled((9, 0), (), 1, True, 4, False, True, False, 4, False)
+    plain, _, _ = attention._compiled((9, 0), (), 1, True, 4, False, True, False, 4)
     assert b"kernelmux_trace" not in plain.cubin
     traced = _nvrtc.compile_module("#define KERNELMUX_TRACE 1\n" + attention._SOURCE.read_text(), [decode],
                                    (9, 0), verbose=True)
@@ -182,12 +215,10 @@ def test_decode_against_reference(options, block_size, num_heads, num_kv_heads):
 @pytest.mark.parametrize("options", ["scales", "window", "sinks_cap"])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 1), (12, 1), (3, 3)])
 @pytest.mark.parametrize("splits", [1, 3, 8, 16, 64])
-@pytest.mark.parametrize("plan", [{}, {"read_ahead": True}, {"warps": 8}, {"warps": 16}, {"cluster": True},
-                                  {"warps": 16, "cluster": True}],
-                         ids=["default", "read_ahead", "warps8", "warps16", "cluster", "warps16_cluster"])
+@pytest.mark.parametrize("plan", [{}, {"read_ahead": True}, {"warps": 4}, {"warps": 8}, {"warps": 16}],
+                         ids=["default", "read_ahead", "warps4", "warps8", "warps16"])
 def test_every_plan_against_reference(options, num_heads, num_kv_heads, splits, plan):
-    # Cluster plans: 3 and 8 splits in portable clusters, 16 in a non-portable one, 64 through
-    # the merge kernel (more than a cluster holds).
+    # warps16 with sinks_cap (soft cap) runs 8 warps: the plan's warps are an upper bound.
     seed = 10 * num_heads + splits
     make = pa_spec._maker(Q_LENS, KV_LENS, num_heads, num_kv_heads, 128, block_size=16, cache_dtype=FP8,
                           **OPTIONS[options])
@@ -206,8 +237,8 @@ def test_decode_ignores_nan_in_unread_slots():
             read[kwargs["block_table"][b, j // 16], j % 16] = True
     for name in ("k_cache", "v_cache"):
         kwargs[name].view(torch.uint8)[~read] = 0x7F  # e4m3 NaN
-    for splits, plan in itertools.product((1, 3), ({}, {"read_ahead": True}, {"warps": 8}, {"warps": 16},
-                                                    {"cluster": True})):
+    for splits, plan in itertools.product((1, 3), ({}, {"read_ahead": True}, {"warps": 4}, {"warps": 8},
+                                                    {"warps": 16})):
         with attention.override_plan(num_splits=splits, **plan):
             pa_spec.SPEC.check_close(attention.paged_attention(**kwargs), expected, kwargs)
 
@@ -234,8 +265,7 @@ def test_misaligned_cache_view_is_refused_by_name():
 
 
 @needs_gpu
-@pytest.mark.parametrize("splits, plan", [(None, {}), (1, {}), (4, {}), (4, {"cluster": True}),
-                                          (2, {"warps": 16, "cluster": True})])
+@pytest.mark.parametrize("splits, plan", [(None, {}), (1, {}), (4, {}), (None, {"warps": 4}), (4, {"warps": 4})])
 def test_decode_graph_replays_new_inputs(splits, plan):
     batch, max_len = 16, 2048
     make = pa_spec._maker((1,) * batch, (max_len,) * batch, 8, 1, 128, cache_dtype=FP8, scales=(0.23, 0.31),
