@@ -11,9 +11,10 @@ prefill.py declines) is the triton backend's: ``paged_attention_supports`` says 
 and dispatch moves on.
 
 The launch plan comes from host ints only: one CTA per (KV head, sequence), of 16 warps (one per
-SM) when those are fewer than the SMs and of 4 otherwise, and, when the grid is short of one
-wave of the GPU (the driver's occupancy for the compiled kernel times the SMs; for 16-warp CTAs,
-short of a quarter of the SMs), KV splits merged by a second kernel; no device data is read, so
+SM) when those are fewer than the SMs and long enough (wide_split_count) and of 4 otherwise,
+and, when the grid is short of one wave of the GPU (the driver's occupancy for the compiled
+kernel times the SMs; for 16-warp CTAs, short of 45% of the SMs), KV splits merged by a second
+kernel; no device data is read, so
 CUDA graphs stay valid when lengths and tables change under them. First call per (GPU arch,
 template set): one NVRTC compilation, 0.3-0.8 s on a 2-core VM for sm_90, kept on disk
 (_nvrtc.compile_module_cached: later processes load the cubin), then one module load per device.
@@ -47,8 +48,10 @@ MIN_CAPABILITY = (8, 9)  # cvt.rn.f16x2.e4m3x2 (sm_89+); movmatrix and mma.m16n8
 # CTA: shorter shares spend more on partials and the merge than they gain), at most _MAX_SPLITS.
 MIN_SPLIT_LEN = 256
 _MAX_SPLITS = 64  # the merge kernel's kMaxSplits
-# 16-warp CTAs (one per SM) do not split a grid holding at least 1 / WIDE_MIN_FILL of the SMs.
-WIDE_MIN_FILL = 4
+# 16-warp CTAs (one per SM): a grid holding at least WIDE_UNSPLIT_FILL of the SMs does not split,
+# and each CTA takes at least WIDE_MIN_SHARE positions (four 32-position steps a warp).
+WIDE_UNSPLIT_FILL = 0.45
+WIDE_MIN_SHARE = 2048
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode_fp8.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
 _DECODE_SIGNATURE = "pppppppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
@@ -70,15 +73,21 @@ def split_count(ctas: int, slots: int, max_seq_len: int, min_split_len: int = MI
     return min(range(1, most + 1), key=lambda s: (math.ceil(ctas * s / slots) / s, s))
 
 
-def wide_split_count(ctas: int, sms: int, max_seq_len: int) -> int:
-    """KV splits for ``ctas`` 16-warp CTAs (one per SM): none while the grid holds at least
-    1 / WIDE_MIN_FILL of the SMs, else the most that fit one wave with shares of at least
-    MIN_SPLIT_LEN positions. Measured on the H100 (perf/notes/attention.md round 13): 64 CTAs
-    unsplit on 132 SMs beat 2 splits and the merge; 8 CTAs stream fastest at 16 splits (one
-    wave), ahead of 8 splits and of 33 (two waves)."""
-    if ctas <= 0 or ctas * WIDE_MIN_FILL >= sms:
-        return 1
-    return max(1, min(sms // ctas, max_seq_len // MIN_SPLIT_LEN, _MAX_SPLITS))
+def wide_split_count(ctas: int, sms: int, max_seq_len: int) -> Optional[int]:
+    """KV splits for ``ctas`` 16-warp CTAs (one per SM), or None where 4-warp CTAs serve the grid
+    better: a grid of one CTA per SM or more, or one whose one-wave split would leave CTAs under
+    WIDE_MIN_SHARE positions. None while the grid holds WIDE_UNSPLIT_FILL of the SMs, else as
+    many as fill one wave. Measured on the H100 with an fp8 cache, 8 query heads on 1 KV head
+    (perf/notes/attention.md round 13): B 64 x 4096 unsplit 76% (2 splits 73.5, 4-warp CTAs
+    72.5); B 48 x 4096 2 splits 68.7 (unsplit 66.4); B 8 x 32768 16 splits 74.2 (4-warp CTAs
+    73.0); B 128 x 4096 unsplit 88 (4-warp 82.7); B 16-32 x 4096 4-warp CTAs ahead by 1-4
+    points (shares of 512-1024 positions)."""
+    if ctas <= 0 or ctas >= sms:
+        return None
+    splits = 1 if ctas >= WIDE_UNSPLIT_FILL * sms else sms // ctas
+    if splits > _MAX_SPLITS or max_seq_len < splits * WIDE_MIN_SHARE:
+        return None
+    return splits
 
 
 @dataclass(frozen=True)
@@ -210,18 +219,18 @@ def _kernels(device: torch.device, *template: bool | int) -> tuple[_nvrtc.Kernel
     return _LOADED.get(device, (_DEFINES, template), build)
 
 
-def _warps(plan: DecodePlan, ctas: int, sms: int, head_tiles: int, q_bf16: bool, shift: int,
-           soft_cap: bool) -> int:
+def _warps(plan: DecodePlan, ctas: int, sms: int, max_seq_len: int, head_tiles: int, q_bf16: bool,
+           shift: int, soft_cap: bool) -> int:
     """Warps per CTA for ``plan``, a grid of ``ctas`` unsplit CTAs and a template: the plan's,
     at most what the template's registers allow (two head tiles: 4; blocks under 16 positions or
     a soft cap, whose kernels need more than 128 registers a thread: 8); by default 16 (one CTA
-    per SM) for a grid short of one CTA per SM where the template allows it, else 4. Measured
-    (round 13): 16-warp CTAs take Llama-3-70B TP8 fp8 from 73% to 76% at B 64 x 4096 and 73 to
-    74% at B 8 x 32768; at Llama-3-8B (512 CTAs) 4-warp CTAs stay ahead, 94% against 91%."""
+    per SM) where the template allows it and wide_split_count takes the grid, else 4 (Llama-3-8B,
+    512 CTAs: 94.7% against 91.3% with 16 warps)."""
     most = 4 if head_tiles > 1 else 8 if shift < 4 or soft_cap else 16
     if plan.warps is not None:
         return min(plan.warps, most)
-    return 16 if most == 16 and not plan.read_ahead and ctas < sms else 4
+    wide = most == 16 and not plan.read_ahead and wide_split_count(ctas, sms, max_seq_len) is not None
+    return 16 if wide else 4
 
 
 def paged_attention(
@@ -261,11 +270,11 @@ def paged_attention(
     template = (-(-group // 8), query.dtype == torch.bfloat16, page_shift(k_cache.shape[1]),
                 logits_soft_cap > 0)
     ctas, sms = num_kv_heads * num_seqs, _sm_count(device)
-    warps = _warps(plan, ctas, sms, *template)
+    warps = _warps(plan, ctas, sms, max_seq_len, *template)
     with torch.cuda.device(device):
         splits = plan.num_splits
         if splits is None and warps == 16:
-            splits = wide_split_count(ctas, sms, max_seq_len)
+            splits = wide_split_count(ctas, sms, max_seq_len) or 1  # None: a plan's 16 warps on a full grid
         elif splits is None:
             unsplit, _ = _kernels(device, *template, False, plan.read_ahead, warps)
             splits = split_count(ctas, unsplit.blocks_per_sm * sms, max_seq_len)

@@ -93,40 +93,45 @@ def test_override_plan_checks_its_argument():
             pass
 
 
-@pytest.mark.parametrize("plan, ctas, template, warps", [
-    # Default: 16 warps for a grid short of one CTA per SM, where the template holds them.
-    (attention.DecodePlan(), 64, (1, True, 4, False), 16),
-    (attention.DecodePlan(), 8, (1, False, 6, False), 16),
-    (attention.DecodePlan(), 131, (1, True, 4, False), 16),
-    (attention.DecodePlan(), 132, (1, True, 4, False), 4),
-    (attention.DecodePlan(), 512, (1, True, 4, False), 4),
-    (attention.DecodePlan(), 64, (2, True, 4, False), 4),  # two head tiles
-    (attention.DecodePlan(), 64, (1, True, 2, False), 4),  # blocks of 4: lookups per position
-    (attention.DecodePlan(), 64, (1, True, 4, True), 4),  # soft cap
-    (attention.DecodePlan(read_ahead=True), 64, (1, True, 4, False), 4),
+@pytest.mark.parametrize("plan, ctas, max_seq_len, template, warps", [
+    # Default: 16 warps where wide_split_count takes the grid and the template holds them.
+    (attention.DecodePlan(), 64, 4096, (1, True, 4, False), 16),
+    (attention.DecodePlan(), 8, 32768, (1, False, 6, False), 16),
+    (attention.DecodePlan(), 131, 4096, (1, True, 4, False), 16),
+    (attention.DecodePlan(), 132, 4096, (1, True, 4, False), 4),  # one CTA per SM or more
+    (attention.DecodePlan(), 512, 4096, (1, True, 4, False), 4),
+    (attention.DecodePlan(), 16, 4096, (1, True, 4, False), 4),  # shares under WIDE_MIN_SHARE
+    (attention.DecodePlan(), 64, 4096, (2, True, 4, False), 4),  # two head tiles
+    (attention.DecodePlan(), 64, 4096, (1, True, 2, False), 4),  # blocks of 4: lookups per position
+    (attention.DecodePlan(), 64, 4096, (1, True, 4, True), 4),  # soft cap
+    (attention.DecodePlan(read_ahead=True), 64, 4096, (1, True, 4, False), 4),
     # A plan's warps are an upper bound.
-    (attention.DecodePlan(warps=8), 64, (1, True, 4, False), 8),
-    (attention.DecodePlan(warps=16), 512, (1, True, 4, False), 16),
-    (attention.DecodePlan(warps=16), 64, (1, True, 4, True), 8),
-    (attention.DecodePlan(warps=16), 64, (1, True, 0, False), 8),
-    (attention.DecodePlan(warps=16), 64, (2, True, 4, False), 4),
+    (attention.DecodePlan(warps=8), 64, 4096, (1, True, 4, False), 8),
+    (attention.DecodePlan(warps=16), 512, 4096, (1, True, 4, False), 16),
+    (attention.DecodePlan(warps=16), 64, 4096, (1, True, 4, True), 8),
+    (attention.DecodePlan(warps=16), 64, 4096, (1, True, 0, False), 8),
+    (attention.DecodePlan(warps=16), 64, 4096, (2, True, 4, False), 4),
 ])
-def test_warps_per_cta(plan, ctas, template, warps):
-    assert attention._warps(plan, ctas, 132, *template) == warps
+def test_warps_per_cta(plan, ctas, max_seq_len, template, warps):
+    assert attention._warps(plan, ctas, 132, max_seq_len, *template) == warps
 
 
-@pytest.mark.parametrize("ctas, sms, max_seq_len, splits", [
-    (64, 132, 4096, 1),  # Llama-3-70B TP8 B 64: unsplit (a quarter of the SMs or more)
-    (33, 132, 4096, 1),
-    (32, 132, 4096, 4),  # the most that fit one wave
-    (8, 132, 32768, 16),  # B 8 x 32768
-    (8, 132, 1024, 4),  # shares of at least MIN_SPLIT_LEN
-    (8, 132, 255, 1),
-    (1, 132, 1 << 20, 64),  # at most the merge kernel's 64
-    (0, 132, 4096, 1),
+@pytest.mark.parametrize("ctas, max_seq_len, splits", [
+    # The measured H100 shapes (132 SMs, one KV head): round 13 in perf/notes/attention.md.
+    (64, 4096, 1),  # B 64 x 4096: unsplit (at least 45% of the SMs)
+    (48, 4096, 2),  # B 48: one wave of 96
+    (128, 4096, 1),
+    (8, 32768, 16),  # B 8 x 32768: one wave of 128, 2048 positions a CTA
+    (16, 4096, None),  # one wave would leave 512 positions a CTA: 4-warp CTAs
+    (32, 4096, None),
+    (16, 16384, 8),
+    (64, 2047, None),  # unsplit, but under WIDE_MIN_SHARE
+    (132, 4096, None),  # a full grid
+    (1, 1 << 20, None),  # one wave would take 132 splits, past the merge kernel's 64
+    (0, 4096, None),
 ])
-def test_wide_split_count(ctas, sms, max_seq_len, splits):
-    assert attention.wide_split_count(ctas, sms, max_seq_len) == splits
+def test_wide_split_count(ctas, max_seq_len, splits):
+    assert attention.wide_split_count(ctas, 132, max_seq_len) == splits
 
 
 def _names() -> list[str]:
@@ -265,7 +270,7 @@ def test_misaligned_cache_view_is_refused_by_name():
 
 
 @needs_gpu
-@pytest.mark.parametrize("splits, plan", [(None, {}), (1, {}), (4, {}), (None, {"warps": 4}), (4, {"warps": 4})])
+@pytest.mark.parametrize("splits, plan", [(None, {}), (1, {}), (4, {}), (None, {"warps": 16}), (4, {"warps": 16})])
 def test_decode_graph_replays_new_inputs(splits, plan):
     batch, max_len = 16, 2048
     make = pa_spec._maker((1,) * batch, (max_len,) * batch, 8, 1, 128, cache_dtype=FP8, scales=(0.23, 0.31),
