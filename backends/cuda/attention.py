@@ -14,12 +14,12 @@ The launch plan comes from host ints only: one CTA per (KV head, sequence), of 1
 SM) when those are fewer than the SMs and long enough (wide_split_count) and of 4 otherwise,
 and, when the grid is short of one wave of the GPU (the driver's occupancy for the compiled
 kernel times the SMs; for 16-warp CTAs, short of 45% of the SMs), KV splits merged by a second
-kernel; no device data is read, so
-CUDA graphs stay valid when lengths and tables change under them. First call per (GPU arch,
-template set): one NVRTC compilation, 0.3-0.8 s on a 2-core VM for sm_90, kept on disk
-(_nvrtc.compile_module_cached: later processes load the cubin), then one module load per device.
-No autotuning: the warps, split counts and plan come from perf/diag/cuda_decode_sweep.py's
-measurements (DEFAULT_PLAN, _warps, split_count, wide_split_count).
+kernel. No device data is read, so CUDA graphs stay valid when lengths and tables change under
+them. First call per (GPU arch, template set): one NVRTC compilation, 0.3-0.8 s on a 2-core VM
+for sm_90, kept on disk (_nvrtc.compile_module_cached: later processes load the cubin), then one
+module load per device. No autotuning: the warps, split counts and plan come from
+perf/diag/cuda_decode_sweep.py's measurements (DEFAULT_PLAN, _warps, split_count,
+wide_split_count).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def split_count(ctas: int, slots: int, max_seq_len: int, min_split_len: int = MI
 def wide_split_count(ctas: int, sms: int, max_seq_len: int) -> Optional[int]:
     """KV splits for ``ctas`` 16-warp CTAs (one per SM), or None where 4-warp CTAs serve the grid
     better: a grid of one CTA per SM or more, or one whose one-wave split would leave CTAs under
-    WIDE_MIN_SHARE positions. None while the grid holds WIDE_UNSPLIT_FILL of the SMs, else as
-    many as fill one wave. Measured on the H100 with an fp8 cache, 8 query heads on 1 KV head
+    WIDE_MIN_SHARE positions. Unsplit (1) while the grid holds WIDE_UNSPLIT_FILL of the SMs,
+    else as many splits as fill one wave. Measured on the H100 with an fp8 cache, 8 query heads on 1 KV head
     (perf/notes/attention.md round 13): B 64 x 4096 unsplit 76% (2 splits 73.5, 4-warp CTAs
     72.5); B 48 x 4096 2 splits 68.7 (unsplit 66.4); B 8 x 32768 16 splits 74.2 (4-warp CTAs
     73.0); B 128 x 4096 unsplit 88 (4-warp 82.7); B 16-32 x 4096 4-warp CTAs ahead by 1-4
@@ -211,9 +211,11 @@ def _kernels(device: torch.device, *template: bool | int) -> tuple[_nvrtc.Kernel
     """The decode and merge kernels for ``template`` loaded on ``device`` (cached per device)."""
     def build():
         module, decode, merge = _compiled(_capability(device), _DEFINES, *template)
-        head_tiles, warps = template[0], template[6]
+        head_tiles, ahead, warps = template[0], template[5], template[6]
+        staged = "KERNELMUX_STAGED" in _DEFINES and not ahead  # experiment: 8 KiB of slots a warp
         return module, [_nvrtc.KernelSpec(decode, _DECODE_SIGNATURE, warps * 32,
-                                          shared_bytes=warps * head_tiles * 8 * HEAD_DIM * 4),
+                                          shared_bytes=warps * head_tiles * 8 * HEAD_DIM * 4
+                                          + (warps * 8192 if staged else 0)),
                         _nvrtc.KernelSpec(merge, _MERGE_SIGNATURE, 2 * HEAD_DIM)]
 
     return _LOADED.get(device, (_DEFINES, template), build)

@@ -1,9 +1,10 @@
 """Plan sweep for the cuda backend's fp8 paged-attention decode on the perf goals' fp8 shapes:
 split counts, read-ahead and warps per CTA, each checked against the spec's reference before
-it is timed (CUDA-graph replay), with the triton backend's kernel on the same
-inputs for comparison. Bandwidth is the spec's byte count over the median time, as a percent of
-the device-copy bandwidth measured in the same run. DEFAULT_PLAN and split_count in
-backends/cuda/attention.py are chosen from these numbers.
+it is timed (CUDA-graph replay over input sets spanning 3x the L2, as the bench), with the triton
+backend's kernel on the same inputs for comparison. Bandwidth is the spec's byte count over the
+median time, as a percent of the device-copy bandwidth measured in the same run. DEFAULT_PLAN,
+_warps, split_count and wide_split_count in backends/cuda/attention.py are chosen from these
+numbers.
 
     python perf/diag/cuda_decode_sweep.py --out DIR [--cases NAME ...] [--splits 1 4 8 16]
         [--plans w16s2 w4a auto ...] [--shapes 32:4096:8:1 ...] [--repeat N] [--defines MACRO ...]
