@@ -270,7 +270,6 @@ _PTR, _I32, _I64, _F32 = "p", "i", "q", "f"
 _CTYPES = {_PTR: ctypes.c_void_p, _I32: ctypes.c_int32, _I64: ctypes.c_int64, _F32: ctypes.c_float}
 _CU_OCCUPANCY = "cuOccupancyMaxActiveBlocksPerMultiprocessor"
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-_DEFAULT_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a launch gets without opting in
 
 
 @functools.lru_cache(maxsize=None)
@@ -345,8 +344,9 @@ def load_kernel(module: CompiledModule, name: str, signature: str, block: int,
                 shared_bytes: int = 0) -> tuple[Kernel, ctypes.c_void_p]:
     """Kernel ``name`` of ``module`` in the current CUDA context (torch's current device): the
     module is loaded once per context by the caller, who passes it back as ``loaded``.
-    ``shared_bytes`` of dynamic shared memory go with every launch (above 48 KiB the kernel
-    is opted in here, as the driver requires)."""
+    ``shared_bytes`` of dynamic shared memory go with every launch; the kernel is opted in to
+    that amount here: without it a launch gets 48 KiB of static and dynamic shared memory
+    together (a 4-warp decode build asking for 48 KiB beside 300 static bytes failed to launch)."""
     lib = _libcuda()
     if loaded is None:
         loaded = ctypes.c_void_p()
@@ -354,7 +354,7 @@ def load_kernel(module: CompiledModule, name: str, signature: str, block: int,
     function = ctypes.c_void_p()
     _cu_check(lib.cuModuleGetFunction(ctypes.byref(function), loaded, module.names[name].encode()),
               f"cuModuleGetFunction({name})")
-    if shared_bytes > _DEFAULT_SHARED_LIMIT:
+    if shared_bytes > 0:
         _cu_check(lib.cuFuncSetAttribute(function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                          ctypes.c_int(shared_bytes)),
                   f"cuFuncSetAttribute({name}, {shared_bytes} B)")

@@ -211,11 +211,9 @@ def _kernels(device: torch.device, *template: bool | int) -> tuple[_nvrtc.Kernel
     """The decode and merge kernels for ``template`` loaded on ``device`` (cached per device)."""
     def build():
         module, decode, merge = _compiled(_capability(device), _DEFINES, *template)
-        head_tiles, ahead, warps = template[0], template[5], template[6]
-        staged = "KERNELMUX_STAGED" in _DEFINES and not ahead  # experiment: 8 KiB of slots a warp
+        head_tiles, warps = template[0], template[6]
         return module, [_nvrtc.KernelSpec(decode, _DECODE_SIGNATURE, warps * 32,
-                                          shared_bytes=warps * head_tiles * 8 * HEAD_DIM * 4
-                                          + (warps * 8192 if staged else 0)),
+                                          shared_bytes=warps * head_tiles * 8 * HEAD_DIM * 4),
                         _nvrtc.KernelSpec(merge, _MERGE_SIGNATURE, 2 * HEAD_DIM)]
 
     return _LOADED.get(device, (_DEFINES, template), build)

@@ -56,30 +56,6 @@ __device__ __forceinline__ Bytes16 load16(const unsigned char* p) {
     return v;
 }
 
-// cp.async: 16 bytes from global memory into this thread's shared memory at `shared` (a shared
-// window address), src_bytes of them read (0: sixteen zeros, nothing read); L2 only (.cg).
-__device__ __forceinline__ void copy16_async(u32 shared, const unsigned char* p, u32 src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(shared), "l"(p), "r"(src_bytes) : "memory");
-}
-
-__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Every group but the latest one complete.
-__device__ __forceinline__ void copies_wait_prior() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
-
-__device__ __forceinline__ Bytes16 load_shared16(u32 shared) {
-    Bytes16 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3]) : "r"(shared) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ u32 shared_window(const void* p) {
-    unsigned long long a;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
-    return (u32)a;
-}
-
 __device__ __forceinline__ Bytes16 zero16() {
     Bytes16 v;
     v.w[0] = v.w[1] = v.w[2] = v.w[3] = 0u;
@@ -244,22 +220,6 @@ __global__ void __launch_bounds__(
     const unsigned char* k_head = k_cache + (i64)kv_head * k_stride_h + 16 * t;
     const unsigned char* v_head = v_cache + (i64)kv_head * v_stride_h + 16 * g;
     Bytes16 k_raw[2][2][2], v_raw[2][2][2];
-#ifdef KERNELMUX_STAGED
-    // Experiment: each step's K and V go through 16 slots of 16 bytes per lane in shared memory
-    // (cp.async, after the combine's states), so the next step's copies are in flight while this
-    // step computes, without registers to hold them.
-    constexpr bool kStaged = !AHEAD;
-#else
-    constexpr bool kStaged = false;
-#endif
-    const u32 slots = shared_window(sm_dynamic + WARPS * HEAD_TILES * 8 * kHeadDim) + (warp * 16 * 32 + lane) * 16;
-    auto fetch = [&](Bytes16& to, int slot, const unsigned char* p, bool read) {
-        if (kStaged) {
-            copy16_async(slots + slot * 32 * 16, p, read ? 16 : 0);
-        } else {
-            to = read ? load16(p) : zero16();
-        }
-    };
     // Blocks of 16 positions or more: the cache block of each 16-position tile of this step,
     // and of the step this warp reads next (looked up a step ahead: the table read is not on
     // the path to the cache reads).
@@ -283,8 +243,8 @@ __global__ void __launch_bounds__(
                 const int pos = step + 16 * c + g + 8 * h;
                 const unsigned char* p =
                     k_head + (i64)block_of(c, pos) * k_stride_b + (i64)(pos & (kPage - 1)) * k_stride_s;
-                fetch(k_raw[c][h][0], 4 * c + 2 * h, p, visible(pos));
-                fetch(k_raw[c][h][1], 4 * c + 2 * h + 1, p + 64, visible(pos));
+                k_raw[c][h][0] = visible(pos) ? load16(p) : zero16();
+                k_raw[c][h][1] = visible(pos) ? load16(p + 64) : zero16();
             }
         }
         look_up(step + WARPS * kStep);
@@ -299,7 +259,7 @@ __global__ void __launch_bounds__(
                     const int pos = step + 16 * c + 8 * half + 2 * t + e;
                     const unsigned char* p =
                         v_head + (i64)block_of(c, pos) * v_stride_b + (i64)(pos & (kPage - 1)) * v_stride_s;
-                    fetch(v_raw[c][half][e], 8 + 4 * c + 2 * half + e, p, visible(pos));
+                    v_raw[c][half][e] = visible(pos) ? load16(p) : zero16();
                 }
     };
     int step = first + warp * kStep;
@@ -313,23 +273,6 @@ __global__ void __launch_bounds__(
     }
 #endif
     if (AHEAD && step < hi) load_k(step);
-    // Staged: K and V copies are separate groups, always committed (empty past the last step),
-    // so "all but the latest group" is this step's K before the scores and its V before the
-    // values; each half's slots are refilled with the next step's as soon as they are read (this
-    // lane's own copies: no barrier).
-    if (kStaged) {
-        if (step < hi) load_k(step);
-        copies_commit();
-        if (step < hi) load_v(step);
-        copies_commit();
-    }
-    auto unstage = [&](Bytes16 (&raw)[2][2][2], int first_slot) {
-        copies_wait_prior();
-#pragma unroll
-        for (int c = 0; c < 2; ++c)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) raw[c][i / 2][i % 2] = load_shared16(slots + (first_slot + 4 * c + i) * 32 * 16);
-    };
 
     // The query slice of this lane: heads 8j + g of the group, the dims of its K bytes (16t ..
     // 16t + 15 and 64 + 16t .. 64 + 16t + 15). Word i of the slice holds its elements 2i, 2i + 1:
@@ -395,11 +338,7 @@ __global__ void __launch_bounds__(
     if (AHEAD && step < hi) load_v(step);
     while (step < hi) {
         const int next = step + WARPS * kStep;
-        if (kStaged) {
-            unstage(k_raw, 0);
-            if (next < hi) load_k(next);
-            copies_commit();
-        } else if (!AHEAD) {
+        if (!AHEAD) {
             load_k(step);
             load_v(step);
         }
@@ -476,11 +415,6 @@ __global__ void __launch_bounds__(
             }
         }
 
-        if (kStaged) {
-            unstage(v_raw, 8);
-            if (next < hi) load_v(next);
-            copies_commit();
-        }
         // out^T += V^T . P^T over both 16-position tiles.
 #pragma unroll
         for (int c = 0; c < 2; ++c)
