@@ -50,8 +50,8 @@ for step in "$@"; do
     case "$step" in
     tests-core)
         # Eight workers, as tests-attention: run one at a time, these two took over 420 s each on
-        # the H100 (5ef64b7); on eight, tests-core about 430 s (559f2f3), hence 540. The GB-sized
-        # cases keep to one worker (their xdist group).
+        # the H100 (5ef64b7); on eight, tests-core 383-430 s (d132626, 559f2f3), hence 540. The
+        # GB-sized cases keep to one worker (their xdist group).
         (cd /tmp && timeout 540 python3 -m pytest "$repo/tests" -q -n 8 --dist loadgroup -p no:cacheprovider -rfE \
             --durations=15 "${slow[@]/#/--ignore=$repo/}" 2>&1) | tee "$out/pytest_core.txt" | tail -25 ;;
     tests-slow)
