@@ -54,7 +54,7 @@ WIDE_UNSPLIT_FILL = 0.45
 WIDE_MIN_SHARE = 2048
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode_fp8.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
-_DECODE_SIGNATURE = "pppppppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "qi"
+_DECODE_SIGNATURE = "pppppppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
 _MERGE_SIGNATURE = "pppp" + "iii" + "qq"
 # Macros defined for the compilation (perf/diag/cuda_decode_trace.py sets KERNELMUX_TRACE).
 _DEFINES: tuple[str, ...] = ()
@@ -294,7 +294,7 @@ def paged_attention(
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_table.stride(0), block_table.shape[1],
+            block_table.stride(0),
         )
         if splits > 1:
             merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, num_tokens, num_q_heads,

@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(
     i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h,
     i64 k_stride_b, i64 k_stride_s, i64 k_stride_h,
     i64 v_stride_b, i64 v_stride_s, i64 v_stride_h,
-    i64 table_stride, int table_width) {
+    i64 table_stride) {
     constexpr int kPage = 1 << PAGE_SHIFT;
     extern __shared__ __align__(16) float sm_dynamic[];
     auto sm_acc = reinterpret_cast<float (*)[HEAD_TILES * 8][kHeadDim]>(sm_dynamic);  // [WARPS]
@@ -193,16 +193,6 @@ __global__ void __launch_bounds__(
     const int g = lane >> 2, t = lane & 3;
     const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
     TRACE_MARK(0, 0);
-    // Unsplit without a window, a warp's first step is position 32 * warp whatever the length:
-    // its table entries are read beside the length instead of after it (one round trip less
-    // before the first cache bytes; entries past the length only name blocks that are not read).
-    const int* table = block_table + (i64)seq * table_stride;
-    int tile_block[2] = {0, 0}, ahead_block[2] = {0, 0};
-    const bool early_table = !SPLIT && PAGE_SHIFT >= 4 && window <= 0;
-    if (early_table) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) ahead_block[c] = table[min((warp * kStep + 16 * c) >> PAGE_SHIFT, table_width - 1)];
-    }
     const int token = cu_seqlens_q[seq];
     if (cu_seqlens_q[seq + 1] - token <= 0) return;  // no query: nothing to write
     const int kv_len = seq_lens[seq];
@@ -226,12 +216,14 @@ __global__ void __launch_bounds__(
     // masked, and a zero value row keeps 0 * garbage out of the sums. The first step's K is
     // requested before the query is read; with AHEAD the next step's K is requested once this
     // step's scores are computed (its V always once this step's values are summed).
+    const int* table = block_table + (i64)seq * table_stride;
     const unsigned char* k_head = k_cache + (i64)kv_head * k_stride_h + 16 * t;
     const unsigned char* v_head = v_cache + (i64)kv_head * v_stride_h + 16 * g;
     Bytes16 k_raw[2][2][2], v_raw[2][2][2];
     // Blocks of 16 positions or more: the cache block of each 16-position tile of this step,
     // and of the step this warp reads next (looked up a step ahead: the table read is not on
     // the path to the cache reads).
+    int tile_block[2] = {0, 0}, ahead_block[2] = {0, 0};
     auto look_up = [&](int step) {
         if (PAGE_SHIFT >= 4 && step < hi) {
 #pragma unroll
@@ -271,7 +263,7 @@ __global__ void __launch_bounds__(
                 }
     };
     int step = first + warp * kStep;
-    if (!early_table) look_up(step);
+    look_up(step);
 #ifdef KERNELMUX_TRACE
     // The first K row's arrival, timed by a load of its own (the loop's then hits in L2).
     if (PAGE_SHIFT >= 4 && step < hi) {
@@ -474,13 +466,7 @@ __global__ void __launch_bounds__(
     // Four dims of one head per thread and pass: 16-byte shared reads, 16-byte partial and 8-byte
     // output stores (the stores queue behind the other CTAs' streaming loads, so fewer and wider
     // finish sooner: 2.3 -> 1.1 us a CTA, perf/diag/cuda_decode_trace.py).
-    // With threads to spare (16 warps, one head tile) two adjacent threads share a chunk, each
-    // folding every other warp's state, and add theirs by a shuffle (all 32 lanes of a warp hold
-    // chunks of one head, so they skip or run together).
-    constexpr int kChunks = HEAD_TILES * 8 * (kHeadDim / 4);
-    constexpr int kPerChunk = WARPS * 32 >= 2 * kChunks ? 2 : 1;
-    const int part = threadIdx.x % kPerChunk;
-    for (int idx = threadIdx.x / kPerChunk; idx < kChunks; idx += WARPS * 32 / kPerChunk) {
+    for (int idx = threadIdx.x; idx < HEAD_TILES * 8 * (kHeadDim / 4); idx += WARPS * 32) {
         const int h = idx / (kHeadDim / 4), d = 4 * (idx % (kHeadDim / 4));
         if (h >= group) continue;
         float m_max = neg_inf();
@@ -490,8 +476,7 @@ __global__ void __launch_bounds__(
         float total = 0.0f;
         float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-        for (int i = 0; i < WARPS / kPerChunk; ++i) {
-            const int w = kPerChunk * i + part;
+        for (int w = 0; w < WARPS; ++w) {
             const float weight = exp2_approx(sm_m[w][h] - m_use);  // 0 for warps that saw nothing
             total += sm_l[w][h] * weight;
             const float4 a = *reinterpret_cast<const float4*>(&sm_acc[w][h][d]);
@@ -499,14 +484,6 @@ __global__ void __launch_bounds__(
             value.y += a.y * weight;
             value.z += a.z * weight;
             value.w += a.w * weight;
-        }
-        if (kPerChunk == 2) {
-            total += __shfl_xor_sync(0xffffffffu, total, 1);
-            value.x += __shfl_xor_sync(0xffffffffu, value.x, 1);
-            value.y += __shfl_xor_sync(0xffffffffu, value.y, 1);
-            value.z += __shfl_xor_sync(0xffffffffu, value.z, 1);
-            value.w += __shfl_xor_sync(0xffffffffu, value.w, 1);
-            if (part != 0) continue;
         }
         const int q_head = kv_head * group + h;
         if (SPLIT) {
