@@ -63,7 +63,7 @@ def _cpu_seconds(fn, trials: int) -> float:
 NAMES = ("memory_gbps", "bf16_tflops", "fp8_tflops", "fp32_tflops")
 
 
-def _cuda_probes(quick: bool, names: Collection[str]) -> dict[str, Optional[tuple[Callable[[], Any], float]]]:
+def _cuda_probes(quick: bool, names: set[str]) -> dict[str, Optional[tuple[Callable[[], Any], float]]]:
     """Each named ceiling's operation and its work (GB moved or TFLOP) per call; None where the
     GPU has no instruction for it (fp8 before sm_89). Only the named ones' operands are allocated."""
     nbytes, n = (512 << 20, 4096) if quick else (2 << 30, 8192)

@@ -14,7 +14,6 @@ import json
 import os
 import time
 
-
 from kernelmux.backends.cuda import mla
 from kernelmux.ops._spec import Case
 from kernelmux.ops.specs import mla_decode as mla_spec
