@@ -605,16 +605,17 @@ __global__ void __launch_bounds__(
     TRACE_MARK(5, 0);  // this thread's stores issued
     if (SPLIT && merge_tickets != nullptr) {
         // The last split CTA of this (sequence, KV head) to finish merges all splits' partials,
-        // so no merge kernel runs: each CTA's partials are made visible at GPU scope (every
-        // writer's fence, then the barrier) before its ticket is taken, and the last taker resets
+        // so no merge kernel runs. The barrier orders every thread's partial stores before thread
+        // 0's ticket, whose release (cumulative) publishes them at GPU scope; the last taker's
+        // acquire and the barrier after it order its reads after all of them. That taker resets
         // the ticket for the next call (calls on one stream run in order).
-        __threadfence();
         __syncthreads();
         if (threadIdx.x == 0) {
             int* ticket = merge_tickets + (i64)seq * gridDim.x + kv_head;
-            const bool last = atomicAdd(ticket, 1) == num_splits - 1;
+            int taken;
+            asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(taken) : "l"(ticket) : "memory");
+            const bool last = taken == num_splits - 1;
             if (last) *ticket = 0;
-            __threadfence();
             sm_merges = last;
         }
         __syncthreads();
