@@ -236,17 +236,14 @@ def _warps(plan: DecodePlan, ctas: int, sms: int, max_seq_len: int, head_tiles: 
     return 16 if wide else 4
 
 
-_tickets: dict[tuple[torch.device, int], torch.Tensor] = {}
+_tickets: dict[torch.device, torch.Tensor] = {}
 
 
 def _merge_tickets(device: torch.device, count: int) -> torch.Tensor:
-    """EXPERIMENT: zeroed int32 tickets kept per (device, stream), reset by the kernel."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    have = _tickets.get(key)
+    """EXPERIMENT: zeroed int32 tickets kept per device, reset by the kernel."""
+    have = _tickets.get(device)
     if have is None or have.numel() < count:
-        have = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        if not torch.cuda.is_current_stream_capturing():
-            _tickets[key] = have
+        have = _tickets[device] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
     return have
 
 
