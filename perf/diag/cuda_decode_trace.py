@@ -73,7 +73,9 @@ def summarize(trace: np.ndarray) -> dict:
             (trace[merged, 6].astype(np.int64) - t0) / 1e3, [0, 10, 50, 90, 100]).round(2).tolist()
         end = max(end, quantiles["merged (merging CTAs)"][-1])
     return dict(span_us=round(float(end), 2), marks_us=quantiles, stages_us=stages, running_per_us=running,
-                ctas=int(trace.shape[0]), sms=int((per_sm > 0).sum()), most_ctas_per_sm=int(per_sm.max()))
+                ctas=int(trace.shape[0]), sms=int((per_sm > 0).sum()), most_ctas_per_sm=int(per_sm.max()),
+                sm_ids=sorted(set(trace[:, 7].astype(int).tolist())),
+                stream_end_by_sm={int(sm): round(float(end), 2) for sm, end in zip(trace[:, 7], rel[:, 4])})
 
 
 def main() -> None:
