@@ -54,7 +54,7 @@ WIDE_UNSPLIT_FILL = 0.45
 WIDE_MIN_SHARE = 2048
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode_fp8.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
-_DECODE_SIGNATURE = "ppppppppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
+_DECODE_SIGNATURE = "pppppppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
 _MERGE_SIGNATURE = "pppp" + "iii" + "qq"
 # Macros defined for the compilation (perf/diag/cuda_decode_trace.py sets KERNELMUX_TRACE).
 _DEFINES: tuple[str, ...] = ()
@@ -100,7 +100,6 @@ class DecodePlan:
     num_splits: Optional[int] = None
     read_ahead: bool = False
     warps: Optional[int] = None
-    merge: str = "kernel"
 
 
 DEFAULT_PLAN = DecodePlan()
@@ -112,8 +111,6 @@ def _plan_problem(plan: DecodePlan) -> Optional[str]:
         return f"num_splits must be an int in [1, {_MAX_SPLITS}] or None, got {splits!r}"
     if plan.warps not in (None, 4, 8, 16):
         return f"warps must be 4, 8, 16 or None, got {plan.warps!r}"
-    if plan.merge not in ("kernel", "last_cta", "last_cta_zeroed"):
-        return f"merge must be 'kernel', 'last_cta' or 'last_cta_zeroed', got {plan.merge!r}"
     if plan.warps == 16 and plan.read_ahead:
         return "read_ahead needs more than 128 registers a thread: at most 8 warps with it, got 16"
     return None
@@ -236,17 +233,6 @@ def _warps(plan: DecodePlan, ctas: int, sms: int, max_seq_len: int, head_tiles: 
     return 16 if wide else 4
 
 
-_tickets: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_tickets(device: torch.device, count: int) -> torch.Tensor:
-    """EXPERIMENT: zeroed int32 tickets kept per device, reset by the kernel."""
-    have = _tickets.get(device)
-    if have is None or have.numel() < count:
-        have = _tickets[device] = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-    return have
-
-
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -293,20 +279,15 @@ def paged_attention(
             unsplit, _ = _kernels(device, *template, False, plan.read_ahead, warps)
             splits = split_count(ctas, unsplit.blocks_per_sm * sms, max_seq_len)
         decode, merge = _kernels(device, *template, splits > 1, plan.read_ahead, warps)
-        tickets = None
         if splits > 1:
             part_acc = torch.empty((splits, num_tokens, num_q_heads, HEAD_DIM), dtype=torch.float32,
                                    device=device)
             part_ml = torch.empty((2, splits, num_tokens, num_q_heads), dtype=torch.float32, device=device)
-            if plan.merge == "last_cta":
-                tickets = _merge_tickets(device, num_seqs * num_kv_heads)
-            elif plan.merge == "last_cta_zeroed":
-                tickets = torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device)
         else:
             part_acc = part_ml = None
         decode(
             (num_kv_heads, num_seqs, splits),
-            query, k_cache, v_cache, out, part_acc, part_ml, tickets, cu_seqlens_q, block_table, seq_lens,
+            query, k_cache, v_cache, out, part_acc, part_ml, cu_seqlens_q, block_table, seq_lens,
             sinks, k_scale, v_scale,
             num_tokens, num_q_heads, group, splits, int(sliding_window),
             float(scale), float(logits_soft_cap),
@@ -315,7 +296,7 @@ def paged_attention(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0),
         )
-        if splits > 1 and tickets is None:
+        if splits > 1:
             merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, num_tokens, num_q_heads,
                   splits, out.stride(0), out.stride(1))
     return out

@@ -150,103 +150,6 @@ __device__ __forceinline__ void trace_mark(int slot, u32 after) {
 #define TRACE_MARK(slot, after)
 #endif
 
-// Splits s0, s0 + step, ... of one (token, query head, four value dims) folded into a running
-// (max, sum, value), eight splits' partials loaded at once (they sit in L2, just written).
-__device__ __forceinline__ void fold_splits(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                            i64 ml0, i64 split_stride, int d, int s0, int step, int num_splits,
-                                            float& m, float& l, float4& v) {
-    for (int base = s0; base < num_splits; base += 8 * step) {
-        float pm[8], pl[8];
-        float4 pa[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const int s = base + i * step;
-            const i64 ml = ml0 + s * split_stride;
-            const bool valid = s < num_splits;
-            pm[i] = valid ? __ldcg(part_ml + ml) : neg_inf();
-            pl[i] = valid ? __ldcg(part_ml + num_splits * split_stride + ml) : 0.0f;
-            pa[i] = valid ? __ldcg(reinterpret_cast<const float4*>(part_acc + ml * kHeadDim + d))
-                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-        float m_new = m;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) m_new = fmaxf(m_new, pm[i]);
-        const float m_use = m_new == neg_inf() ? 0.0f : m_new;
-        const float alpha = exp2_approx(m - m_use);  // 0 while m is -inf
-        l *= alpha;
-        v.x *= alpha;
-        v.y *= alpha;
-        v.z *= alpha;
-        v.w *= alpha;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const float w = exp2_approx(pm[i] - m_use);  // 0 for splits that saw nothing
-            l += pl[i] * w;
-            v.x += pa[i].x * w;
-            v.y += pa[i].y * w;
-            v.z += pa[i].z * w;
-            v.w += pa[i].w * w;
-        }
-        m = m_new;
-    }
-}
-
-// merge_splits' work for one (token, KV head) inside the decode CTA that finished last: four
-// value dims of one head per thread; where the CTA has two threads per item (16 warps, one head
-// tile), each takes every other split and the pairs meet in shared memory (`scratch`: the
-// combine's, free again here).
-template <int HEAD_TILES, bool Q_BF16, int WARPS>
-__device__ __forceinline__ void merge_in_cta(unsigned char* __restrict__ out, const float* __restrict__ part_acc,
-                                             const float* __restrict__ part_ml, const float* __restrict__ sinks,
-                                             float* scratch, int token, int kv_head, int group, int num_tokens,
-                                             int num_q_heads, int num_splits, i64 o_stride_t, i64 o_stride_h) {
-    constexpr int kItems = HEAD_TILES * 8 * (kHeadDim / 4);
-    constexpr bool kPairs = WARPS * 32 >= 2 * kItems;
-    const i64 split_stride = (i64)num_tokens * num_q_heads;
-    auto finish = [&](int h, int d, float m, float l, float4 v) {
-        const int q_head = kv_head * group + h;
-        const float m_use = m == neg_inf() ? 0.0f : m;
-        if (sinks != nullptr) l += exp2_approx(sinks[q_head] * kLog2e - m_use);
-        if (l == 0.0f) l = 1.0f;  // nothing visible: zeros
-        store4<Q_BF16>(out + ((i64)token * o_stride_t + (i64)q_head * o_stride_h + d) * 2, v, 1.0f / l);
-    };
-    if (kPairs) {
-        const int idx = threadIdx.x % kItems, half = threadIdx.x / kItems;
-        const int h = idx / (kHeadDim / 4), d = 4 * (idx % (kHeadDim / 4));
-        float m = neg_inf(), l = 0.0f;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        const bool active = half < 2 && h < group;
-        if (active)
-            fold_splits(part_acc, part_ml, (i64)token * num_q_heads + kv_head * group + h, split_stride, d, half, 2,
-                        num_splits, m, l, v);
-        float* other = scratch + 8 * idx;  // the odd splits' (value, max, sum)
-        if (active && half == 1) {
-            *reinterpret_cast<float4*>(other) = v;
-            other[4] = m;
-            other[5] = l;
-        }
-        __syncthreads();
-        if (!active || half == 1) return;
-        const float m1 = other[4];
-        const float m_new = fmaxf(m, m1);
-        const float m_use = m_new == neg_inf() ? 0.0f : m_new;
-        const float a0 = exp2_approx(m - m_use), a1 = exp2_approx(m1 - m_use);
-        const float4 v1 = *reinterpret_cast<const float4*>(other);
-        finish(h, d, m_new, l * a0 + other[5] * a1,
-               make_float4(v.x * a0 + v1.x * a1, v.y * a0 + v1.y * a1, v.z * a0 + v1.z * a1, v.w * a0 + v1.w * a1));
-    } else {
-        for (int idx = threadIdx.x; idx < kItems; idx += WARPS * 32) {
-            const int h = idx / (kHeadDim / 4), d = 4 * (idx % (kHeadDim / 4));
-            if (h >= group) continue;
-            float m = neg_inf(), l = 0.0f;
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            fold_splits(part_acc, part_ml, (i64)token * num_q_heads + kv_head * group + h, split_stride, d, 0, 1,
-                        num_splits, m, l, v);
-            finish(h, d, m, l, v);
-        }
-    }
-}
-
 // HEAD_TILES: query heads per KV head padded to 8 * HEAD_TILES (the MMA's 8 columns each).
 // Q_BF16: bf16 query and output (else fp16). PAGE_SHIFT: log2 of the cache block size.
 // AHEAD: the next step's K is read while this step's softmax and values run (more registers).
@@ -266,7 +169,6 @@ __global__ void __launch_bounds__(
     unsigned char* __restrict__ out,            // [T, Hq, 128] query dtype (not SPLIT)
     float* __restrict__ part_acc,               // [splits, T, Hq, 128] (SPLIT)
     float* __restrict__ part_ml,                // [2, splits, T, Hq]: max (base 2), sum (SPLIT)
-    int* __restrict__ merge_tickets,            // [B, Hkv] zeros, or null: merge_splits merges (SPLIT)
     const int* __restrict__ cu_seqlens_q,       // [B + 1]
     const int* __restrict__ block_table,        // [B, max_blocks]
     const int* __restrict__ seq_lens,           // [B]
@@ -286,7 +188,6 @@ __global__ void __launch_bounds__(
     __shared__ float sm_l[WARPS][HEAD_TILES * 8];
     __shared__ float sm_sink[HEAD_TILES * 8];  // per head of the group (-inf: none)
     __shared__ float sm_v_mul;
-    __shared__ int sm_merges;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -603,27 +504,6 @@ __global__ void __launch_bounds__(
         }
     }
     TRACE_MARK(5, 0);  // this thread's stores issued
-    if (SPLIT && merge_tickets != nullptr) {
-        // The last split CTA of this (sequence, KV head) to finish merges all splits' partials,
-        // so no merge kernel runs. The barrier orders every thread's partial stores before thread
-        // 0's ticket, whose release (cumulative) publishes them at GPU scope; the last taker's
-        // acquire and the barrier after it order its reads after all of them. That taker resets
-        // the ticket for the next call (calls on one stream run in order).
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int* ticket = merge_tickets + (i64)seq * gridDim.x + kv_head;
-            int taken;
-            asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(taken) : "l"(ticket) : "memory");
-            const bool last = taken == num_splits - 1;
-            if (last) *ticket = 0;
-            sm_merges = last;
-        }
-        __syncthreads();
-        if (!sm_merges) return;
-        merge_in_cta<HEAD_TILES, Q_BF16, WARPS>(out, part_acc, part_ml, sinks, sm_dynamic, token, kv_head, group,
-                                                num_tokens, num_q_heads, num_splits, o_stride_t, o_stride_h);
-        TRACE_MARK(6, 0);  // merged output stored
-    }
 }
 
 // One (token, query head) per CTA of 256 threads: the splits' maxima and sums are read at once

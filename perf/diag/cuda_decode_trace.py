@@ -67,15 +67,11 @@ def summarize(trace: np.ndarray) -> dict:
     bins = np.arange(0, np.ceil(end) + 1)
     running = [int(((rel[:, 0] <= b) & (rel[:, 5] > b)).sum()) for b in bins]
     per_sm = np.bincount(trace[:, 7].astype(np.int64))
-    merged = trace[:, 6] > 0  # the CTAs that merged their splits (DecodePlan.merge "last_cta")
-    if merged.any():
-        quantiles["merged (merging CTAs)"] = np.percentile(
-            (trace[merged, 6].astype(np.int64) - t0) / 1e3, [0, 10, 50, 90, 100]).round(2).tolist()
-        end = max(end, quantiles["merged (merging CTAs)"][-1])
     return dict(span_us=round(float(end), 2), marks_us=quantiles, stages_us=stages, running_per_us=running,
                 ctas=int(trace.shape[0]), sms=int((per_sm > 0).sum()), most_ctas_per_sm=int(per_sm.max()),
                 sm_ids=sorted(set(trace[:, 7].astype(int).tolist())),
-                stream_end_by_sm={int(sm): round(float(end), 2) for sm, end in zip(trace[:, 7], rel[:, 4])})
+                # per CTA: its SM and when its last warp finished streaming (us)
+                sm_and_stream_end_us=[[int(sm), round(float(end), 2)] for sm, end in zip(trace[:, 7], rel[:, 4])])
 
 
 def main() -> None:
@@ -83,7 +79,6 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument("--splits", type=int, default=None)
-    parser.add_argument("--merge", default="kernel", help="DecodePlan.merge")
     args = parser.parse_args()
     copy = ceilings_module.measure("cuda", only=("memory_gbps",))["memory_gbps"]
     cuda_attention._DEFINES = ("KERNELMUX_TRACE",)
@@ -94,7 +89,7 @@ def main() -> None:
         kwargs = pa_spec.SPEC.case(case).build(torch.device("cuda"), 0)
         ideal_us = pa_spec.SPEC.cost(kwargs).bytes / copy / 1e3
         cuda_attention._LOADED.clear()  # so the kernel this case loads last is the one it runs
-        with cuda_attention.override_plan(num_splits=args.splits, merge=args.merge):
+        with cuda_attention.override_plan(num_splits=args.splits):
             expected = pa_spec.SPEC.reference(**kwargs)
             pa_spec.SPEC.check_close(cuda_attention.paged_attention(**kwargs), expected, kwargs)
             decode = cuda_attention._LOADED.loaded()[-1][0]
@@ -126,7 +121,7 @@ def main() -> None:
         for name, q in median["stages_us"].items():
             lines.append(f"  {name:32s}" + "".join(f"{v:8.2f}" for v in q))
         lines.append("  CTAs running per us: " + " ".join(map(str, median["running_per_us"])))
-        print("\n".join(lines[-(len(median["marks_us"]) + len(MARKS) + 2):]), flush=True)  # this case's lines
+        print("\n".join(lines[-(len(MARKS) * 2 + 3):]), flush=True)  # this case's lines
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cuda_decode_trace.json"), "w") as f:
         json.dump(record, f, indent=1)

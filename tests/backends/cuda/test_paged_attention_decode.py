@@ -220,11 +220,8 @@ def test_decode_against_reference(options, block_size, num_heads, num_kv_heads):
 @pytest.mark.parametrize("options", ["scales", "window", "sinks_cap"])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 1), (12, 1), (3, 3)])
 @pytest.mark.parametrize("splits", [1, 3, 8, 16, 64])
-@pytest.mark.parametrize("plan", [{}, {"read_ahead": True}, {"warps": 4}, {"warps": 8}, {"warps": 16},
-                                  {"warps": 16, "merge": "last_cta"}, {"warps": 4, "merge": "last_cta"},
-                                  {"warps": 16, "merge": "last_cta_zeroed"}],
-                         ids=["default", "read_ahead", "warps4", "warps8", "warps16", "warps16_last_cta",
-                              "warps4_last_cta", "warps16_zeroed"])
+@pytest.mark.parametrize("plan", [{}, {"read_ahead": True}, {"warps": 4}, {"warps": 8}, {"warps": 16}],
+                         ids=["default", "read_ahead", "warps4", "warps8", "warps16"])
 def test_every_plan_against_reference(options, num_heads, num_kv_heads, splits, plan):
     # warps16 with sinks_cap (soft cap) runs 8 warps: the plan's warps are an upper bound.
     seed = 10 * num_heads + splits
@@ -246,7 +243,7 @@ def test_decode_ignores_nan_in_unread_slots():
     for name in ("k_cache", "v_cache"):
         kwargs[name].view(torch.uint8)[~read] = 0x7F  # e4m3 NaN
     for splits, plan in itertools.product((1, 3), ({}, {"read_ahead": True}, {"warps": 4}, {"warps": 8},
-                                                    {"warps": 16}, {"warps": 16, "merge": "last_cta"})):
+                                                    {"warps": 16})):
         with attention.override_plan(num_splits=splits, **plan):
             pa_spec.SPEC.check_close(attention.paged_attention(**kwargs), expected, kwargs)
 
@@ -273,9 +270,7 @@ def test_misaligned_cache_view_is_refused_by_name():
 
 
 @needs_gpu
-@pytest.mark.parametrize("splits, plan", [(None, {}), (1, {}), (4, {}), (None, {"warps": 16}), (4, {"warps": 16}),
-                                          (4, {"warps": 16, "merge": "last_cta"}),
-                                          (4, {"warps": 4, "merge": "last_cta"})])
+@pytest.mark.parametrize("splits, plan", [(None, {}), (1, {}), (4, {}), (None, {"warps": 16}), (4, {"warps": 16})])
 def test_decode_graph_replays_new_inputs(splits, plan):
     batch, max_len = 16, 2048
     make = pa_spec._maker((1,) * batch, (max_len,) * batch, 8, 1, 128, cache_dtype=FP8, scales=(0.23, 0.31),
