@@ -30,11 +30,10 @@
 //
 // Output: either the normalized result in the query's dtype (one split) or, with SPLIT, each
 // split's unnormalized partial (times v_scale), running max (base 2) and sum, merged by
-// merge_splits below. Compiled at runtime by NVRTC (no headers); see attention.py.
+// merge_splits below. Compiled at runtime by NVRTC (with common.cuh, no CUDA headers); see
+// attention.py.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef long long i64;
+#include "common.cuh"
 
 struct __align__(16) Bytes16 {
     u32 w[4];
@@ -45,8 +44,6 @@ namespace {
 constexpr int kHeadDim = 128;
 constexpr int kStep = 32;  // KV positions per warp step: two 16-position MMA row tiles
 constexpr float kLog2e = 1.4426950408889634f;
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ Bytes16 load16(const unsigned char* p) {
     Bytes16 v;
@@ -76,19 +73,6 @@ __device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 selector) {
     return d;
 }
 
-// (lo, hi) fp32 -> f16x2 with lo in the low half.
-__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-    u32 d;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    return d;
-}
-
 __device__ __forceinline__ u32 transpose8x8(u32 x) {
     u32 y;
     asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
@@ -102,20 +86,13 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 __device__ __forceinline__ float bf16_to_f32(u16 x) { return __int_as_float(((u32)x) << 16); }
 
 // Four output values times `mul`, rounded to the query's dtype, as one 8-byte store.
 template <bool Q_BF16>
 __device__ __forceinline__ void store4(unsigned char* p, float4 v, float mul) {
     *reinterpret_cast<uint2*>(p) =
-        Q_BF16 ? make_uint2(pack_bf16x2(v.x * mul, v.y * mul), pack_bf16x2(v.z * mul, v.w * mul))
-               : make_uint2(pack_f16x2(v.x * mul, v.y * mul), pack_f16x2(v.z * mul, v.w * mul));
+        make_uint2(pack2<Q_BF16>(v.x * mul, v.y * mul), pack2<Q_BF16>(v.z * mul, v.w * mul));
 }
 
 __device__ __forceinline__ float finite_abs(float x) {
@@ -317,7 +294,7 @@ __global__ void __launch_bounds__(
         for (int j = 0; j < HEAD_TILES; ++j)
 #pragma unroll
             for (int i = 0; i < 16; ++i)
-                qb[j][i] = pack_f16x2(bf16_to_f32((u16)(qb[j][i] & 0xffffu)) * down,
+                qb[j][i] = pack2<false>(bf16_to_f32((u16)(qb[j][i] & 0xffffu)) * down,
                                       bf16_to_f32((u16)(qb[j][i] >> 16)) * down);
     }
     if (k_scale != nullptr) scale *= *k_scale;
@@ -410,8 +387,8 @@ __global__ void __launch_bounds__(
             // P^T as the second MMA's B operand: transpose each 8 x 8 (positions x heads) block.
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                p_frag[c][j][0] = transpose8x8(pack_f16x2(s[c][j][0], s[c][j][1]));
-                p_frag[c][j][1] = transpose8x8(pack_f16x2(s[c][j][2], s[c][j][3]));
+                p_frag[c][j][0] = transpose8x8(pack2<false>(s[c][j][0], s[c][j][1]));
+                p_frag[c][j][1] = transpose8x8(pack2<false>(s[c][j][2], s[c][j][3]));
             }
         }
 
@@ -557,7 +534,7 @@ __global__ void __launch_bounds__(2 * kHeadDim) merge_splits(
     if (sinks != nullptr) denominator += exp2_approx(sinks[head] * kLog2e - m_use);
     if (denominator == 0.0f) denominator = 1.0f;
     const float y = value / denominator;
-    const u32 packed = Q_BF16 ? pack_bf16x2(y, 0.0f) : pack_f16x2(y, 0.0f);
+    const u32 packed = pack2<Q_BF16>(y, 0.0f);
     *reinterpret_cast<u16*>(out + ((i64)token * o_stride_t + (i64)head * o_stride_h + d) * 2) =
         (u16)(packed & 0xffffu);
 }

@@ -1,35 +1,14 @@
 // kernelmux cuda backend: device helpers shared by the Hopper (sm_90a) kernels, mla_decode_sm90.cu
 // and paged_prefill_sm90.cu: cp.async copies into shared memory, the proxy fence, named barriers,
-// mbarriers, wgmma descriptors and groups, a scheduling hint for ptxas, and small conversions.
+// mbarriers, wgmma descriptors and groups, and a scheduling hint for ptxas (common.cuh has the
+// arch-neutral ones).
 // _nvrtc.py hands every *.cuh beside it to NVRTC, so a kernel includes it by name.
 
 #pragma once
 
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef long long i64;
+#include "common.cuh"
 
 namespace {
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-__device__ __forceinline__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// Two floats as a 16-bit pair (bf16 or f16), lo in the low half.
-template <bool BF16>
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 d;
-    if constexpr (BF16) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-    }
-    return d;
-}
 
 __device__ __forceinline__ u32 shared_address(const void* p) {
     u64 a;

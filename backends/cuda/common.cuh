@@ -1,0 +1,35 @@
+// kernelmux cuda backend: device helpers every kernel of the backend shares, whatever its target
+// arch (paged_decode_fp8.cu runs from sm_89; sm90_common.cuh adds the Hopper-only ones): the
+// integer types, -inf, the base-2 exponential and fp32 pairs packed into 16-bit pairs.
+// _nvrtc.py hands every *.cuh beside it to NVRTC, so a kernel includes it by name.
+
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+namespace {
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Two floats as a 16-bit pair (bf16 or f16), lo in the low half.
+template <bool BF16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 d;
+    if constexpr (BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    }
+    return d;
+}
+
+}  // namespace
