@@ -36,7 +36,8 @@ from kernelmux.engine.report import distribution_version
 from kernelmux.ops.specs import ALL_SPECS
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
-from kernelmux.perf.timing import Timing, event_time, graph_replay_time, replay_trials, rotation_count, wall_time
+from kernelmux.perf.timing import (Timing, event_time, graph_replay_time, replay_trials, rotated_inputs,
+                                   wall_time)
 from kernelmux.registry import Backend
 
 SCHEMA = "kernelmux.bench/1"
@@ -206,9 +207,8 @@ def run(
         expected = spec.outputs(spec.reference(**ref_kwargs), ref_kwargs)
         cost = spec.cost(kwargs)
         rate, rate_name = _rate(ceilings, cost.matmul)
-        per_call = sum(v.numel() * v.element_size() for v in kwargs.values() if isinstance(v, torch.Tensor))
-        rotations = rotation_count(per_call, l2_bytes, cap=8) if plan.device == "cuda" else 1
-        inputs = [kwargs] + [case.build(plan.device, plan.seed + i) for i in range(1, rotations)]
+        inputs = (rotated_inputs(lambda seed: case.build(plan.device, seed), l2_bytes, cap=8, first=kwargs,
+                                 seed=plan.seed) if plan.device == "cuda" else [kwargs])
         answers = {impl.backend: reason for impl, reason in engine.explain(op, kwargs)}
         case_rows: list[dict[str, Any]] = []
         for backend, fn in _implementations(engine, op, plan):

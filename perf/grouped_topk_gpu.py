@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kernelmux.perf import ceilings, records
-from kernelmux.perf.timing import Timing, graph_replay_time, rotation_count
+from kernelmux.perf.timing import Timing, checked_replay_time, graph_replay_time, rotated_inputs
 
 TOKENS = (1, 64, 1024, 8192, 16384)
 SWEEP_BLOCK_T = (1, 2, 4, 8, 16, 32)
@@ -37,10 +37,6 @@ def _environment() -> dict[str, Any]:
         "driver": records.driver_version(),
         "cuda": torch.version.cuda,
     }
-
-
-def _inputs(case, count: int) -> list[dict[str, Any]]:
-    return [case.build("cuda", seed) for seed in range(count)]
 
 
 def _row(name: str, tokens: int, timing: Timing, nbytes: int, bandwidth: float) -> dict[str, Any]:
@@ -72,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         case = SPEC.case(f"deepseek_v3_t{tokens}")
         probe = case.build("cuda", 0)
         nbytes = SPEC.cost(probe).bytes
-        inputs = _inputs(case, rotation_count(nbytes, env["l2_bytes"], cap=32))
+        inputs = rotated_inputs(lambda seed: case.build("cuda", seed), env["l2_bytes"], cap=32, first=probe,
+                                bytes_per_call=nbytes)
         for kwargs in inputs[:2]:  # correctness first, on the same inputs that are timed
             for fn in impls.values():
                 SPEC.check_close(fn(**kwargs), SPEC.reference(**kwargs), kwargs)
@@ -94,10 +91,9 @@ def main(argv: list[str] | None = None) -> int:
                             try:
                                 with triton_module.override_launch_config(config):
                                     # Every configuration is checked before it is timed.
-                                    SPEC.check_close(triton_module.grouped_topk(**inputs[0]),
-                                                     SPEC.reference(**inputs[0]), inputs[0])
-                                    timing = graph_replay_time(triton_module.grouped_topk,
-                                                               inputs, trials=15)
+                                    timing = checked_replay_time(
+                                        triton_module.grouped_topk, inputs, SPEC.reference(**inputs[0]),
+                                        SPEC.check_close, trials=15)
                             except ValueError as refused:  # a known-bad configuration
                                 row["status"] = f"refused: {refused}"
                                 continue

@@ -6,12 +6,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 __all__ = [
-    "Timing", "event_time", "graph_replay_time", "replay_trials", "rotation_count", "wall_time",
+    "Timing", "checked_replay_time", "event_time", "graph_replay_time", "input_bytes", "replay_trials",
+    "rotated_inputs", "rotation_count", "wall_time",
 ]
 
 
@@ -35,6 +36,21 @@ def rotation_count(bytes_per_call: int, l2_bytes: int, cap: int) -> int:
     """Input sets to rotate through so one graph's inputs span 3x the L2 (each call then reads
     from device memory, not from the cache the previous call filled), at most ``cap``."""
     return max(1, min(cap, -(-3 * l2_bytes // max(bytes_per_call, 1))))
+
+
+def input_bytes(kwargs: dict[str, Any]) -> int:
+    """Bytes held by the tensors among a call's arguments."""
+    return sum(v.numel() * v.element_size() for v in kwargs.values() if isinstance(v, torch.Tensor))
+
+
+def rotated_inputs(build: Callable[[int], dict[str, Any]], l2_bytes: int, cap: int, *,
+                   first: Optional[dict[str, Any]] = None, bytes_per_call: Optional[int] = None,
+                   seed: int = 0) -> list[dict[str, Any]]:
+    """The input sets a timing cycles through: ``first`` (else ``build(seed)``), then ``build(seed + 1)``,
+    ... up to rotation_count's number for ``bytes_per_call`` (else the first set's input_bytes)."""
+    first = build(seed) if first is None else first
+    count = rotation_count(input_bytes(first) if bytes_per_call is None else bytes_per_call, l2_bytes, cap)
+    return [first] + [build(seed + i) for i in range(1, count)]
 
 
 def replay_trials(quick: bool) -> int:
@@ -76,6 +92,14 @@ def graph_replay_time(
         per_call.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
     del graph
     return _summary(per_call)
+
+
+def checked_replay_time(fn: Callable[..., Any], inputs: Sequence[dict[str, Any]], expected: Any,
+                        check_close: Callable[[Any, Any, dict[str, Any]], None], **replay: int) -> Timing:
+    """``check_close(fn(**inputs[0]), expected, inputs[0])`` (a spec's: AssertionError when wrong),
+    then graph_replay_time(fn, inputs, **replay): the sweeps' order, so no wrong variant gets a time."""
+    check_close(fn(**inputs[0]), expected, inputs[0])
+    return graph_replay_time(fn, inputs, **replay)
 
 
 def event_time(

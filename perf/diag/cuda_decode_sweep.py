@@ -31,7 +31,7 @@ from kernelmux.ops._spec import Case
 from kernelmux.ops.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
-from kernelmux.perf.timing import graph_replay_time, rotation_count
+from kernelmux.perf.timing import checked_replay_time, rotated_inputs
 
 CASES = ["llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b8_ctx32768",
          "llama3_8b_fp8_decode_b64_ctx4096", "llama3_8b_fp8_decode_b8_ctx4096"]
@@ -89,15 +89,15 @@ def main() -> None:
         cost = pa_spec.SPEC.cost(kwargs)
         expected = pa_spec.SPEC.reference(**kwargs)
         # Input sets spanning 3x the L2, as the bench rotates them (each call reads from memory).
-        inputs = [kwargs] + [build(torch.device("cuda"), seed)
-                             for seed in range(1, rotation_count(cost.bytes, l2_bytes, 8))]
+        inputs = rotated_inputs(lambda seed: build(torch.device("cuda"), seed), l2_bytes, 8, first=kwargs,
+                                bytes_per_call=cost.bytes)
         for trial, (backend, fields) in itertools.product(range(args.repeat), variants):
             fn = cuda_attention.paged_attention if backend == "cuda" else triton_attention.paged_attention
             row = dict(case=case, backend=backend, plan=fields, trial=trial, input_sets=len(inputs))
             try:
                 with cuda_attention.override_plan(**fields):
-                    pa_spec.SPEC.check_close(fn(**kwargs), expected, kwargs)
-                    us = graph_replay_time(fn, inputs, calls_per_graph=8, trials=10).median_us
+                    us = checked_replay_time(fn, inputs, expected, pa_spec.SPEC.check_close, calls_per_graph=8,
+                                             trials=10).median_us
                 row.update(us=us, bandwidth_pct=100 * cost.bytes / us / 1e3 / copy, status="ok")
             except AssertionError as error:
                 row.update(status="wrong", error=str(error)[:300])

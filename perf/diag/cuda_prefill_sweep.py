@@ -29,7 +29,7 @@ from kernelmux.backends.triton import attention as triton_attention
 from kernelmux.ops.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
-from kernelmux.perf.timing import graph_replay_time, rotation_count
+from kernelmux.perf.timing import graph_replay_time, rotated_inputs
 
 CASES = ["llama3_8b_prefill_t8192", "llama3_8b_prefill_t1024", "llama3_8b_prefill_t1024_4seqs",
          "llama3_8b_chunked_prefill"]
@@ -76,9 +76,8 @@ def main() -> None:
         kwargs = spec_case.build(torch.device("cuda"), 0)
         cost = pa_spec.SPEC.cost(kwargs)
         expected = pa_spec.SPEC.reference(**kwargs)
-        per_call = sum(v.numel() * v.element_size() for v in kwargs.values() if isinstance(v, torch.Tensor))
-        rotated = [kwargs] + [spec_case.build(torch.device("cuda"), i)
-                              for i in range(1, rotation_count(per_call, l2_bytes, cap=8))]
+        rotated = rotated_inputs(lambda seed: spec_case.build(torch.device("cuda"), seed), l2_bytes, cap=8,
+                                 first=kwargs)
         variants = [("cuda", dataclasses.asdict(prefill.PrefillPlan(s, o, p))) for s in prefill.STAGES
                     for o, p in ((False, False), (True, False), (True, True))]
         variants.append(("triton", {}))

@@ -29,7 +29,7 @@ from kernelmux.backends.cuda import attention as cuda_attention
 from kernelmux.ops.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
-from kernelmux.perf.timing import graph_replay_time, rotation_count
+from kernelmux.perf.timing import checked_replay_time, graph_replay_time, rotation_count
 
 CASES = ["llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b8_ctx32768",
          "llama3_8b_fp8_decode_b64_ctx4096"]
@@ -143,9 +143,8 @@ def case_rows(case: str, copy_gbps: float, l2_bytes: int) -> dict:
         expected = pa_spec.SPEC.reference(**base)
         for plan in ({}, {"warps": 16, "num_splits": 1}):
             with cuda_attention.override_plan(**plan):
-                pa_spec.SPEC.check_close(cuda_attention.paged_attention(**base), expected, base)
-                us = graph_replay_time(cuda_attention.paged_attention, inputs, calls_per_graph=8,
-                                       trials=10).median_us
+                us = checked_replay_time(cuda_attention.paged_attention, inputs, expected, pa_spec.SPEC.check_close,
+                                         calls_per_graph=8, trials=10).median_us
             key = f"kernel_{layout}_" + ("default" if not plan else "w16s1")
             found[key] = {"us": round(us, 2), "pct_of_copy": round(100 * cost.bytes / us / 1e3 / copy_gbps, 1)}
         del inputs, expected
