@@ -286,6 +286,24 @@ def _cu_check(result: int, what: str) -> None:
     raise NvrtcError(f"{what}: CUDA error {result} ({text.value.decode() if text.value else 'unknown'})")
 
 
+# cuLaunchKernelEx's attribute CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h).
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttributeValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
 class Kernel:
     """One kernel of a loaded module, launched on torch's current stream of its device.
 
@@ -329,14 +347,26 @@ class Kernel:
                 value.value = arg
         return params
 
-    def __call__(self, grid: tuple[int, int, int], *args) -> None:
+    def __call__(self, grid: tuple[int, int, int], *args, overlap_previous: bool = False) -> None:
+        """Launch on torch's current stream. ``overlap_previous``: programmatic dependent launch
+        (sm_90+): the grid may start while the kernel before it on the stream finishes, so the
+        kernel must wait (``griddepcontrol.wait``) before it reads what that kernel wrote."""
         import torch
 
         params = self.parameters(*args)
         stream = torch.cuda.current_stream().cuda_stream
-        _cu_check(_libcuda().cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1,
-                                            self._shared_bytes, ctypes.c_void_p(stream), params, None),
-                  "cuLaunchKernel")
+        if not overlap_previous:
+            _cu_check(_libcuda().cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1,
+                                                self._shared_bytes, ctypes.c_void_p(stream), params, None),
+                      "cuLaunchKernel")
+            return
+        attribute = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attribute.value.flag = 1
+        config = _LaunchConfig(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(self._block, 1, 1),
+                               shared_bytes=self._shared_bytes, stream=stream,
+                               attrs=ctypes.pointer(attribute), num_attrs=1)
+        _cu_check(_libcuda().cuLaunchKernelEx(ctypes.byref(config), self._function, params, None),
+                  "cuLaunchKernelEx")
 
 
 def load_kernel(module: CompiledModule, name: str, signature: str, block: int,

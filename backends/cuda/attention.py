@@ -100,6 +100,7 @@ class DecodePlan:
     num_splits: Optional[int] = None
     read_ahead: bool = False
     warps: Optional[int] = None
+    overlap: bool = False
 
 
 DEFAULT_PLAN = DecodePlan()
@@ -295,8 +296,9 @@ def paged_attention(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0),
+            overlap_previous=plan.overlap,
         )
         if splits > 1:
             merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, num_tokens, num_q_heads,
-                  splits, out.stride(0), out.stride(1))
+                  splits, out.stride(0), out.stride(1), overlap_previous=plan.overlap)
     return out

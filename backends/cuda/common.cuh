@@ -32,4 +32,21 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return d;
 }
 
+// Programmatic dependent launch (sm_90 and newer; a no-op before, and for a grid launched without
+// it): wait until the grid before this one on the stream has finished and its writes are visible.
+// A kernel launched with _nvrtc's overlap_previous calls this before its first global access.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Let the grid after this one on the stream launch (it still waits for this one to finish before
+// it reads anything): its CTAs can then take SMs this grid leaves idle.
+__device__ __forceinline__ void allow_next_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 }  // namespace

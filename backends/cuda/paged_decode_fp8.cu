@@ -169,6 +169,10 @@ __global__ void __launch_bounds__(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
+    wait_for_previous_grid();
+#ifdef KERNELMUX_PDL_EARLY
+    allow_next_grid();
+#endif
     TRACE_MARK(0, 0);
     const int token = cu_seqlens_q[seq];
     if (cu_seqlens_q[seq + 1] - token <= 0) return;  // no query: nothing to write
@@ -499,6 +503,7 @@ __global__ void __launch_bounds__(2 * kHeadDim) merge_splits(
     __shared__ float second_half[kHeadDim];
     const int token = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
+    wait_for_previous_grid();
     const i64 first = (i64)token * num_q_heads + head, stride = (i64)num_tokens * num_q_heads;
 
     // Threads 0 .. 63 (warps 0 and 1): split tid's running max and sum.

@@ -39,12 +39,12 @@ CASES = ["llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b8_
 
 def plan_fields(name: str) -> dict:
     """DecodePlan fields from a --plans entry such as ``w16s2`` or ``auto``."""
-    match = re.fullmatch(r"(?:w(\d+)|auto)(?:s(\d+))?(a?)", name)
+    match = re.fullmatch(r"(?:w(\d+)|auto)(?:s(\d+))?(a?)(p?)", name)
     if match is None:
-        raise SystemExit(f"--plans entry {name!r} is not w<warps>|auto[s<splits>][a]")
-    warps, splits, ahead = match.groups()
+        raise SystemExit(f"--plans entry {name!r} is not w<warps>|auto[s<splits>][a][p]")
+    warps, splits, ahead, overlap = match.groups()
     return dict(warps=int(warps) if warps else None, num_splits=int(splits) if splits else None,
-                read_ahead=bool(ahead))
+                read_ahead=bool(ahead), overlap=bool(overlap))
 
 
 def builder(name: str):
