@@ -360,11 +360,15 @@ class Kernel:
                                                 self._shared_bytes, ctypes.c_void_p(stream), params, None),
                       "cuLaunchKernel")
             return
-        attribute = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-        attribute.value.flag = 1
-        config = _LaunchConfig(grid=(ctypes.c_uint * 3)(*grid), block=(ctypes.c_uint * 3)(self._block, 1, 1),
-                               shared_bytes=self._shared_bytes, stream=stream,
-                               attrs=ctypes.pointer(attribute), num_attrs=1)
+        config = getattr(self._per_thread, "config", None)
+        if config is None:  # built once per kernel and thread, as the parameters are
+            attribute = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+            attribute.value.flag = 1
+            config = self._per_thread.config = _LaunchConfig(
+                block=(ctypes.c_uint * 3)(self._block, 1, 1), shared_bytes=self._shared_bytes,
+                attrs=ctypes.pointer(attribute), num_attrs=1)
+        config.grid[0], config.grid[1], config.grid[2] = grid
+        config.stream = stream
         _cu_check(_libcuda().cuLaunchKernelEx(ctypes.byref(config), self._function, params, None),
                   "cuLaunchKernelEx")
 

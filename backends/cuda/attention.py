@@ -14,7 +14,11 @@ The launch plan comes from host ints only: one CTA per (KV head, sequence), of 1
 SM) when those are fewer than the SMs and long enough (wide_split_count) and of 4 otherwise,
 and, when the grid is short of one wave of the GPU (the driver's occupancy for the compiled
 kernel times the SMs; for 16-warp CTAs, short of 45% of the SMs), KV splits merged by a second
-kernel. No device data is read, so CUDA graphs stay valid when lengths and tables change under
+kernel. On sm_90 and newer both kernels launch as programmatic dependents of the kernel before
+them on the stream (PDL: each waits for that kernel's writes before its first read, and a
+16-warp unsplit grid, which leaves SMs idle and has no merge after it, lets the next kernel
+launch at once): measured 1-2 points at the 70B TP8 fp8 shapes (perf/notes/attention.md round
+14). No device data is read, so CUDA graphs stay valid when lengths and tables change under
 them. First call per (GPU arch, template set): one NVRTC compilation, 0.3-0.8 s on a 2-core VM
 for sm_90, kept on disk (_nvrtc.compile_module_cached: later processes load the cubin), then one
 module load per device. No autotuning: the warps, split counts and plan come from
@@ -44,6 +48,7 @@ FP8 = torch.float8_e4m3fn
 HEAD_DIM = 128  # the kernel's lane-to-dim maps are written for 128 dims
 MAX_GROUP = 16  # query heads per KV head: two 8-column MMA tiles
 MIN_CAPABILITY = (8, 9)  # cvt.rn.f16x2.e4m3x2 (sm_89+); movmatrix and mma.m16n8k16 are older
+PDL_CAPABILITY = (9, 0)  # programmatic dependent launch (griddepcontrol)
 # Splits: each share at least this many positions (two 32-position steps per warp of a 4-warp
 # CTA: shorter shares spend more on partials and the merge than they gain), at most _MAX_SPLITS.
 MIN_SPLIT_LEN = 256
@@ -54,7 +59,7 @@ WIDE_UNSPLIT_FILL = 0.45
 WIDE_MIN_SHARE = 2048
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode_fp8.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
-_DECODE_SIGNATURE = "pppppppppppp" + "iiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
+_DECODE_SIGNATURE = "pppppppppppp" + "iiiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
 _MERGE_SIGNATURE = "pppp" + "iii" + "qq"
 # Macros defined for the compilation (perf/diag/cuda_decode_trace.py sets KERNELMUX_TRACE).
 _DEFINES: tuple[str, ...] = ()
@@ -94,13 +99,15 @@ def wide_split_count(ctas: int, sms: int, max_seq_len: int) -> Optional[int]:
 class DecodePlan:
     """A launch's choices: KV splits (None: split_count's or wide_split_count's), whether each
     warp reads the next step's K while this step's softmax and values run (``read_ahead``: more
-    registers, 12 warps per SM instead of 16), and warps per CTA (None: _warps' choice; a number
-    is an upper bound, lowered where the kernel's registers allow fewer)."""
+    registers, 12 warps per SM instead of 16), warps per CTA (None: _warps' choice; a number
+    is an upper bound, lowered where the kernel's registers allow fewer), and whether the kernels
+    launch as programmatic dependents of the kernel before them (``overlap``; None: on sm_90 and
+    newer, which have it), so a launch's latency hides under that kernel's last CTAs."""
 
     num_splits: Optional[int] = None
     read_ahead: bool = False
     warps: Optional[int] = None
-    overlap: bool = False
+    overlap: Optional[bool] = None
 
 
 DEFAULT_PLAN = DecodePlan()
@@ -112,6 +119,8 @@ def _plan_problem(plan: DecodePlan) -> Optional[str]:
         return f"num_splits must be an int in [1, {_MAX_SPLITS}] or None, got {splits!r}"
     if plan.warps not in (None, 4, 8, 16):
         return f"warps must be 4, 8, 16 or None, got {plan.warps!r}"
+    if plan.overlap not in (None, True, False):
+        return f"overlap must be True, False or None, got {plan.overlap!r}"
     if plan.warps == 16 and plan.read_ahead:
         return "read_ahead needs more than 128 registers a thread: at most 8 warps with it, got 16"
     return None
@@ -234,6 +243,17 @@ def _warps(plan: DecodePlan, ctas: int, sms: int, max_seq_len: int, head_tiles: 
     return 16 if wide else 4
 
 
+def _overlap(plan: DecodePlan, capability: tuple[int, int], warps: int, splits: int, ctas: int,
+             sms: int) -> tuple[bool, bool]:
+    """(launch both kernels as programmatic dependents of the kernel before them, let the decode
+    grid's dependents launch at its start). The first by default where the GPU has it (sm_90+).
+    The second only for a grid of one wave of 16-warp CTAs without splits: SMs stay idle and no
+    merge follows; earlier triggers elsewhere measured slower (B 8 x 32768 with its merge: 72.7
+    against 75-76%), as dependents that launch early take SMs from a later wave or the merge."""
+    overlap = plan.overlap if plan.overlap is not None else capability >= PDL_CAPABILITY
+    return overlap, overlap and warps == 16 and splits == 1 and ctas < sms
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -280,6 +300,7 @@ def paged_attention(
             unsplit, _ = _kernels(device, *template, False, plan.read_ahead, warps)
             splits = split_count(ctas, unsplit.blocks_per_sm * sms, max_seq_len)
         decode, merge = _kernels(device, *template, splits > 1, plan.read_ahead, warps)
+        overlap, early = _overlap(plan, _capability(device), warps, splits, ctas, sms)
         if splits > 1:
             part_acc = torch.empty((splits, num_tokens, num_q_heads, HEAD_DIM), dtype=torch.float32,
                                    device=device)
@@ -290,15 +311,15 @@ def paged_attention(
             (num_kv_heads, num_seqs, splits),
             query, k_cache, v_cache, out, part_acc, part_ml, cu_seqlens_q, block_table, seq_lens,
             sinks, k_scale, v_scale,
-            num_tokens, num_q_heads, group, splits, int(sliding_window),
+            num_tokens, num_q_heads, group, splits, int(sliding_window), int(early),
             float(scale), float(logits_soft_cap),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0),
-            overlap_previous=plan.overlap,
+            overlap_previous=overlap,
         )
         if splits > 1:
             merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, num_tokens, num_q_heads,
-                  splits, out.stride(0), out.stride(1), overlap_previous=plan.overlap)
+                  splits, out.stride(0), out.stride(1), overlap_previous=overlap)
     return out

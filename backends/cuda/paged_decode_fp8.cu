@@ -136,6 +136,9 @@ __device__ __forceinline__ void trace_mark(int slot, u32 after) {
 // that without spilling (12 or 8 warps per SM; attention.py asks for no more warps per CTA).
 // Dynamic shared memory: the warps' states for the combine, WARPS * HEAD_TILES * 8 * 128 floats
 // (64 KiB at 16 warps, past the 48 KiB a static array may hold).
+// launch_next_early: let the next kernel on the stream launch once this grid is running (a grid
+// of one wave that leaves SMs idle and has no merge after it; the next kernel still waits for
+// this one to finish before it reads anything).
 template <int HEAD_TILES, bool Q_BF16, int PAGE_SHIFT, bool SOFT_CAP, bool SPLIT, bool AHEAD, int WARPS>
 __global__ void __launch_bounds__(
     WARPS * 32, (HEAD_TILES == 1 ? (PAGE_SHIFT >= 4 && !AHEAD && !SOFT_CAP ? 16 : 12) : 8) / WARPS)
@@ -152,7 +155,7 @@ __global__ void __launch_bounds__(
     const float* __restrict__ sinks,            // [Hq] or null
     const float* __restrict__ k_scale,          // scalar or null
     const float* __restrict__ v_scale,          // scalar or null
-    int num_tokens, int num_q_heads, int group, int num_splits, int window,
+    int num_tokens, int num_q_heads, int group, int num_splits, int window, int launch_next_early,
     float scale, float soft_cap,
     i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h,
     i64 k_stride_b, i64 k_stride_s, i64 k_stride_h,
@@ -169,10 +172,8 @@ __global__ void __launch_bounds__(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
-    wait_for_previous_grid();
-#ifdef KERNELMUX_PDL_EARLY
-    allow_next_grid();
-#endif
+    wait_for_previous_grid();  // launched overlapping the previous kernel (attention.py): its writes first
+    if (launch_next_early) allow_next_grid();
     TRACE_MARK(0, 0);
     const int token = cu_seqlens_q[seq];
     if (cu_seqlens_q[seq + 1] - token <= 0) return;  // no query: nothing to write
@@ -503,7 +504,7 @@ __global__ void __launch_bounds__(2 * kHeadDim) merge_splits(
     __shared__ float second_half[kHeadDim];
     const int token = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
-    wait_for_previous_grid();
+    wait_for_previous_grid();  // launched overlapping the decode kernel: its partials first
     const i64 first = (i64)token * num_q_heads + head, stride = (i64)num_tokens * num_q_heads;
 
     // Threads 0 .. 63 (warps 0 and 1): split tid's running max and sum.

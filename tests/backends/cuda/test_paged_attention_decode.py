@@ -91,6 +91,23 @@ def test_override_plan_checks_its_argument():
     with pytest.raises(ValueError, match="read_ahead needs more than 128 registers .* got 16"):
         with attention.override_plan(warps=16, read_ahead=True):
             pass
+    with pytest.raises(ValueError, match="overlap must be True, False or None, got 'yes'"):
+        with attention.override_plan(overlap="yes"):
+            pass
+
+
+@pytest.mark.parametrize("plan, capability, warps, splits, ctas, expected", [
+    (attention.DecodePlan(), (9, 0), 16, 1, 64, (True, True)),    # one wave, idle SMs, no merge
+    (attention.DecodePlan(), (9, 0), 16, 16, 8, (True, False)),   # a merge follows
+    (attention.DecodePlan(), (9, 0), 4, 1, 512, (True, False)),   # several waves of 4-warp CTAs
+    (attention.DecodePlan(warps=16), (9, 0), 16, 1, 512, (True, False)),  # 16 warps, several waves
+    (attention.DecodePlan(), (8, 9), 16, 1, 64, (False, False)),  # no PDL before sm_90
+    (attention.DecodePlan(), (10, 0), 16, 1, 64, (True, True)),
+    (attention.DecodePlan(overlap=False), (9, 0), 16, 1, 64, (False, False)),
+    (attention.DecodePlan(overlap=True), (9, 0), 4, 4, 64, (True, False)),
+])
+def test_programmatic_launch_choices(plan, capability, warps, splits, ctas, expected):
+    assert attention._overlap(plan, capability, warps, splits, ctas, 132) == expected
 
 
 @pytest.mark.parametrize("plan, ctas, max_seq_len, template, warps", [
@@ -221,8 +238,9 @@ def test_decode_against_reference(options, block_size, num_heads, num_kv_heads):
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 1), (12, 1), (3, 3)])
 @pytest.mark.parametrize("splits", [1, 3, 8, 16, 64])
 @pytest.mark.parametrize("plan", [{}, {"read_ahead": True}, {"warps": 4}, {"warps": 8}, {"warps": 16},
-                                  {"overlap": True}, {"warps": 16, "overlap": True}],
-                         ids=["default", "read_ahead", "warps4", "warps8", "warps16", "overlap", "warps16_overlap"])
+                                  {"overlap": False}, {"warps": 16, "overlap": False}],
+                         ids=["default", "read_ahead", "warps4", "warps8", "warps16", "plain_launch",
+                              "warps16_plain_launch"])
 def test_every_plan_against_reference(options, num_heads, num_kv_heads, splits, plan):
     # warps16 with sinks_cap (soft cap) runs 8 warps: the plan's warps are an upper bound.
     seed = 10 * num_heads + splits
@@ -272,7 +290,8 @@ def test_misaligned_cache_view_is_refused_by_name():
 
 @needs_gpu
 @pytest.mark.parametrize("splits, plan", [(None, {}), (1, {}), (4, {}), (None, {"warps": 16}), (4, {"warps": 16}),
-                                          (4, {"overlap": True}), (4, {"warps": 16, "overlap": True})])
+                                          (1, {"warps": 16}),  # one wave of 16 warps: dependents launch early
+                                          (4, {"overlap": False}), (1, {"warps": 16, "overlap": False})])
 def test_decode_graph_replays_new_inputs(splits, plan):
     batch, max_len = 16, 2048
     make = pa_spec._maker((1,) * batch, (max_len,) * batch, 8, 1, 128, cache_dtype=FP8, scales=(0.23, 0.31),
@@ -281,6 +300,22 @@ def test_decode_graph_replays_new_inputs(splits, plan):
     with attention.override_plan(num_splits=splits, **plan):
         graph, out = capture(attention.paged_attention, static)
     replay_on_new_inputs(pa_spec, make, static, graph, out, batch, max_len)
+
+
+def test_launch_structs_match_cuda_h():
+    # cuda.h (12.x, 13.0): CUlaunchAttribute is a 4-byte id, 4 bytes of padding and a 64-byte
+    # value union; CUlaunchConfig is six grid/block dims, the shared bytes, then (8-aligned) the
+    # stream, the attribute pointer and their count.
+    import ctypes
+
+    assert ctypes.sizeof(_nvrtc._LaunchAttribute) == 72 and _nvrtc._LaunchAttribute.value.offset == 8
+    config = _nvrtc._LaunchConfig
+    assert ctypes.sizeof(config) == 56
+    assert (config.shared_bytes.offset, config.stream.offset, config.attrs.offset, config.num_attrs.offset) == (
+        24, 32, 40, 48)
+    attribute = _nvrtc._LaunchAttribute(id=_nvrtc._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value.flag = 1
+    assert bytes(attribute)[:12] == bytes([6, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0])
 
 
 @needs_nvrtc
