@@ -213,8 +213,9 @@ def mla_decode(
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             kv_cache.stride(0) * kv_cache.element_size(), kv_cache.stride(1) * kv_cache.element_size(),
             block_table.stride(0),
+            overlap_previous=True,  # PDL (sm_90a always has it): the launch hides under the previous kernel's end
         )
         if splits > 1:
             merge((num_tokens, num_heads, 1), out, lse if return_lse else None, part_acc, part_ml, num_tokens,
-                  num_heads, splits, out.stride(0), out.stride(1))
+                  num_heads, splits, out.stride(0), out.stride(1), overlap_previous=True)
     return out, lse

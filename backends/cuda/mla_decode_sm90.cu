@@ -315,6 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
     i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h, i64 kv_stride_b, i64 kv_stride_p,
     i64 table_stride) {
     constexpr int kFull = 1, kPReady = 3, kPFree = 4, kEmpty = 5;  // named barrier ids (0: __syncthreads)
+    wait_for_previous_grid();  // launched overlapping the previous kernel (mla.py): its writes first
     extern __shared__ unsigned char shared_raw[];
     u32 dynamic_bytes;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
@@ -612,6 +613,7 @@ __global__ void __launch_bounds__(128) merge_mla_splits(
     i64 o_stride_h) {
     const int token = blockIdx.x, head = blockIdx.y, dim = threadIdx.x * 4;
     const i64 flat = (i64)token * num_heads + head, stride = (i64)num_tokens * num_heads;
+    wait_for_previous_grid();  // launched overlapping the decode kernel: its partials first
     float m_max = neg_inf();
     for (int s = 0; s < num_splits; ++s) m_max = fmaxf(m_max, part_ml[flat + s * stride]);
     float total = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};

@@ -140,6 +140,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     // mbarriers per stage: K / V landed (one arrival per producer thread, made by its copies),
     // K / V free again (one arrival per consumer warp).
     static_assert(!PINGPONG || OVERLAP, "ping-pong is written for the overlapped loop");
+    wait_for_previous_grid();  // launched overlapping the previous kernel (prefill.py): its writes first
     constexpr u32 kFullCount = 128, kEmptyCount = 8;
     __shared__ __align__(8) u64 barriers[4][STAGES];
     extern __shared__ unsigned char shared_raw[];

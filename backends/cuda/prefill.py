@@ -194,5 +194,6 @@ def paged_prefill(
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0),
+            overlap_previous=True,  # PDL (sm_90a always has it): the launch hides under the previous kernel's end
         )
     return out
