@@ -2,7 +2,9 @@
 
 NVRTC compiles a kernel source (with the backend's own *.cuh headers, no CUDA or system headers:
 the sources use inline PTX) straight to a cubin for the GPU's arch; the driver API loads it and launches on torch's current stream, so launches
-order with torch's work and are captured by CUDA graphs. Nothing is built at install time and
+order with torch's work and are captured by CUDA graphs. A launch may ask to overlap the kernel
+before it (programmatic dependent launch, sm_90+: `Kernel.__call__`'s ``overlap_previous``; the
+kernel then waits with common.cuh's wait_for_previous_grid before it touches global memory). Nothing is built at install time and
 no Python package beyond torch is needed: NVRTC comes with torch's CUDA wheels
 (nvidia-cuda-nvrtc) or a CUDA toolkit, libcuda with the driver. On machines without NVRTC the
 backend reports why it is not viable; CPU-only machines with NVRTC installed can still compile
