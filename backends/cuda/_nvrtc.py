@@ -1,10 +1,11 @@
 """Runtime compilation and launch of the cuda backend's CUDA C++ kernels, through ctypes.
 
 NVRTC compiles a kernel source (with the backend's own *.cuh headers, no CUDA or system headers:
-the sources use inline PTX) straight to a cubin for the GPU's arch; the driver API loads it and launches on torch's current stream, so launches
-order with torch's work and are captured by CUDA graphs. A launch may ask to overlap the kernel
-before it (programmatic dependent launch, sm_90+: `Kernel.__call__`'s ``overlap_previous``; the
-kernel then waits with common.cuh's wait_for_previous_grid before it touches global memory). Nothing is built at install time and
+the sources use inline PTX) straight to a cubin for the GPU's arch; the driver API loads it and
+launches on torch's current stream, so launches order with torch's work and are captured by CUDA
+graphs. A launch may ask to overlap the kernel before it (programmatic dependent launch, sm_90+:
+`Kernel.__call__`'s ``overlap_previous``; the kernel then waits with common.cuh's
+wait_for_previous_grid before it touches global memory). Nothing is built at install time and
 no Python package beyond torch is needed: NVRTC comes with torch's CUDA wheels
 (nvidia-cuda-nvrtc) or a CUDA toolkit, libcuda with the driver. On machines without NVRTC the
 backend reports why it is not viable; CPU-only machines with NVRTC installed can still compile
@@ -351,8 +352,8 @@ class Kernel:
 
     def __call__(self, grid: tuple[int, int, int], *args, overlap_previous: bool = False) -> None:
         """Launch on torch's current stream. ``overlap_previous``: programmatic dependent launch
-        (sm_90+): the grid may start while the kernel before it on the stream finishes, so the
-        kernel must wait (``griddepcontrol.wait``) before it reads what that kernel wrote."""
+        (sm_90+): the grid may be scheduled while the kernel before it on the stream finishes, so
+        the kernel must wait (``griddepcontrol.wait``) before its first global read or write."""
         import torch
 
         params = self.parameters(*args)

@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
             for (int i = 0; i < 16; ++i)
                 qb[j][i] = pack2<false>(bf16_to_f32((u16)(qb[j][i] & 0xffffu)) * down,
-                                      bf16_to_f32((u16)(qb[j][i] >> 16)) * down);
+                                        bf16_to_f32((u16)(qb[j][i] >> 16)) * down);
     }
     if (k_scale != nullptr) scale *= *k_scale;
     if (threadIdx.x == 0) sm_v_mul = v_mul;

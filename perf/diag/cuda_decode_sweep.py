@@ -11,8 +11,9 @@ numbers.
 
 A --plans entry names a DecodePlan: w<warps> (or auto: the default plan), s<splits> (else the
 default's), a (read ahead), p / n (programmatic dependent launch on / off, else the default's);
-without --plans, 4 and 8 warps with and without read-ahead at each --splits count. A --shapes entry adds an fp8 decode case batch:context:heads:kv_heads (one query
-a sequence, block 16, the goal cases' scales).
+without --plans, 4 and 8 warps with and without read-ahead at each --splits count. A --shapes
+entry adds an fp8 decode case batch:context:heads:kv_heads (one query a sequence, block 16, the
+goal cases' scales).
 """
 
 from __future__ import annotations

@@ -306,8 +306,6 @@ def test_launch_structs_match_cuda_h():
     # cuda.h (12.x, 13.0): CUlaunchAttribute is a 4-byte id, 4 bytes of padding and a 64-byte
     # value union; CUlaunchConfig is six grid/block dims, the shared bytes, then (8-aligned) the
     # stream, the attribute pointer and their count.
-    import ctypes
-
     assert ctypes.sizeof(_nvrtc._LaunchAttribute) == 72 and _nvrtc._LaunchAttribute.value.offset == 8
     config = _nvrtc._LaunchConfig
     assert ctypes.sizeof(config) == 56
