@@ -6,9 +6,8 @@ of the same dtype or of fp8 e4m3 (with or without kv_scale: converted exactly to
 into shared memory, with a bf16 q converted once to fp16 under a power-of-two scale), 576-wide
 rows of which the first 512 are the values, cache blocks of a multiple of 64 positions, any head
 count (64-head tiles, the last one padded), any q_len (one CTA per query token and head tile, so
-decode and MTP alike), with or without lse. Other widths
-and other GPUs are the triton backend's: ``mla_decode_supports`` says why per call, and dispatch
-moves on.
+decode and MTP alike), with or without lse. Other widths and other GPUs are the triton
+backend's: ``mla_decode_supports`` says why per call, and dispatch moves on.
 
 Launch: one CTA (two warpgroups, 225 KiB of shared memory, so one per SM) per head tile, query
 token and KV split. Splits come from host ints only (``attention.split_count`` with one CTA per
