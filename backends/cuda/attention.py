@@ -83,10 +83,10 @@ def wide_split_count(ctas: int, sms: int, max_seq_len: int) -> Optional[int]:
     better: a grid of one CTA per SM or more, or one whose one-wave split would leave CTAs under
     WIDE_MIN_SHARE positions. Unsplit (1) while the grid holds WIDE_UNSPLIT_FILL of the SMs,
     else as many splits as fill one wave. Measured on the H100 with an fp8 cache, 8 query heads
-    on 1 KV head (perf/notes/attention.md round 13): B 64 x 4096 unsplit 76% (2 splits 73.5, 4-warp CTAs
-    72.5); B 48 x 4096 2 splits 68.7 (unsplit 66.4); B 8 x 32768 16 splits 74.2 (4-warp CTAs
-    73.0); B 128 x 4096 unsplit 88 (4-warp 82.7); B 16-32 x 4096 4-warp CTAs ahead by 1-4
-    points (shares of 512-1024 positions)."""
+    on 1 KV head (perf/notes/attention.md round 13): B 64 x 4096 unsplit 76% (2 splits 73.5,
+    4-warp CTAs 72.5); B 48 x 4096 2 splits 68.7 (unsplit 66.4); B 8 x 32768 16 splits 74.2
+    (4-warp CTAs 73.0); B 128 x 4096 unsplit 88 (4-warp 82.7); B 16-32 x 4096 4-warp CTAs ahead
+    by 1-4 points (shares of 512-1024 positions)."""
     if ctas <= 0 or ctas >= sms:
         return None
     splits = 1 if ctas >= WIDE_UNSPLIT_FILL * sms else sms // ctas
