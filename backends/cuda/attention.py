@@ -59,8 +59,8 @@ WIDE_UNSPLIT_FILL = 0.45
 WIDE_MIN_SHARE = 2048
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode_fp8.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
-_DECODE_SIGNATURE = "ppppppppppppp" + "iiiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
-_MERGE_SIGNATURE = "ppppp" + "iiii" + "qq"
+_DECODE_SIGNATURE = "pppppppppppp" + "iiiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
+_MERGE_SIGNATURE = "pppp" + "iii" + "qq"
 # Macros defined for the compilation (perf/diag/cuda_decode_trace.py sets KERNELMUX_TRACE).
 _DEFINES: tuple[str, ...] = ()
 
@@ -108,7 +108,6 @@ class DecodePlan:
     read_ahead: bool = False
     warps: Optional[int] = None
     overlap: Optional[bool] = None
-    claim_steps: Optional[bool] = None
 
 
 DEFAULT_PLAN = DecodePlan()
@@ -122,8 +121,6 @@ def _plan_problem(plan: DecodePlan) -> Optional[str]:
         return f"warps must be 4, 8, 16 or None, got {plan.warps!r}"
     if plan.overlap not in (None, True, False):
         return f"overlap must be True, False or None, got {plan.overlap!r}"
-    if plan.claim_steps not in (None, True, False):
-        return f"claim_steps must be True, False or None, got {plan.claim_steps!r}"
     if plan.warps == 16 and plan.read_ahead:
         return "read_ahead needs more than 128 registers a thread: at most 8 warps with it, got 16"
     return None
@@ -257,20 +254,6 @@ def _overlap(plan: DecodePlan, capability: tuple[int, int], warps: int, splits: 
     return overlap, overlap and warps == 16 and splits == 1 and ctas < sms
 
 
-_COUNTERS: dict[int, torch.Tensor] = {}
-
-
-def _step_counters(device: torch.device, count: int) -> Optional[torch.Tensor]:
-    """At least ``count`` int32 zeros on ``device`` that the decode kernel's split CTAs claim
-    steps from and the merge kernel zeroes again (EXPERIMENT: one buffer per device)."""
-    counters = _COUNTERS.get(device.index)
-    if counters is None or counters.numel() < count:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        counters = _COUNTERS[device.index] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-    return counters
-
-
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -322,14 +305,12 @@ def paged_attention(
             part_acc = torch.empty((splits, num_tokens, num_q_heads, HEAD_DIM), dtype=torch.float32,
                                    device=device)
             part_ml = torch.empty((2, splits, num_tokens, num_q_heads), dtype=torch.float32, device=device)
-            claim = plan.claim_steps and not plan.read_ahead
-            counters = _step_counters(device, num_tokens * num_kv_heads) if claim else None
         else:
-            part_acc = part_ml = counters = None
+            part_acc = part_ml = None
         decode(
             (num_kv_heads, num_seqs, splits),
             query, k_cache, v_cache, out, part_acc, part_ml, cu_seqlens_q, block_table, seq_lens,
-            sinks, k_scale, v_scale, counters,
+            sinks, k_scale, v_scale,
             num_tokens, num_q_heads, group, splits, int(sliding_window), int(early),
             float(scale), float(logits_soft_cap),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
@@ -339,6 +320,6 @@ def paged_attention(
             overlap_previous=overlap,
         )
         if splits > 1:
-            merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, counters, num_tokens,
-                  num_q_heads, splits, group, out.stride(0), out.stride(1), overlap_previous=overlap)
+            merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, num_tokens, num_q_heads,
+                  splits, out.stride(0), out.stride(1), overlap_previous=overlap)
     return out

@@ -155,7 +155,6 @@ __global__ void __launch_bounds__(
     const float* __restrict__ sinks,            // [Hq] or null
     const float* __restrict__ k_scale,          // scalar or null
     const float* __restrict__ v_scale,          // scalar or null
-    int* __restrict__ step_counters,            // [T, Hkv] zeros, or null (SPLIT: steps claimed at run time)
     int num_tokens, int num_q_heads, int group, int num_splits, int window, int launch_next_early,
     float scale, float soft_cap,
     i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h,
@@ -182,22 +181,16 @@ __global__ void __launch_bounds__(
     TRACE_MARK(1, kv_len);
 
     // KV range [lo, hi) of this CTA, walked in 32-position steps from a multiple of 32 (so each
-    // 16-position tile lies inside one cache block when blocks hold 16 or more). With
-    // step_counters the range is the whole sequence's: each warp takes one step by its index in
-    // the grid's splits, then claims the rest one at a time from the (token, KV head)'s counter,
-    // so warps on SMs that stream faster take more of them (merge_splits zeroes the counter).
+    // 16-position tile lies inside one cache block when blocks hold 16 or more).
     int lo = window > 0 ? max(kv_len - window, 0) : 0;
     int hi = kv_len;
     int first = lo & ~(kStep - 1);
-    const bool claiming = SPLIT && !AHEAD && step_counters != nullptr;
-    if (SPLIT && !claiming) {
+    if (SPLIT) {
         const int steps = (hi - first + kStep - 1) / kStep;
         const int share = (steps + num_splits - 1) / num_splits;
         first += split * share * kStep;
         lo = max(lo, first);
         hi = min(hi, first + share * kStep);
-    } else if (SPLIT) {
-        first += split * WARPS * kStep;
     }
 
     // Cache reads. A step reads, of each of its two 16-position tiles, K rows g and g + 8 and V
@@ -223,7 +216,7 @@ __global__ void __launch_bounds__(
     auto block_of = [&](int c, int pos) {
         return PAGE_SHIFT >= 4 ? tile_block[c] : table[min(pos, hi - 1) >> PAGE_SHIFT];
     };
-    auto load_k = [&](int step, int next) {
+    auto load_k = [&](int step) {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
             tile_block[c] = ahead_block[c];
@@ -236,7 +229,7 @@ __global__ void __launch_bounds__(
                 k_raw[c][h][1] = visible(pos) ? load16(p + 64) : zero16();
             }
         }
-        look_up(next);
+        look_up(step + WARPS * kStep);
     };
     auto load_v = [&](int step) {  // after load_k(step): reuses its cache blocks
 #pragma unroll
@@ -261,18 +254,7 @@ __global__ void __launch_bounds__(
         TRACE_MARK(2, load16(row).w[0]);
     }
 #endif
-    // Claimed steps (claiming): a warp knows its next step a step ahead, so that step's table
-    // entries are read with this step's K; one lane claims the step after next during this step
-    // (an atomic on the (token, KV head)'s counter) and leaves it in shared memory rather than in
-    // a register the step's arithmetic needs (the loop sits at 126 of its 128).
-    __shared__ int sm_claimed[WARPS];
-    auto claimed_step = [&](int ticket) {  // the first claimed step follows the splits' first steps
-        return (lo & ~(kStep - 1)) + (num_splits * WARPS + ticket) * kStep;
-    };
-    if (claiming && lane == 0)
-        sm_claimed[warp] = claimed_step(atomicAdd(step_counters + (i64)token * gridDim.x + kv_head, 1));
-    __syncwarp();
-    if (AHEAD && step < hi) load_k(step, step + WARPS * kStep);
+    if (AHEAD && step < hi) load_k(step);
 
     // The query slice of this lane: heads 8j + g of the group, the dims of its K bytes (16t ..
     // 16t + 15 and 64 + 16t .. 64 + 16t + 15). Word i of the slice holds its elements 2i, 2i + 1:
@@ -337,9 +319,9 @@ __global__ void __launch_bounds__(
 
     if (AHEAD && step < hi) load_v(step);
     while (step < hi) {
-        const int next = claiming ? sm_claimed[warp] : step + WARPS * kStep;
+        const int next = step + WARPS * kStep;
         if (!AHEAD) {
-            load_k(step, next);
+            load_k(step);
             load_v(step);
         }
         // scores^T: s[c][j] = C fragment of positions tile c x heads 8j .. 8j + 7.
@@ -358,9 +340,7 @@ __global__ void __launch_bounds__(
             }
         }
 
-        if (AHEAD && next < hi) load_k(next, next + WARPS * kStep);  // K's registers are free once the scores are computed
-        // Claimed here, where K's registers are free, and stored once this step's values are summed.
-        const int ticket = claiming && lane == 0 ? atomicAdd(step_counters + (i64)token * gridDim.x + kv_head, 1) : 0;
+        if (AHEAD && next < hi) load_k(next);  // K's registers are free once the scores are computed
 
         // Online softmax per head (heads 8j + 2t + e: element e + 2h of s[c][j] is position
         // 16c + g + 8h). Sums stay per lane until the end; maxima are shared by the 8 lanes of
@@ -439,10 +419,6 @@ __global__ void __launch_bounds__(
                 }
             }
         if (AHEAD && next < hi) load_v(next);
-        if (claiming) {
-            if (lane == 0) sm_claimed[warp] = claimed_step(ticket);
-            __syncwarp();
-        }
         step = next;
     }
 
@@ -521,17 +497,14 @@ constexpr int kMaxSplits = 64;  // attention.py's _MAX_SPLITS
 template <bool Q_BF16>
 __global__ void __launch_bounds__(2 * kHeadDim) merge_splits(
     unsigned char* __restrict__ out, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-    const float* __restrict__ sinks, int* __restrict__ step_counters, int num_tokens, int num_q_heads,
-    int num_splits, int heads_per_kv, i64 o_stride_t, i64 o_stride_h) {
+    const float* __restrict__ sinks, int num_tokens, int num_q_heads, int num_splits,
+    i64 o_stride_t, i64 o_stride_h) {
     __shared__ float weight[kMaxSplits];
     __shared__ float warp_max[2], warp_total[2];
     __shared__ float second_half[kHeadDim];
     const int token = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     wait_for_previous_grid();  // launched overlapping the decode kernel: its partials first
-    // The decode grid is done with its step counters: zeroed for the next call on the stream.
-    if (step_counters != nullptr && tid == 0 && head % heads_per_kv == 0)
-        step_counters[(i64)token * (num_q_heads / heads_per_kv) + head / heads_per_kv] = 0;
     const i64 first = (i64)token * num_q_heads + head, stride = (i64)num_tokens * num_q_heads;
 
     // Threads 0 .. 63 (warps 0 and 1): split tid's running max and sum.

@@ -10,8 +10,7 @@ numbers.
         [--plans w16s2 w4a auto ...] [--shapes 32:4096:8:1 ...] [--repeat N] [--defines MACRO ...]
 
 A --plans entry names a DecodePlan: w<warps> (or auto: the default plan), s<splits> (else the
-default's), a (read ahead), p / n (programmatic dependent launch on / off, else the default's),
-c / f (split CTAs claim steps at run time / keep fixed shares, else the default's);
+default's), a (read ahead), p / n (programmatic dependent launch on / off, else the default's);
 without --plans, 4 and 8 warps with and without read-ahead at each --splits count. A --shapes
 entry adds an fp8 decode case batch:context:heads:kv_heads (one query a sequence, block 16, the
 goal cases' scales).
@@ -41,13 +40,12 @@ CASES = ["llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b8_
 
 def plan_fields(name: str) -> dict:
     """DecodePlan fields from a --plans entry such as ``w16s2`` or ``auto``."""
-    match = re.fullmatch(r"(?:w(\d+)|auto)(?:s(\d+))?(a?)([pn]?)([cf]?)", name)
+    match = re.fullmatch(r"(?:w(\d+)|auto)(?:s(\d+))?(a?)([pn]?)", name)
     if match is None:
-        raise SystemExit(f"--plans entry {name!r} is not w<warps>|auto[s<splits>][a][p|n][c|f]")
-    warps, splits, ahead, overlap, claim = match.groups()
+        raise SystemExit(f"--plans entry {name!r} is not w<warps>|auto[s<splits>][a][p|n]")
+    warps, splits, ahead, overlap = match.groups()
     return dict(warps=int(warps) if warps else None, num_splits=int(splits) if splits else None,
-                read_ahead=bool(ahead), overlap={"": None, "p": True, "n": False}[overlap],
-                claim_steps={"": None, "c": True, "f": False}[claim])
+                read_ahead=bool(ahead), overlap={"": None, "p": True, "n": False}[overlap])
 
 
 def builder(name: str):

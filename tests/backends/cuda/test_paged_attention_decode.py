@@ -238,10 +238,9 @@ def test_decode_against_reference(options, block_size, num_heads, num_kv_heads):
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(8, 1), (12, 1), (3, 3)])
 @pytest.mark.parametrize("splits", [1, 3, 8, 16, 64])
 @pytest.mark.parametrize("plan", [{}, {"read_ahead": True}, {"warps": 4}, {"warps": 8}, {"warps": 16},
-                                  {"overlap": False}, {"warps": 16, "overlap": False}, {"claim_steps": True},
-                                  {"warps": 16, "claim_steps": True}],
+                                  {"overlap": False}, {"warps": 16, "overlap": False}],
                          ids=["default", "read_ahead", "warps4", "warps8", "warps16", "plain_launch",
-                              "warps16_plain_launch", "claimed", "warps16_claimed"])
+                              "warps16_plain_launch"])
 def test_every_plan_against_reference(options, num_heads, num_kv_heads, splits, plan):
     # warps16 with sinks_cap (soft cap) runs 8 warps: the plan's warps are an upper bound.
     seed = 10 * num_heads + splits
@@ -292,8 +291,7 @@ def test_misaligned_cache_view_is_refused_by_name():
 @needs_gpu
 @pytest.mark.parametrize("splits, plan", [(None, {}), (1, {}), (4, {}), (None, {"warps": 16}), (4, {"warps": 16}),
                                           (1, {"warps": 16}),  # one wave of 16 warps: dependents launch early
-                                          (4, {"overlap": False}), (1, {"warps": 16, "overlap": False}),
-                                          (4, {"claim_steps": True}), (16, {"warps": 16, "claim_steps": True})])
+                                          (4, {"overlap": False}), (1, {"warps": 16, "overlap": False})])
 def test_decode_graph_replays_new_inputs(splits, plan):
     batch, max_len = 16, 2048
     make = pa_spec._maker((1,) * batch, (max_len,) * batch, 8, 1, 128, cache_dtype=FP8, scales=(0.23, 0.31),
