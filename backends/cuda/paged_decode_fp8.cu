@@ -488,66 +488,55 @@ __global__ void __launch_bounds__(
     TRACE_MARK(5, 0);  // this thread's stores issued
 }
 
-// One (token, query head) per CTA of 256 threads: two groups of 128 (one value dim a thread)
-// take alternate splits, kMergeBatch at a time. A thread loads its splits' maxima, sums and
-// partial values in one round (the maxima and sums are the same address across the group, one
-// transaction each) and folds them into its own running max, sum and value, so a merge of up to
-// 2 * kMergeBatch splits waits on one round of loads; the two groups then combine through shared
-// memory.
+// One (token, query head) per CTA of 256 threads: the splits' maxima and sums are read at once
+// (a thread each), their weights go through shared memory, and two groups of 128 threads (one
+// value dim each) sum half of the splits' partials apiece, so a merge of 64 splits waits on a
+// few rounds of loads instead of one per split.
 constexpr int kMaxSplits = 64;  // attention.py's _MAX_SPLITS
-constexpr int kMergeBatch = 8;
 
 template <bool Q_BF16>
 __global__ void __launch_bounds__(2 * kHeadDim) merge_splits(
     unsigned char* __restrict__ out, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
     const float* __restrict__ sinks, int num_tokens, int num_q_heads, int num_splits,
     i64 o_stride_t, i64 o_stride_h) {
-    __shared__ float other_group[3][kHeadDim];  // group 1's max, sum and value per dim
+    __shared__ float weight[kMaxSplits];
+    __shared__ float warp_max[2], warp_total[2];
+    __shared__ float second_half[kHeadDim];
     const int token = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
-    const int d = tid % kHeadDim, group = tid / kHeadDim;
+    const int lane = tid & 31, warp = tid >> 5;
     wait_for_previous_grid();  // launched overlapping the decode kernel: its partials first
     const i64 first = (i64)token * num_q_heads + head, stride = (i64)num_tokens * num_q_heads;
-    const float* sums = part_ml + (i64)num_splits * stride;
 
-    float m_run = neg_inf(), l_run = 0.0f, value = 0.0f;
-    for (int base = group; base < num_splits; base += 2 * kMergeBatch) {
-        float m[kMergeBatch], l[kMergeBatch], a[kMergeBatch];
-#pragma unroll
-        for (int i = 0; i < kMergeBatch; ++i) {
-            const int split = base + 2 * i;
-            const bool real = split < num_splits;
-            m[i] = real ? part_ml[first + split * stride] : neg_inf();
-            l[i] = real ? sums[first + split * stride] : 0.0f;
-            a[i] = real ? part_acc[(first + split * stride) * kHeadDim + d] : 0.0f;
-        }
-        float m_new = m_run;
-#pragma unroll
-        for (int i = 0; i < kMergeBatch; ++i) m_new = fmaxf(m_new, m[i]);
-        const float m_use = m_new == neg_inf() ? 0.0f : m_new;
-        const float alpha = exp2_approx(m_run - m_use);  // 0 while nothing was seen
-        l_run *= alpha;
-        value *= alpha;
-#pragma unroll
-        for (int i = 0; i < kMergeBatch; ++i) {
-            const float weight = exp2_approx(m[i] - m_use);  // 0 for empty splits
-            l_run += l[i] * weight;
-            value += a[i] * weight;
-        }
-        m_run = m_new;
+    // Threads 0 .. 63 (warps 0 and 1): split tid's running max and sum.
+    float m = neg_inf(), l = 0.0f;
+    if (tid < num_splits) {
+        m = part_ml[first + tid * stride];
+        l = part_ml[(i64)num_splits * stride + first + tid * stride];
     }
-    if (group == 1) {
-        other_group[0][d] = m_run;
-        other_group[1][d] = l_run;
-        other_group[2][d] = value;
-    }
+    float x = m;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    if (lane == 0 && warp < 2) warp_max[warp] = x;
+    __syncthreads();
+    const float m_max = fmaxf(warp_max[0], warp_max[1]);
+    const float m_use = m_max == neg_inf() ? 0.0f : m_max;
+    const float w = tid < num_splits ? exp2_approx(m - m_use) : 0.0f;  // 0 for empty splits
+    if (tid < kMaxSplits) weight[tid] = w;
+    x = l * w;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    if (lane == 0 && warp < 2) warp_total[warp] = x;
+    __syncthreads();
+
+    const int d = tid % kHeadDim, group = tid / kHeadDim;
+    float value = 0.0f;
+#pragma unroll 8
+    for (int s = group; s < num_splits; s += 2) value += part_acc[(first + s * stride) * kHeadDim + d] * weight[s];
+    if (group == 1) second_half[d] = value;
     __syncthreads();
     if (group == 1) return;
-    const float m_other = other_group[0][d];
-    const float m_max = fmaxf(m_run, m_other);
-    const float m_use = m_max == neg_inf() ? 0.0f : m_max;
-    const float mine = exp2_approx(m_run - m_use), theirs = exp2_approx(m_other - m_use);
-    value = value * mine + other_group[2][d] * theirs;
-    float denominator = l_run * mine + other_group[1][d] * theirs;
+    value += second_half[d];
+    float denominator = warp_total[0] + warp_total[1];
     if (sinks != nullptr) denominator += exp2_approx(sinks[head] * kLog2e - m_use);
     if (denominator == 0.0f) denominator = 1.0f;
     const float y = value / denominator;
