@@ -454,6 +454,7 @@ __global__ void __launch_bounds__(
         float m_max = neg_inf();
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) m_max = fmaxf(m_max, sm_m[w][h]);
+        TRACE_MARK(6, __float_as_uint(m_max));  // the warps' maxima read
         const float m_use = m_max == neg_inf() ? 0.0f : m_max;
         float total = 0.0f;
         float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);

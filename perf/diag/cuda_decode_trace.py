@@ -27,7 +27,8 @@ from kernelmux.perf import records
 
 CASES = ["llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b8_ctx32768",
          "llama3_8b_fp8_decode_b64_ctx4096"]
-MARKS = ["entry", "length", "first K", "warp 0 done", "all warps done", "stores issued"]
+MARKS = ["entry", "length", "first K", "warp 0 done", "all warps done", "maxima read", "stores issued"]
+MARK_SLOTS = [0, 1, 2, 3, 4, 6, 5]  # the .cu file's trace slot of each mark (slot 7: the SM)
 TRACE_CTAS, TRACE_SLOTS = 1 << 16, 8  # the .cu file's kTraceCtas x 8 words
 
 
@@ -56,16 +57,17 @@ def clear_trace(module: ctypes.c_void_p) -> None:
 
 
 def summarize(trace: np.ndarray) -> dict:
-    times = trace[:, :6].astype(np.int64)
+    times = trace[:, MARK_SLOTS].astype(np.int64)
+    last = len(MARKS) - 1
     t0 = times[:, 0].min()
     rel = (times - t0) / 1e3  # us
     quantiles = {name: np.percentile(rel[:, i], [0, 10, 50, 90, 100]).round(2).tolist()
                  for i, name in enumerate(MARKS)}
     stages = {f"{MARKS[i]} -> {MARKS[i + 1]}": np.percentile(rel[:, i + 1] - rel[:, i], [10, 50, 90]).round(2)
-              .tolist() for i in range(5)}
-    end = rel[:, 5].max()
+              .tolist() for i in range(last)}
+    end = rel[:, last].max()
     bins = np.arange(0, np.ceil(end) + 1)
-    running = [int(((rel[:, 0] <= b) & (rel[:, 5] > b)).sum()) for b in bins]
+    running = [int(((rel[:, 0] <= b) & (rel[:, last] > b)).sum()) for b in bins]
     per_sm = np.bincount(trace[:, 7].astype(np.int64))
     return dict(span_us=round(float(end), 2), marks_us=quantiles, stages_us=stages, running_per_us=running,
                 ctas=int(trace.shape[0]), sms=int((per_sm > 0).sum()), most_ctas_per_sm=int(per_sm.max()),
