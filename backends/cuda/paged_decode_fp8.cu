@@ -105,26 +105,36 @@ __device__ __forceinline__ float finite_abs(float x) {
 // Diagnostics only: perf/diag/cuda_decode_trace.py compiles this file with KERNELMUX_TRACE
 // defined to read, per CTA, the %globaltimer at the marks below and the SM it ran on. A mark
 // waits for `after` (a value the mark must follow, e.g. a load's result: the comparison with an
-// arbitrary constant makes the timer read depend on it), so it times arrivals.
+// arbitrary constant makes the timer read depend on it), so it times arrivals. Thread 0 keeps its
+// marks in shared memory and writes them out as the CTA ends: a global store at a mark would
+// wait behind the other CTAs' streaming loads and hold up the shared-memory reads after it.
 #ifdef KERNELMUX_TRACE
 constexpr int kTraceCtas = 1 << 16;
 extern "C" __device__ unsigned long long kernelmux_trace[kTraceCtas][8];
-__device__ __forceinline__ void trace_mark(int slot, u32 after) {
-    const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    if (threadIdx.x == 0 && cta < kTraceCtas && after != 0x7fc00001u) {
+__device__ __forceinline__ void trace_mark(unsigned long long* marks, int slot, u32 after) {
+    if (threadIdx.x == 0 && after != 0x7fc00001u) {
         unsigned long long now;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-        kernelmux_trace[cta][slot] = now;
+        marks[slot] = now;
         if (slot == 0) {
             u32 sm;
             asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-            kernelmux_trace[cta][7] = sm;
+            marks[7] = sm;
         }
     }
 }
-#define TRACE_MARK(slot, after) trace_mark(slot, (u32)(after))
+__device__ __forceinline__ void trace_write(const unsigned long long* marks) {
+    const int cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (threadIdx.x == 0 && cta < kTraceCtas)
+        for (int slot = 0; slot < 8; ++slot) kernelmux_trace[cta][slot] = marks[slot];
+}
+#define TRACE_MARKS __shared__ unsigned long long trace_marks[8]
+#define TRACE_MARK(slot, after) trace_mark(trace_marks, slot, (u32)(after))
+#define TRACE_WRITE() trace_write(trace_marks)
 #else
+#define TRACE_MARKS
 #define TRACE_MARK(slot, after)
+#define TRACE_WRITE()
 #endif
 
 // HEAD_TILES: query heads per KV head padded to 8 * HEAD_TILES (the MMA's 8 columns each).
@@ -172,11 +182,15 @@ __global__ void __launch_bounds__(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
+    TRACE_MARKS;
     wait_for_previous_grid();  // launched overlapping the previous kernel (attention.py): its writes first
     if (launch_next_early) allow_next_grid();
     TRACE_MARK(0, 0);
     const int token = cu_seqlens_q[seq];
-    if (cu_seqlens_q[seq + 1] - token <= 0) return;  // no query: nothing to write
+    if (cu_seqlens_q[seq + 1] - token <= 0) {  // no query: nothing to write
+        TRACE_WRITE();
+        return;
+    }
     const int kv_len = seq_lens[seq];
     TRACE_MARK(1, kv_len);
 
@@ -487,6 +501,7 @@ __global__ void __launch_bounds__(
         }
     }
     TRACE_MARK(5, 0);  // this thread's stores issued
+    TRACE_WRITE();
 }
 
 // One (token, query head) per CTA of 256 threads: the splits' maxima and sums are read at once
