@@ -88,23 +88,11 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], u32 a0, u32 a1, u32 a2, u
 
 __device__ __forceinline__ float bf16_to_f32(u16 x) { return __int_as_float(((u32)x) << 16); }
 
-// Global stores through pointers the compiler cannot place (they come from shared memory, which
-// would make them generic stores).
-__device__ __forceinline__ void store_global(unsigned char* p, u32 a, u32 b) {
-    asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(a), "r"(b) : "memory");
-}
-__device__ __forceinline__ void store_global(unsigned char* p, float4 v) {
-    asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
-                 : "memory");
-}
-__device__ __forceinline__ void store_global(float* p, float v) {
-    asm volatile("st.global.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
-}
-
 // Four output values times `mul`, rounded to the query's dtype, as one 8-byte store.
 template <bool Q_BF16>
 __device__ __forceinline__ void store4(unsigned char* p, float4 v, float mul) {
-    store_global(p, pack2<Q_BF16>(v.x * mul, v.y * mul), pack2<Q_BF16>(v.z * mul, v.w * mul));
+    *reinterpret_cast<uint2*>(p) =
+        make_uint2(pack2<Q_BF16>(v.x * mul, v.y * mul), pack2<Q_BF16>(v.z * mul, v.w * mul));
 }
 
 __device__ __forceinline__ float finite_abs(float x) {
@@ -149,16 +137,6 @@ __device__ __forceinline__ void trace_write(const unsigned long long* marks) {
 #define TRACE_WRITE()
 #endif
 
-// Where a CTA's epilogue stores its heads: the output rows (or the split's partial values) of its
-// first head, the bytes from one head to the next, and the split's maxima and sums (SPLIT).
-struct EpilogueArgs {
-    unsigned char* values;
-    float* maxima;
-    float* sums;
-    i64 head_bytes;
-    int group;
-};
-
 // HEAD_TILES: query heads per KV head padded to 8 * HEAD_TILES (the MMA's 8 columns each).
 // Q_BF16: bf16 query and output (else fp16). PAGE_SHIFT: log2 of the cache block size.
 // AHEAD: the next step's K is read while this step's softmax and values run (more registers).
@@ -200,7 +178,6 @@ __global__ void __launch_bounds__(
     __shared__ float sm_l[WARPS][HEAD_TILES * 8];
     __shared__ float sm_sink[HEAD_TILES * 8];  // per head of the group (-inf: none)
     __shared__ float sm_v_mul;
-    __shared__ EpilogueArgs sm_epilogue;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -340,21 +317,7 @@ __global__ void __launch_bounds__(
                                         bf16_to_f32((u16)(qb[j][i] >> 16)) * down);
     }
     if (k_scale != nullptr) scale *= *k_scale;
-    if (threadIdx.x == 0) {
-        sm_v_mul = v_mul;
-        // Where this CTA's heads go, worked out now from the kernel's arguments: read after the
-        // stream, those arguments waited (for the constant cache, behind the other CTAs' loads)
-        // 0.3-3 us (perf/notes/attention.md round 15).
-        const i64 first_head = (i64)kv_head * group;
-        if (SPLIT) {
-            const i64 ml = ((i64)split * num_tokens + token) * num_q_heads + first_head;
-            sm_epilogue = {reinterpret_cast<unsigned char*>(part_acc + ml * kHeadDim), part_ml + ml,
-                           part_ml + (i64)num_splits * num_tokens * num_q_heads + ml, kHeadDim * 4, group};
-        } else {
-            sm_epilogue = {out + ((i64)token * o_stride_t + first_head * o_stride_h) * 2, nullptr, nullptr,
-                           o_stride_h * 2, group};
-        }
-    }
+    if (threadIdx.x == 0) sm_v_mul = v_mul;
     if (!SPLIT && threadIdx.x < HEAD_TILES * 8) sm_sink[threadIdx.x] = sink;
     const float score_scale = SOFT_CAP ? scale / soft_cap : scale * kLog2e;
 
@@ -501,7 +464,7 @@ __global__ void __launch_bounds__(
     // finish sooner: 2.3 -> 1.1 us a CTA, perf/diag/cuda_decode_trace.py).
     for (int idx = threadIdx.x; idx < HEAD_TILES * 8 * (kHeadDim / 4); idx += WARPS * 32) {
         const int h = idx / (kHeadDim / 4), d = 4 * (idx % (kHeadDim / 4));
-        if (h >= sm_epilogue.group) continue;
+        if (h >= group) continue;
         float m_max = neg_inf();
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) m_max = fmaxf(m_max, sm_m[w][h]);
@@ -519,20 +482,22 @@ __global__ void __launch_bounds__(
             value.z += a.z * weight;
             value.w += a.w * weight;
         }
-        unsigned char* const head_out = sm_epilogue.values + h * sm_epilogue.head_bytes;
+        const int q_head = kv_head * group + h;
         if (SPLIT) {
             const float v_mul = sm_v_mul;
-            store_global(head_out + d * 4,
-                         make_float4(value.x * v_mul, value.y * v_mul, value.z * v_mul, value.w * v_mul));
+            const i64 ml = ((i64)split * num_tokens + token) * num_q_heads + q_head;
+            *reinterpret_cast<float4*>(part_acc + ml * kHeadDim + d) =
+                make_float4(value.x * v_mul, value.y * v_mul, value.z * v_mul, value.w * v_mul);
             if (d == 0) {
-                store_global(sm_epilogue.maxima + h, m_max);
-                store_global(sm_epilogue.sums + h, total);
+                part_ml[ml] = m_max;
+                part_ml[(i64)num_splits * num_tokens * num_q_heads + ml] = total;
             }
         } else {
             float denominator = total;
             denominator += exp2_approx(sm_sink[h] * kLog2e - m_use);  // 0 without a sink
             if (denominator == 0.0f) denominator = 1.0f;  // nothing visible: zeros
-            store4<Q_BF16>(head_out + d * 2, value, sm_v_mul / denominator);
+            store4<Q_BF16>(out + ((i64)token * o_stride_t + (i64)q_head * o_stride_h + d) * 2, value,
+                           sm_v_mul / denominator);
         }
     }
     TRACE_MARK(5, 0);  // this thread's stores issued
