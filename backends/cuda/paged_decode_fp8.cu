@@ -152,17 +152,10 @@ __device__ __noinline__ void combine_warps(bool dry, const float* __restrict__ s
     for (int idx = threadIdx.x; idx < HEAD_TILES * 8 * (kHeadDim / 4); idx += WARPS * 32) {
         const int h = idx / (kHeadDim / 4), d = 4 * (idx % (kHeadDim / 4));
         if (h >= group) continue;
-#if defined(KERNELMUX_TRACE_AT_ENTRY)
-        if (!dry) TRACE_MARK(6, 0);
-#elif defined(KERNELMUX_TRACE_FIRST_LOAD)
-        if (!dry) TRACE_MARK(6, __float_as_uint(sm_m[h]));
-#endif
         float m_max = neg_inf();
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) m_max = fmaxf(m_max, sm_m[w * HEAD_TILES * 8 + h]);
-#if !defined(KERNELMUX_TRACE_AT_ENTRY) && !defined(KERNELMUX_TRACE_FIRST_LOAD)
         if (!dry) TRACE_MARK(6, __float_as_uint(m_max));  // the warps' maxima read
-#endif
         const float m_use = m_max == neg_inf() ? 0.0f : m_max;
         float total = 0.0f;
         float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
