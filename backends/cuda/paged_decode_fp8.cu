@@ -128,68 +128,14 @@ __device__ __forceinline__ void trace_write(const unsigned long long* marks) {
     if (threadIdx.x == 0 && cta < kTraceCtas)
         for (int slot = 0; slot < 8; ++slot) kernelmux_trace[cta][slot] = marks[slot];
 }
-__shared__ unsigned long long trace_marks[8];
+#define TRACE_MARKS __shared__ unsigned long long trace_marks[8]
 #define TRACE_MARK(slot, after) trace_mark(trace_marks, slot, (u32)(after))
 #define TRACE_WRITE() trace_write(trace_marks)
 #else
+#define TRACE_MARKS
 #define TRACE_MARK(slot, after)
 #define TRACE_WRITE()
 #endif
-
-// The epilogue, kept out of line so that the same instructions run twice: once as a dry run
-// (nothing stored) when the CTA starts, which brings them into the SM's instruction cache, and
-// once for real. EXPERIMENT: does the epilogue's first fetch wait behind the stream?
-template <int HEAD_TILES, bool Q_BF16, bool SPLIT, int WARPS>
-__device__ __noinline__ void combine_warps(bool dry, const float* __restrict__ sm_acc, const float* __restrict__ sm_m,
-                                          const float* __restrict__ sm_l, const float* __restrict__ sm_sink,
-                                          float v_mul_in, unsigned char* __restrict__ out, float* __restrict__ part_acc,
-                                          float* __restrict__ part_ml, int token, int kv_head, int group, int split,
-                                          int num_tokens, int num_q_heads, int num_splits, i64 o_stride_t,
-                                          i64 o_stride_h) {
-    // Four dims of one head per thread and pass: 16-byte shared reads, 16-byte partial and 8-byte
-    // output stores (the stores queue behind the other CTAs' streaming loads, so fewer and wider
-    // finish sooner: 2.3 -> 1.1 us a CTA, perf/diag/cuda_decode_trace.py).
-    for (int idx = threadIdx.x; idx < HEAD_TILES * 8 * (kHeadDim / 4); idx += WARPS * 32) {
-        const int h = idx / (kHeadDim / 4), d = 4 * (idx % (kHeadDim / 4));
-        if (h >= group) continue;
-        float m_max = neg_inf();
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) m_max = fmaxf(m_max, sm_m[w * HEAD_TILES * 8 + h]);
-        if (!dry) TRACE_MARK(6, __float_as_uint(m_max));  // the warps' maxima read
-        const float m_use = m_max == neg_inf() ? 0.0f : m_max;
-        float total = 0.0f;
-        float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float weight = exp2_approx(sm_m[w * HEAD_TILES * 8 + h] - m_use);  // 0 for warps that saw nothing
-            total += sm_l[w * HEAD_TILES * 8 + h] * weight;
-            const float4 a = *reinterpret_cast<const float4*>(&sm_acc[(w * HEAD_TILES * 8 + h) * kHeadDim + d]);
-            value.x += a.x * weight;
-            value.y += a.y * weight;
-            value.z += a.z * weight;
-            value.w += a.w * weight;
-        }
-        const int q_head = kv_head * group + h;
-        if (SPLIT) {
-            const float v_mul = v_mul_in;
-            if (dry) continue;
-            const i64 ml = ((i64)split * num_tokens + token) * num_q_heads + q_head;
-            *reinterpret_cast<float4*>(part_acc + ml * kHeadDim + d) =
-                make_float4(value.x * v_mul, value.y * v_mul, value.z * v_mul, value.w * v_mul);
-            if (d == 0) {
-                part_ml[ml] = m_max;
-                part_ml[(i64)num_splits * num_tokens * num_q_heads + ml] = total;
-            }
-        } else {
-            float denominator = total;
-            denominator += exp2_approx(sm_sink[h] * kLog2e - m_use);  // 0 without a sink
-            if (denominator == 0.0f) denominator = 1.0f;  // nothing visible: zeros
-            if (dry) continue;
-            store4<Q_BF16>(out + ((i64)token * o_stride_t + (i64)q_head * o_stride_h + d) * 2, value,
-                           v_mul_in / denominator);
-        }
-    }
-}
 
 // HEAD_TILES: query heads per KV head padded to 8 * HEAD_TILES (the MMA's 8 columns each).
 // Q_BF16: bf16 query and output (else fp16). PAGE_SHIFT: log2 of the cache block size.
@@ -236,6 +182,7 @@ __global__ void __launch_bounds__(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
+    TRACE_MARKS;
     wait_for_previous_grid();  // launched overlapping the previous kernel (attention.py): its writes first
     if (launch_next_early) allow_next_grid();
     TRACE_MARK(0, 0);
@@ -313,11 +260,6 @@ __global__ void __launch_bounds__(
     };
     int step = first + warp * kStep;
     look_up(step);
-#ifdef KERNELMUX_WARM_EPILOGUE
-    combine_warps<HEAD_TILES, Q_BF16, SPLIT, WARPS>(true, sm_dynamic, &sm_m[0][0], &sm_l[0][0], sm_sink, 1.0f, out,
-                                                  part_acc, part_ml, 0, kv_head, group, split, num_tokens,
-                                                  num_q_heads, num_splits, o_stride_t, o_stride_h);
-#endif
 #ifdef KERNELMUX_TRACE
     // The first K row's arrival, timed by a load of its own (the loop's then hits in L2).
     if (PAGE_SHIFT >= 4 && step < hi) {
@@ -517,9 +459,47 @@ __global__ void __launch_bounds__(
     __syncthreads();
     TRACE_MARK(4, 0);  // every warp done
 
-    combine_warps<HEAD_TILES, Q_BF16, SPLIT, WARPS>(false, sm_dynamic, &sm_m[0][0], &sm_l[0][0], sm_sink, sm_v_mul, out,
-                                                  part_acc, part_ml, token, kv_head, group, split, num_tokens,
-                                                  num_q_heads, num_splits, o_stride_t, o_stride_h);
+    // Four dims of one head per thread and pass: 16-byte shared reads, 16-byte partial and 8-byte
+    // output stores (the stores queue behind the other CTAs' streaming loads, so fewer and wider
+    // finish sooner: 2.3 -> 1.1 us a CTA, perf/diag/cuda_decode_trace.py).
+    for (int idx = threadIdx.x; idx < HEAD_TILES * 8 * (kHeadDim / 4); idx += WARPS * 32) {
+        const int h = idx / (kHeadDim / 4), d = 4 * (idx % (kHeadDim / 4));
+        if (h >= group) continue;
+        float m_max = neg_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) m_max = fmaxf(m_max, sm_m[w][h]);
+        TRACE_MARK(6, __float_as_uint(m_max));  // the warps' maxima read
+        const float m_use = m_max == neg_inf() ? 0.0f : m_max;
+        float total = 0.0f;
+        float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float weight = exp2_approx(sm_m[w][h] - m_use);  // 0 for warps that saw nothing
+            total += sm_l[w][h] * weight;
+            const float4 a = *reinterpret_cast<const float4*>(&sm_acc[w][h][d]);
+            value.x += a.x * weight;
+            value.y += a.y * weight;
+            value.z += a.z * weight;
+            value.w += a.w * weight;
+        }
+        const int q_head = kv_head * group + h;
+        if (SPLIT) {
+            const float v_mul = sm_v_mul;
+            const i64 ml = ((i64)split * num_tokens + token) * num_q_heads + q_head;
+            *reinterpret_cast<float4*>(part_acc + ml * kHeadDim + d) =
+                make_float4(value.x * v_mul, value.y * v_mul, value.z * v_mul, value.w * v_mul);
+            if (d == 0) {
+                part_ml[ml] = m_max;
+                part_ml[(i64)num_splits * num_tokens * num_q_heads + ml] = total;
+            }
+        } else {
+            float denominator = total;
+            denominator += exp2_approx(sm_sink[h] * kLog2e - m_use);  // 0 without a sink
+            if (denominator == 0.0f) denominator = 1.0f;  // nothing visible: zeros
+            store4<Q_BF16>(out + ((i64)token * o_stride_t + (i64)q_head * o_stride_h + d) * 2, value,
+                           sm_v_mul / denominator);
+        }
+    }
     TRACE_MARK(5, 0);  // this thread's stores issued
     TRACE_WRITE();
 }
