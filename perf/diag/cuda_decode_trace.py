@@ -6,7 +6,7 @@ spread over the CTAs relative to the first entry, the stage durations and the nu
 running in each microsecond, against the time the spec's bytes take at the copy bandwidth
 measured in the same run.
 
-    python perf/diag/cuda_decode_trace.py --out DIR [--cases NAME ...] [--splits N]
+    python perf/diag/cuda_decode_trace.py --out DIR [--cases NAME ...] [--splits N] [--defines MACRO ...]
 """
 
 from __future__ import annotations
@@ -81,9 +81,11 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument("--splits", type=int, default=None)
+    parser.add_argument("--defines", nargs="*", default=[],
+                        help="more macros to compile the kernel with (experiments guarded in the .cu file)")
     args = parser.parse_args()
     copy = ceilings_module.measure("cuda", only=("memory_gbps",))["memory_gbps"]
-    cuda_attention._DEFINES = ("KERNELMUX_TRACE",)
+    cuda_attention._DEFINES = ("KERNELMUX_TRACE", *args.defines)
     record = {**records.header(),
               "copy_gbps": copy, "cases": {}}
     lines = [f"copy bandwidth {copy:.1f} GB/s"]
