@@ -173,7 +173,8 @@ __global__ void __launch_bounds__(
     i64 table_stride) {
     constexpr int kPage = 1 << PAGE_SHIFT;
     extern __shared__ __align__(16) float sm_dynamic[];
-    auto sm_acc = reinterpret_cast<float (*)[HEAD_TILES * 8][kHeadDim]>(sm_dynamic);  // [WARPS]
+    // [WARPS]: each lane's accumulator as 8 float4 (value-dim tiles), at state_slot(g, t)
+    auto sm_acc = reinterpret_cast<float4 (*)[HEAD_TILES][8][32]>(sm_dynamic);
     __shared__ float sm_m[WARPS][HEAD_TILES * 8];
     __shared__ float sm_l[WARPS][HEAD_TILES * 8];
     __shared__ float sm_sink[HEAD_TILES * 8];  // per head of the group (-inf: none)
@@ -437,9 +438,15 @@ __global__ void __launch_bounds__(
     }
 
     TRACE_MARK(3, __float_as_uint(acc[0][0][0]));  // warp 0's last step done
-    // Combine the warps: sums over the 8 lanes of each head, then shared memory.
+    // Combine the warps: sums over the 8 lanes of each head, then shared memory. A lane's state
+    // goes out as whole float4s (its four accumulators of a value-dim tile: heads 2t, 2t + 1 x
+    // dims 2mt, 2mt + 1 of its 16), each tile's 32 at slots that spread every 8 lanes of a write
+    // and every 8 readers of a read (the 8 lanes g of one t) over all 32 banks. Written as the
+    // float2 pairs of one head, 8 lanes shared a bank pair: 16 warps' writes took ~2 us
+    // (perf/notes/attention.md round 15).
+    const auto state_slot = [](int lane_g, int lane_t) { return 8 * lane_t + ((lane_g + 2 * lane_t) & 7); };
 #pragma unroll
-    for (int j = 0; j < HEAD_TILES; ++j)
+    for (int j = 0; j < HEAD_TILES; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             float l = l_run[j][e];
@@ -451,53 +458,70 @@ __global__ void __launch_bounds__(
                 sm_m[warp][h] = m_run[j][e];
                 sm_l[warp][h] = l;
             }
-#pragma unroll
-            for (int mt = 0; mt < 8; ++mt)
-                *reinterpret_cast<float2*>(&sm_acc[warp][h][16 * g + 2 * mt]) =
-                    make_float2(acc[mt][j][e], acc[mt][j][e + 2]);
         }
+#pragma unroll
+        for (int mt = 0; mt < 8; ++mt)
+            sm_acc[warp][j][mt][state_slot(g, t)] = make_float4(acc[mt][j][0], acc[mt][j][1], acc[mt][j][2], acc[mt][j][3]);
+    }
     __syncthreads();
     TRACE_MARK(4, 0);  // every warp done
 
-    // Four dims of one head per thread and pass: 16-byte shared reads, 16-byte partial and 8-byte
-    // output stores (the stores queue behind the other CTAs' streaming loads, so fewer and wider
-    // finish sooner: 2.3 -> 1.1 us a CTA, perf/diag/cuda_decode_trace.py).
-    for (int idx = threadIdx.x; idx < HEAD_TILES * 8 * (kHeadDim / 4); idx += WARPS * 32) {
-        const int h = idx / (kHeadDim / 4), d = 4 * (idx % (kHeadDim / 4));
-        if (h >= group) continue;
-        float m_max = neg_inf();
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) m_max = fmaxf(m_max, sm_m[w][h]);
-        TRACE_MARK(6, __float_as_uint(m_max));  // the warps' maxima read
-        const float m_use = m_max == neg_inf() ? 0.0f : m_max;
-        float total = 0.0f;
-        float4 value = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    // Four dims of two heads (2t, 2t + 1 of a head tile) per thread and pass: 16-byte shared
+    // reads, 16-byte partial and 8-byte output stores (the stores queue behind the other CTAs'
+    // streaming loads, so fewer and wider finish sooner: 2.3 -> 1.1 us a CTA,
+    // perf/diag/cuda_decode_trace.py). Readers r .. r + 7 share (t, k) and take g = 0 .. 7.
+    for (int idx = threadIdx.x; idx < HEAD_TILES * 128; idx += WARPS * 32) {
+        const int j = idx / 128, lane_t = (idx / 32) % 4, k = (idx / 8) % 4, lane_g = idx % 8;
+        const int h0 = 8 * j + 2 * lane_t, d = 16 * lane_g + 4 * k, slot = state_slot(lane_g, lane_t);
+        if (h0 >= group) continue;
+        float m_max[2] = {neg_inf(), neg_inf()};
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) {
-            const float weight = exp2_approx(sm_m[w][h] - m_use);  // 0 for warps that saw nothing
-            total += sm_l[w][h] * weight;
-            const float4 a = *reinterpret_cast<const float4*>(&sm_acc[w][h][d]);
-            value.x += a.x * weight;
-            value.y += a.y * weight;
-            value.z += a.z * weight;
-            value.w += a.w * weight;
+            m_max[0] = fmaxf(m_max[0], sm_m[w][h0]);
+            m_max[1] = fmaxf(m_max[1], sm_m[w][h0 + 1]);
         }
-        const int q_head = kv_head * group + h;
-        if (SPLIT) {
-            const float v_mul = sm_v_mul;
-            const i64 ml = ((i64)split * num_tokens + token) * num_q_heads + q_head;
-            *reinterpret_cast<float4*>(part_acc + ml * kHeadDim + d) =
-                make_float4(value.x * v_mul, value.y * v_mul, value.z * v_mul, value.w * v_mul);
-            if (d == 0) {
-                part_ml[ml] = m_max;
-                part_ml[(i64)num_splits * num_tokens * num_q_heads + ml] = total;
+        TRACE_MARK(6, __float_as_uint(m_max[0]));  // the warps' maxima read
+        float m_use[2], total[2] = {0.0f, 0.0f};
+        float4 value[2] = {make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float4(0.0f, 0.0f, 0.0f, 0.0f)};
+#pragma unroll
+        for (int e = 0; e < 2; ++e) m_use[e] = m_max[e] == neg_inf() ? 0.0f : m_max[e];
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float4 a = sm_acc[w][j][2 * k][slot], b = sm_acc[w][j][2 * k + 1][slot];
+            const float weight0 = exp2_approx(sm_m[w][h0] - m_use[0]);  // 0 for warps that saw nothing
+            const float weight1 = exp2_approx(sm_m[w][h0 + 1] - m_use[1]);
+            total[0] += sm_l[w][h0] * weight0;
+            total[1] += sm_l[w][h0 + 1] * weight1;
+            value[0].x += a.x * weight0;
+            value[0].y += a.z * weight0;
+            value[0].z += b.x * weight0;
+            value[0].w += b.z * weight0;
+            value[1].x += a.y * weight1;
+            value[1].y += a.w * weight1;
+            value[1].z += b.y * weight1;
+            value[1].w += b.w * weight1;
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int h = h0 + e;
+            if (h >= group) break;  // an odd group's last tile
+            const int q_head = kv_head * group + h;
+            if (SPLIT) {
+                const float v_mul = sm_v_mul;
+                const i64 ml = ((i64)split * num_tokens + token) * num_q_heads + q_head;
+                *reinterpret_cast<float4*>(part_acc + ml * kHeadDim + d) = make_float4(
+                    value[e].x * v_mul, value[e].y * v_mul, value[e].z * v_mul, value[e].w * v_mul);
+                if (d == 0) {
+                    part_ml[ml] = m_max[e];
+                    part_ml[(i64)num_splits * num_tokens * num_q_heads + ml] = total[e];
+                }
+            } else {
+                float denominator = total[e];
+                denominator += exp2_approx(sm_sink[h] * kLog2e - m_use[e]);  // 0 without a sink
+                if (denominator == 0.0f) denominator = 1.0f;  // nothing visible: zeros
+                store4<Q_BF16>(out + ((i64)token * o_stride_t + (i64)q_head * o_stride_h + d) * 2, value[e],
+                               sm_v_mul / denominator);
             }
-        } else {
-            float denominator = total;
-            denominator += exp2_approx(sm_sink[h] * kLog2e - m_use);  // 0 without a sink
-            if (denominator == 0.0f) denominator = 1.0f;  // nothing visible: zeros
-            store4<Q_BF16>(out + ((i64)token * o_stride_t + (i64)q_head * o_stride_h + d) * 2, value,
-                           sm_v_mul / denominator);
         }
     }
     TRACE_MARK(5, 0);  // this thread's stores issued
