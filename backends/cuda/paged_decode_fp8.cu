@@ -465,13 +465,6 @@ __global__ void __launch_bounds__(
     }
     __syncthreads();
     TRACE_MARK(4, 0);  // every warp done
-#if defined(KERNELMUX_TRACE_PROBE_CONSTANT)
-    TRACE_MARK(6, group);
-#elif defined(KERNELMUX_TRACE_PROBE_PLAIN)
-    TRACE_MARK(6, threadIdx.x + 1);
-#elif defined(KERNELMUX_TRACE_PROBE_SHARED)
-    TRACE_MARK(6, __float_as_uint(sm_v_mul));
-#endif
 
     // Four dims of two heads (2t, 2t + 1 of a head tile) per thread and pass: 16-byte shared
     // reads, 16-byte partial and 8-byte output stores (the stores queue behind the other CTAs'
@@ -487,9 +480,7 @@ __global__ void __launch_bounds__(
             m_max[0] = fmaxf(m_max[0], sm_m[w][h0]);
             m_max[1] = fmaxf(m_max[1], sm_m[w][h0 + 1]);
         }
-#if !defined(KERNELMUX_TRACE_PROBE_CONSTANT) && !defined(KERNELMUX_TRACE_PROBE_PLAIN) && !defined(KERNELMUX_TRACE_PROBE_SHARED)
         TRACE_MARK(6, __float_as_uint(m_max[0]));  // the warps' maxima read
-#endif
         float m_use[2], total[2] = {0.0f, 0.0f};
         float4 value[2] = {make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float4(0.0f, 0.0f, 0.0f, 0.0f)};
 #pragma unroll
