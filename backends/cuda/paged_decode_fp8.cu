@@ -106,8 +106,10 @@ __device__ __forceinline__ float finite_abs(float x) {
 // defined to read, per CTA, the %globaltimer at the marks below and the SM it ran on. A mark
 // waits for `after` (a value the mark must follow, e.g. a load's result: the comparison with an
 // arbitrary constant makes the timer read depend on it), so it times arrivals. Thread 0 keeps its
-// marks in shared memory and writes them out as the CTA ends: a global store at a mark would
-// wait behind the other CTAs' streaming loads and hold up the shared-memory reads after it.
+// marks in shared memory and writes them out as the CTA ends, so a traced CTA adds no global
+// stores while it runs. While the other CTAs still stream, a timer read itself seems to wait:
+// two marks with nothing but an add between them read 0.2-2.3 us apart at the end of a CTA's
+// stream (perf/notes/attention.md round 15), so marks there bound durations from above.
 #ifdef KERNELMUX_TRACE
 constexpr int kTraceCtas = 1 << 16;
 extern "C" __device__ unsigned long long kernelmux_trace[kTraceCtas][8];
@@ -442,8 +444,8 @@ __global__ void __launch_bounds__(
     // goes out as whole float4s (its four accumulators of a value-dim tile: heads 2t, 2t + 1 x
     // dims 2mt, 2mt + 1 of its 16), each tile's 32 at slots that spread every 8 lanes of a write
     // and every 8 readers of a read (the 8 lanes g of one t) over all 32 banks. Written as the
-    // float2 pairs of one head, 8 lanes shared a bank pair: 16 warps' writes took ~2 us
-    // (perf/notes/attention.md round 15).
+    // float2 pairs of one head, 8 lanes of a half warp shared a bank pair; this layout took the
+    // 70B fp8 decode at B 8 x 32768 from 74.8-75.1 to 75.7-76.1% (perf/notes/attention.md round 15).
     const auto state_slot = [](int lane_g, int lane_t) { return 8 * lane_t + ((lane_g + 2 * lane_t) & 7); };
 #pragma unroll
     for (int j = 0; j < HEAD_TILES; ++j) {
@@ -461,7 +463,8 @@ __global__ void __launch_bounds__(
         }
 #pragma unroll
         for (int mt = 0; mt < 8; ++mt)
-            sm_acc[warp][j][mt][state_slot(g, t)] = make_float4(acc[mt][j][0], acc[mt][j][1], acc[mt][j][2], acc[mt][j][3]);
+            sm_acc[warp][j][mt][state_slot(g, t)] =
+                make_float4(acc[mt][j][0], acc[mt][j][1], acc[mt][j][2], acc[mt][j][3]);
     }
     __syncthreads();
     TRACE_MARK(4, 0);  // every warp done
