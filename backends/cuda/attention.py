@@ -15,10 +15,10 @@ SM) when those are fewer than the SMs and long enough (wide_split_count) and of 
 and, when the grid is short of one wave of the GPU (the driver's occupancy for the compiled
 kernel times the SMs; for 16-warp CTAs, short of 45% of the SMs), KV splits merged by a second
 kernel. On sm_90 and newer both kernels launch as programmatic dependents of the kernel before
-them on the stream (PDL: each waits for that kernel's writes before its first read, and a
-16-warp unsplit grid, which leaves SMs idle and has no merge after it, lets the next kernel
-launch at once): measured 1-2 points at the 70B TP8 fp8 shapes (perf/notes/attention.md round
-14). No device data is read, so CUDA graphs stay valid when lengths and tables change under
+them on the stream (PDL: each waits for that kernel's writes before its first read; a 16-warp
+unsplit grid, which leaves SMs idle and has no merge after it, lets the next kernel launch at
+once, and a split grid lets its merge launch once every CTA is past its stream): measured 1-2
+points at the 70B TP8 fp8 shapes (perf/notes/attention.md rounds 14 and 15). No device data is read, so CUDA graphs stay valid when lengths and tables change under
 them. First call per (GPU arch, template set): one NVRTC compilation, 0.3-0.8 s on a 2-core VM
 for sm_90, kept on disk (_nvrtc.compile_module_cached: later processes load the cubin), then one
 module load per device. No autotuning: the warps, split counts and plan come from
@@ -249,7 +249,8 @@ def _overlap(plan: DecodePlan, capability: tuple[int, int], warps: int, splits: 
     grid's dependents launch at its start). The first by default where the GPU has it (sm_90+).
     The second only for a grid of one wave of 16-warp CTAs without splits: SMs stay idle and no
     merge follows; earlier triggers elsewhere measured slower (B 8 x 32768 with its merge: 72.7
-    against 75-76%), as dependents that launch early take SMs from a later wave or the merge."""
+    against 75-76%), as dependents that launch early take SMs from a later wave or the merge.
+    (A split grid's CTAs let the merge launch as their streams end, in the kernel itself.)"""
     overlap = plan.overlap if plan.overlap is not None else capability >= PDL_CAPABILITY
     return overlap, overlap and warps == 16 and splits == 1 and ctas < sms
 

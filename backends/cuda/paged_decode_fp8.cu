@@ -468,9 +468,10 @@ __global__ void __launch_bounds__(
     }
     __syncthreads();
     TRACE_MARK(4, 0);  // every warp done
-#ifdef KERNELMUX_TRIGGER_EPILOGUE
+    // A split grid's merge may launch once every CTA is past its stream (it still waits for this
+    // grid's partials): 70B fp8 B 8 x 32768 75.6-76.4 -> 75.7-77.4%, B 48 x 4096 (2 splits)
+    // 69.6-70.9 -> 71.5-72.3% (perf/notes/attention.md round 15).
     if (SPLIT) allow_next_grid();
-#endif
 
     // Four dims of two heads (2t, 2t + 1 of a head tile) per thread and pass: 16-byte shared
     // reads, 16-byte partial and 8-byte output stores (the stores queue behind the other CTAs'
@@ -551,9 +552,6 @@ __global__ void __launch_bounds__(2 * kHeadDim) merge_splits(
     const int token = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     wait_for_previous_grid();  // launched overlapping the decode kernel: its partials first
-#ifdef KERNELMUX_MERGE_TRIGGER
-    allow_next_grid();
-#endif
     const i64 first = (i64)token * num_q_heads + head, stride = (i64)num_tokens * num_q_heads;
 
     // Threads 0 .. 63 (warps 0 and 1): split tid's running max and sum.
