@@ -18,10 +18,11 @@ kernel. On sm_90 and newer both kernels launch as programmatic dependents of the
 them on the stream (PDL: each waits for that kernel's writes before its first read; a 16-warp
 unsplit grid, which leaves SMs idle and has no merge after it, lets the next kernel launch at
 once, and a split grid lets its merge launch once every CTA is past its stream): measured 1-2
-points at the 70B TP8 fp8 shapes (perf/notes/attention.md rounds 14 and 15). No device data is read, so CUDA graphs stay valid when lengths and tables change under
-them. First call per (GPU arch, template set): one NVRTC compilation, 0.3-0.8 s on a 2-core VM
-for sm_90, kept on disk (_nvrtc.compile_module_cached: later processes load the cubin), then one
-module load per device. No autotuning: the warps, split counts and plan come from
+points at the 70B TP8 fp8 shapes (perf/notes/attention.md rounds 14 and 15). No device data is
+read, so CUDA graphs stay valid when lengths and tables change under them. First call per (GPU
+arch, template set): one NVRTC compilation, 0.3-0.8 s on a 2-core VM for sm_90, kept on disk
+(_nvrtc.compile_module_cached: later processes load the cubin), then one module load per
+device. No autotuning: the warps, split counts and plan come from
 perf/diag/cuda_decode_sweep.py's measurements (DEFAULT_PLAN, _warps, split_count,
 wide_split_count).
 """
