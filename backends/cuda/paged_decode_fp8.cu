@@ -190,10 +190,6 @@ __global__ void __launch_bounds__(
     if (launch_next_early) allow_next_grid();
     TRACE_MARK(0, 0);
     const int token = cu_seqlens_q[seq];
-#ifdef KERNELMUX_LENGTH_FIRST
-    // The length's line requested with the query offsets (into L1), not after the exit below.
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(seq_lens + seq));
-#endif
     if (cu_seqlens_q[seq + 1] - token <= 0) {  // no query: nothing to write
         TRACE_WRITE();
         return;
