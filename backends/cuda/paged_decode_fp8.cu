@@ -475,8 +475,9 @@ __global__ void __launch_bounds__(
 
     // Four dims of two heads (2t, 2t + 1 of a head tile) per thread and pass: 16-byte shared
     // reads, 16-byte partial and 8-byte output stores (the stores queue behind the other CTAs'
-    // streaming loads, so fewer and wider finish sooner: 2.3 -> 1.1 us a CTA,
-    // perf/diag/cuda_decode_trace.py). Readers r .. r + 7 share (t, k) and take g = 0 .. 7.
+    // streaming loads, so fewer and wider finish sooner: 2.3 -> 1.1 us a CTA in round 7's trace,
+    // whose late marks are upper bounds, round 15). Readers r .. r + 7 share (t, k) and take
+    // g = 0 .. 7.
     for (int idx = threadIdx.x; idx < HEAD_TILES * 128; idx += WARPS * 32) {
         const int j = idx / 128, lane_t = (idx / 32) % 4, k = (idx / 8) % 4, lane_g = idx % 8;
         const int h0 = 8 * j + 2 * lane_t, d = 16 * lane_g + 4 * k, slot = state_slot(lane_g, lane_t);
