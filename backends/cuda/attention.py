@@ -60,7 +60,7 @@ WIDE_UNSPLIT_FILL = 0.45
 WIDE_MIN_SHARE = 2048
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode_fp8.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
-_DECODE_SIGNATURE = "pppppppppppp" + "iiiiii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
+_DECODE_SIGNATURE = "pppppppppppp" + "iiiiii" + "ii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
 _MERGE_SIGNATURE = "pppp" + "iii" + "qq"
 # Macros defined for the compilation (perf/diag/cuda_decode_trace.py sets KERNELMUX_TRACE).
 _DEFINES: tuple[str, ...] = ()
@@ -314,6 +314,7 @@ def paged_attention(
             query, k_cache, v_cache, out, part_acc, part_ml, cu_seqlens_q, block_table, seq_lens,
             sinks, k_scale, v_scale,
             num_tokens, num_q_heads, group, splits, int(sliding_window), int(early),
+            block_table.shape[1], k_cache.shape[0],
             float(scale), float(logits_soft_cap),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

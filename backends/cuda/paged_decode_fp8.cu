@@ -53,6 +53,20 @@ __device__ __forceinline__ Bytes16 load16(const unsigned char* p) {
     return v;
 }
 
+// A read through L2 only (never L1), for values that may still change: see the warm start.
+__device__ __forceinline__ int load_through_l2(const int* p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+// Fetch `bytes` (a multiple of 16, from a 16-byte aligned address) into L2; nothing returns.
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 __device__ __forceinline__ Bytes16 zero16() {
     Bytes16 v;
     v.w[0] = v.w[1] = v.w[2] = v.w[3] = 0u;
@@ -168,6 +182,7 @@ __global__ void __launch_bounds__(
     const float* __restrict__ k_scale,          // scalar or null
     const float* __restrict__ v_scale,          // scalar or null
     int num_tokens, int num_q_heads, int group, int num_splits, int window, int launch_next_early,
+    int table_width, int num_cache_blocks,
     float scale, float soft_cap,
     i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h,
     i64 k_stride_b, i64 k_stride_s, i64 k_stride_h,
@@ -186,6 +201,45 @@ __global__ void __launch_bounds__(
     const int g = lane >> 2, t = lane & 3;
     const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
     TRACE_MARKS;
+    const int* table = block_table + (i64)seq * table_stride;
+    // KV range [lo, hi) of this CTA for a sequence of kv_len, walked in 32-position steps from
+    // first, a multiple of 32 (so each 16-position tile lies inside one cache block when blocks
+    // hold 16 or more).
+    const auto kv_range = [&](int kv_len, int& lo, int& hi, int& first) {
+        lo = window > 0 ? max(kv_len - window, 0) : 0;
+        hi = kv_len;
+        first = lo & ~(kStep - 1);
+        if (SPLIT) {
+            const int steps = (hi - first + kStep - 1) / kStep;
+            const int share = (steps + num_splits - 1) / num_splits;
+            first += split * share * kStep;
+            lo = max(lo, first);
+            hi = min(hi, first + share * kStep);
+        }
+    };
+#ifdef KERNELMUX_WARM_START
+    // While the previous grid may still run: warm L2 with what the first step's chain of
+    // dependent reads needs (the query offset, the length, the table entries, then this warp's
+    // first 32 K and V rows), so after the wait that chain hits L2. What is read here may still
+    // change: it only chooses what to prefetch, clamped into the table and the cache, and goes
+    // through L2 alone (ld.global.cg), so no read after the wait can hit a stale L1 copy.
+    {
+        const int guess_token = min(max(load_through_l2(cu_seqlens_q + seq), 0), num_tokens - 1);
+        if (threadIdx.x < group)
+            prefetch_l2(query + ((i64)guess_token * q_stride_t + (i64)(kv_head * group + threadIdx.x) * q_stride_h) * 2,
+                        2 * kHeadDim);
+        const int guess_len = min(max(load_through_l2(seq_lens + seq), 0), table_width << PAGE_SHIFT);
+        int guess_lo, guess_hi, guess_first;
+        kv_range(guess_len, guess_lo, guess_hi, guess_first);
+        const int pos = guess_first + warp * kStep + lane;
+        if (pos >= guess_lo && pos < guess_hi) {
+            const i64 block = min(max(load_through_l2(table + (pos >> PAGE_SHIFT)), 0), num_cache_blocks - 1);
+            const i64 row = (pos & (kPage - 1));
+            prefetch_l2(k_cache + (i64)kv_head * k_stride_h + block * k_stride_b + row * k_stride_s, kHeadDim);
+            prefetch_l2(v_cache + (i64)kv_head * v_stride_h + block * v_stride_b + row * v_stride_s, kHeadDim);
+        }
+    }
+#endif
     wait_for_previous_grid();  // launched overlapping the previous kernel (attention.py): its writes first
     if (launch_next_early) allow_next_grid();
     TRACE_MARK(0, 0);
@@ -196,26 +250,14 @@ __global__ void __launch_bounds__(
     }
     const int kv_len = seq_lens[seq];
     TRACE_MARK(1, kv_len);
-
-    // KV range [lo, hi) of this CTA, walked in 32-position steps from a multiple of 32 (so each
-    // 16-position tile lies inside one cache block when blocks hold 16 or more).
-    int lo = window > 0 ? max(kv_len - window, 0) : 0;
-    int hi = kv_len;
-    int first = lo & ~(kStep - 1);
-    if (SPLIT) {
-        const int steps = (hi - first + kStep - 1) / kStep;
-        const int share = (steps + num_splits - 1) / num_splits;
-        first += split * share * kStep;
-        lo = max(lo, first);
-        hi = min(hi, first + share * kStep);
-    }
+    int lo, hi, first;
+    kv_range(kv_len, lo, hi, first);
 
     // Cache reads. A step reads, of each of its two 16-position tiles, K rows g and g + 8 and V
     // rows 2t, 2t+1, 2t+8, 2t+9; positions outside [lo, hi) read nothing (zeros): their scores are
     // masked, and a zero value row keeps 0 * garbage out of the sums. The first step's K is
     // requested before the query is read; with AHEAD the next step's K is requested once this
     // step's scores are computed (its V always once this step's values are summed).
-    const int* table = block_table + (i64)seq * table_stride;
     const unsigned char* k_head = k_cache + (i64)kv_head * k_stride_h + 16 * t;
     const unsigned char* v_head = v_cache + (i64)kv_head * v_stride_h + 16 * g;
     Bytes16 k_raw[2][2][2], v_raw[2][2][2];
@@ -552,6 +594,9 @@ __global__ void __launch_bounds__(2 * kHeadDim) merge_splits(
     __shared__ float second_half[kHeadDim];
     const int token = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
+#ifdef KERNELMUX_MERGE_EARLY
+    allow_next_grid();
+#endif
     wait_for_previous_grid();  // launched overlapping the decode kernel: its partials first
     const i64 first = (i64)token * num_q_heads + head, stride = (i64)num_tokens * num_q_heads;
 

@@ -8,6 +8,7 @@ numbers.
 
     python perf/diag/cuda_decode_sweep.py --out DIR [--cases NAME ...] [--splits 1 4 8 16]
         [--plans w16s2 w4a auto ...] [--shapes 32:4096:8:1 ...] [--repeat N] [--defines MACRO ...]
+        [--no-triton]
 
 A --plans entry names a DecodePlan: w<warps> (or auto: the default plan), s<splits> (else the
 default's), a (read ahead), p / n (programmatic dependent launch on / off, else the default's);
@@ -68,6 +69,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="time every variant this many rounds")
     parser.add_argument("--defines", nargs="*", default=[],
                         help="macros to compile the kernel with (experiments guarded in the .cu file)")
+    parser.add_argument("--no-triton", action="store_true",
+                        help="leave out the triton backend's kernel (A/B runs of the cuda kernel alone)")
     args = parser.parse_args()
     cuda_attention._DEFINES = tuple(args.defines)
     ceilings = ceilings_module.measure("cuda", only=("memory_gbps",))
@@ -82,7 +85,8 @@ def main() -> None:
                     ((False, 4), (True, 4), (False, 8), (True, 8)) for s in [None, *args.splits]]
     else:
         variants = [("cuda", plan_fields(name)) for name in args.plans]
-    variants.append(("triton", {}))
+    if not args.no_triton:
+        variants.append(("triton", {}))
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     for case in [*args.cases, *args.shapes]:
         build = builder(case)

@@ -302,6 +302,32 @@ def test_decode_graph_replays_new_inputs(splits, plan):
     replay_on_new_inputs(pa_spec, make, static, graph, out, batch, max_len)
 
 
+@needs_gpu
+@pytest.mark.parametrize("splits, plan", [(1, {"warps": 16}), (4, {"warps": 16}), (None, {}), (3, {"warps": 4})])
+def test_decode_overlapping_the_writer_of_its_indices_ignores_stale_values(splits, plan):
+    # Launched overlapping the kernel before it, the decode grid warms L2 from its lengths, query
+    # offsets and block table while that kernel may still be writing them: what it reads then
+    # only chooses what to prefetch, clamped into the table and the cache. Here a kernel writes
+    # the index inputs over out-of-range garbage right before each call: the result must be the
+    # reference's on the new values, and nothing may fault. (Whether a CTA saw the garbage
+    # depends on timing; the rounds make it likely.)
+    make = pa_spec._maker((1,) * 8, (1000, 17, 300, 1, 999, 64, 513, 1000), 8, 1, 128, cache_dtype=FP8,
+                          scales=(0.23, 0.31), spare_blocks=8)
+    kwargs = _build(make, 5)
+    expected = pa_spec.SPEC.reference(**kwargs)
+    names = ("cu_seqlens_q", "seq_lens", "block_table")
+    new = {name: kwargs[name].clone() for name in names}
+    with attention.override_plan(num_splits=splits, **plan):
+        for garbage in (1 << 30, -(1 << 30), 0x7FFFFFFF, -1) * 2:
+            for name in names:
+                kwargs[name].fill_(garbage)
+            torch.cuda.synchronize()
+            for name in names:
+                torch.mul(new[name], 1, out=kwargs[name])  # a kernel (a copy would be a memcpy)
+            actual = attention.paged_attention(**kwargs)
+            torch.cuda.synchronize()
+            pa_spec.SPEC.check_close(actual, expected, kwargs)
+
 def test_launch_structs_match_cuda_h():
     # cuda.h (12.x, 13.0): CUlaunchAttribute is a 4-byte id, 4 bytes of padding and a 64-byte
     # value union; CUlaunchConfig is six grid/block dims, the shared bytes, then (8-aligned) the
