@@ -33,7 +33,7 @@ import functools
 import math
 import pathlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -60,8 +60,8 @@ WIDE_UNSPLIT_FILL = 0.45
 WIDE_MIN_SHARE = 2048
 _SOURCE = pathlib.Path(__file__).with_name("paged_decode_fp8.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
-_DECODE_SIGNATURE = "pppppppppppp" + "iiiiii" + "ii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
-_MERGE_SIGNATURE = "pppp" + "iii" + "qq"
+_DECODE_SIGNATURE = "pppppppppppp" + "iiiiii" + "iii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
+_MERGE_SIGNATURE = "pppp" + "iiii" + "qq"
 # Macros defined for the compilation (perf/diag/cuda_decode_trace.py sets KERNELMUX_TRACE).
 _DEFINES: tuple[str, ...] = ()
 
@@ -244,16 +244,27 @@ def _warps(plan: DecodePlan, ctas: int, sms: int, max_seq_len: int, head_tiles: 
     return 16 if wide else 4
 
 
-def _overlap(plan: DecodePlan, capability: tuple[int, int], warps: int, splits: int, ctas: int,
-             sms: int) -> tuple[bool, bool]:
-    """(launch both kernels as programmatic dependents of the kernel before them, let the decode
-    grid's dependents launch at its start). The first by default where the GPU has it (sm_90+).
-    The second only for a grid of one wave of 16-warp CTAs without splits: SMs stay idle and no
-    merge follows; earlier triggers elsewhere measured slower (B 8 x 32768 with its merge: 72.7
-    against 75-76%), as dependents that launch early take SMs from a later wave or the merge.
-    (A split grid's CTAs let the merge launch as their streams end, in the kernel itself.)"""
+class Launches(NamedTuple):
+    """How a call's kernels launch on sm_90+ (programmatic dependent launch)."""
+    overlap: bool        # both kernels launch as programmatic dependents of the kernel before them,
+                         # and the decode grid warms L2 before it waits for that kernel
+    decode_early: bool   # the decode grid lets the kernel after it launch at its start
+    merge_early: bool    # the merge grid lets the kernel after it launch at its start
+
+
+def _launches(plan: DecodePlan, capability: tuple[int, int], warps: int, splits: int, ctas: int,
+              sms: int, merge_ctas: int) -> Launches:
+    """Overlap by default where the GPU has it (sm_90+). Early triggers only where the next
+    kernel's CTAs find SMs that would otherwise idle, as measured on the H100 with 16-warp CTAs
+    (perf/notes/attention.md rounds 14 and 16): an unsplit one-wave grid (B 64 x 4096 77.5
+    against 75-76%); a merge grid of at most one CTA per SM (B 8 x 32768, 64 merge CTAs: 81.5-82.9
+    -> 84.1-84.3%; B 16 x 16384: 78.5-80.4 -> 80.8-81.5). Elsewhere early dependents took SMs
+    from a later wave or the merge (B 48 x 4096, 2 splits and 384 merge CTAs: 72.8-74.5 -> 69.5-
+    70.8%; B 8 x 32768 with the decode grid triggering at its start: 72.7 against 75-76%). A split
+    grid's CTAs let the merge launch as their streams end, in the kernel itself."""
     overlap = plan.overlap if plan.overlap is not None else capability >= PDL_CAPABILITY
-    return overlap, overlap and warps == 16 and splits == 1 and ctas < sms
+    wide = overlap and warps == 16
+    return Launches(overlap, wide and splits == 1 and ctas < sms, wide and splits > 1 and merge_ctas <= sms)
 
 
 def paged_attention(
@@ -302,7 +313,7 @@ def paged_attention(
             unsplit, _ = _kernels(device, *template, False, plan.read_ahead, warps)
             splits = split_count(ctas, unsplit.blocks_per_sm * sms, max_seq_len)
         decode, merge = _kernels(device, *template, splits > 1, plan.read_ahead, warps)
-        overlap, early = _overlap(plan, _capability(device), warps, splits, ctas, sms)
+        launches = _launches(plan, _capability(device), warps, splits, ctas, sms, num_tokens * num_q_heads)
         if splits > 1:
             part_acc = torch.empty((splits, num_tokens, num_q_heads, HEAD_DIM), dtype=torch.float32,
                                    device=device)
@@ -313,16 +324,17 @@ def paged_attention(
             (num_kv_heads, num_seqs, splits),
             query, k_cache, v_cache, out, part_acc, part_ml, cu_seqlens_q, block_table, seq_lens,
             sinks, k_scale, v_scale,
-            num_tokens, num_q_heads, group, splits, int(sliding_window), int(early),
-            block_table.shape[1], k_cache.shape[0],
+            num_tokens, num_q_heads, group, splits, int(sliding_window), int(launches.decode_early),
+            int(launches.overlap), block_table.shape[1], k_cache.shape[0],
             float(scale), float(logits_soft_cap),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0),
-            overlap_previous=overlap,
+            overlap_previous=launches.overlap,
         )
         if splits > 1:
             merge((num_tokens, num_q_heads, 1), out, part_acc, part_ml, sinks, num_tokens, num_q_heads,
-                  splits, out.stride(0), out.stride(1), overlap_previous=overlap)
+                  splits, int(launches.merge_early), out.stride(0), out.stride(1),
+                  overlap_previous=launches.overlap)
     return out

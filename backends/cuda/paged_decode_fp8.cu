@@ -164,7 +164,9 @@ __device__ __forceinline__ void trace_write(const unsigned long long* marks) {
 // (64 KiB at 16 warps, past the 48 KiB a static array may hold).
 // launch_next_early: let the next kernel on the stream launch once this grid is running (a grid
 // of one wave that leaves SMs idle and has no merge after it; the next kernel still waits for
-// this one to finish before it reads anything).
+// this one to finish before it reads anything). warm_start: this grid was launched overlapping
+// the previous kernel, so it warms L2 before waiting for it (below). table_width and
+// num_cache_blocks bound what the warm start reads and prefetches.
 template <int HEAD_TILES, bool Q_BF16, int PAGE_SHIFT, bool SOFT_CAP, bool SPLIT, bool AHEAD, int WARPS>
 __global__ void __launch_bounds__(
     WARPS * 32, (HEAD_TILES == 1 ? (PAGE_SHIFT >= 4 && !AHEAD && !SOFT_CAP ? 16 : 12) : 8) / WARPS)
@@ -182,7 +184,7 @@ __global__ void __launch_bounds__(
     const float* __restrict__ k_scale,          // scalar or null
     const float* __restrict__ v_scale,          // scalar or null
     int num_tokens, int num_q_heads, int group, int num_splits, int window, int launch_next_early,
-    int table_width, int num_cache_blocks,
+    int warm_start, int table_width, int num_cache_blocks,
     float scale, float soft_cap,
     i64 q_stride_t, i64 q_stride_h, i64 o_stride_t, i64 o_stride_h,
     i64 k_stride_b, i64 k_stride_s, i64 k_stride_h,
@@ -217,24 +219,27 @@ __global__ void __launch_bounds__(
             hi = min(hi, first + share * kStep);
         }
     };
-#ifdef KERNELMUX_WARM_START
-    // While the previous grid may still run: warm L2 with what the first step's chain of
-    // dependent reads needs (the query offset, the length, the table entries, then this warp's
-    // first 32 K and V rows), so after the wait that chain hits L2. What is read here may still
-    // change: it only chooses what to prefetch, clamped into the table and the cache, and goes
-    // through L2 alone (ld.global.cg), so no read after the wait can hit a stale L1 copy.
-    {
+#if __CUDA_ARCH__ >= 900
+    // Warm start: while the previous grid may still run (this one launched overlapping it), warm
+    // L2 with what the first step's chain of dependent reads needs: the query offset, the
+    // length, the table entries, then this warp's first 32 K and V rows and the query, so after
+    // the wait that chain hits L2. What is read here may still change: it only chooses what to
+    // prefetch, clamped into the table and the cache, and goes through L2 alone
+    // (ld.global.cg), so no read after the wait can hit a stale L1 copy. Same-run sweeps, two
+    // rounds: 70B fp8 B 64 x 4096 79.7-80.4 -> 81.1-82.3%, B 8 x 32768 77.4-78.0 -> 81.5-82.9%
+    // (perf/notes/attention.md round 16).
+    if (warm_start) {
         const int guess_token = min(max(load_through_l2(cu_seqlens_q + seq), 0), num_tokens - 1);
         if (threadIdx.x < group)
             prefetch_l2(query + ((i64)guess_token * q_stride_t + (i64)(kv_head * group + threadIdx.x) * q_stride_h) * 2,
                         2 * kHeadDim);
-        const int guess_len = min(max(load_through_l2(seq_lens + seq), 0), table_width << PAGE_SHIFT);
+        const int guess_len = (int)min((i64)max(load_through_l2(seq_lens + seq), 0), (i64)table_width << PAGE_SHIFT);
         int guess_lo, guess_hi, guess_first;
         kv_range(guess_len, guess_lo, guess_hi, guess_first);
         const int pos = guess_first + warp * kStep + lane;
-        if (pos >= guess_lo && pos < guess_hi) {
+        if (pos >= guess_lo && pos < guess_hi && num_cache_blocks > 0) {
             const i64 block = min(max(load_through_l2(table + (pos >> PAGE_SHIFT)), 0), num_cache_blocks - 1);
-            const i64 row = (pos & (kPage - 1));
+            const i64 row = pos & (kPage - 1);
             prefetch_l2(k_cache + (i64)kv_head * k_stride_h + block * k_stride_b + row * k_stride_s, kHeadDim);
             prefetch_l2(v_cache + (i64)kv_head * v_stride_h + block * v_stride_b + row * v_stride_s, kHeadDim);
         }
@@ -581,23 +586,22 @@ __global__ void __launch_bounds__(
 // One (token, query head) per CTA of 256 threads: the splits' maxima and sums are read at once
 // (a thread each), their weights go through shared memory, and two groups of 128 threads (one
 // value dim each) sum half of the splits' partials apiece, so a merge of 64 splits waits on a
-// few rounds of loads instead of one per split.
+// few rounds of loads instead of one per split. launch_next_early: let the next kernel launch
+// (and warm its start) while the merge runs: attention.py's _launches says where.
 constexpr int kMaxSplits = 64;  // attention.py's _MAX_SPLITS
 
 template <bool Q_BF16>
 __global__ void __launch_bounds__(2 * kHeadDim) merge_splits(
     unsigned char* __restrict__ out, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-    const float* __restrict__ sinks, int num_tokens, int num_q_heads, int num_splits,
+    const float* __restrict__ sinks, int num_tokens, int num_q_heads, int num_splits, int launch_next_early,
     i64 o_stride_t, i64 o_stride_h) {
     __shared__ float weight[kMaxSplits];
     __shared__ float warp_max[2], warp_total[2];
     __shared__ float second_half[kHeadDim];
     const int token = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
-#ifdef KERNELMUX_MERGE_EARLY
-    allow_next_grid();
-#endif
     wait_for_previous_grid();  // launched overlapping the decode kernel: its partials first
+    if (launch_next_early) allow_next_grid();
     const i64 first = (i64)token * num_q_heads + head, stride = (i64)num_tokens * num_q_heads;
 
     // Threads 0 .. 63 (warps 0 and 1): split tid's running max and sum.

@@ -96,18 +96,23 @@ def test_override_plan_checks_its_argument():
             pass
 
 
-@pytest.mark.parametrize("plan, capability, warps, splits, ctas, expected", [
-    (attention.DecodePlan(), (9, 0), 16, 1, 64, (True, True)),    # one wave, idle SMs, no merge
-    (attention.DecodePlan(), (9, 0), 16, 16, 8, (True, False)),   # a merge follows
-    (attention.DecodePlan(), (9, 0), 4, 1, 512, (True, False)),   # several waves of 4-warp CTAs
-    (attention.DecodePlan(warps=16), (9, 0), 16, 1, 512, (True, False)),  # 16 warps, several waves
-    (attention.DecodePlan(), (8, 9), 16, 1, 64, (False, False)),  # no PDL before sm_90
-    (attention.DecodePlan(), (10, 0), 16, 1, 64, (True, True)),
-    (attention.DecodePlan(overlap=False), (9, 0), 16, 1, 64, (False, False)),
-    (attention.DecodePlan(overlap=True), (9, 0), 4, 4, 64, (True, False)),
+@pytest.mark.parametrize("plan, capability, warps, splits, ctas, merge_ctas, expected", [
+    (attention.DecodePlan(), (9, 0), 16, 1, 64, 512, (True, True, False)),    # one wave, idle SMs, no merge
+    (attention.DecodePlan(), (9, 0), 16, 16, 8, 64, (True, False, True)),     # a merge of one CTA per SM
+    (attention.DecodePlan(), (9, 0), 16, 8, 16, 132, (True, False, True)),
+    (attention.DecodePlan(), (9, 0), 16, 2, 48, 384, (True, False, False)),   # a merge of several waves
+    (attention.DecodePlan(), (9, 0), 4, 1, 512, 4096, (True, False, False)),  # several waves of 4-warp CTAs
+    (attention.DecodePlan(), (9, 0), 4, 8, 64, 64, (True, False, False)),     # 4-warp CTAs: not measured
+    (attention.DecodePlan(warps=16), (9, 0), 16, 1, 512, 4096, (True, False, False)),  # 16 warps, several waves
+    (attention.DecodePlan(), (8, 9), 16, 1, 64, 512, (False, False, False)),  # no PDL before sm_90
+    (attention.DecodePlan(), (8, 9), 16, 16, 8, 64, (False, False, False)),
+    (attention.DecodePlan(), (10, 0), 16, 1, 64, 512, (True, True, False)),
+    (attention.DecodePlan(overlap=False), (9, 0), 16, 1, 64, 512, (False, False, False)),
+    (attention.DecodePlan(overlap=False), (9, 0), 16, 16, 8, 64, (False, False, False)),
+    (attention.DecodePlan(overlap=True), (9, 0), 4, 4, 64, 512, (True, False, False)),
 ])
-def test_programmatic_launch_choices(plan, capability, warps, splits, ctas, expected):
-    assert attention._overlap(plan, capability, warps, splits, ctas, 132) == expected
+def test_programmatic_launch_choices(plan, capability, warps, splits, ctas, merge_ctas, expected):
+    assert attention._launches(plan, capability, warps, splits, ctas, 132, merge_ctas) == expected
 
 
 @pytest.mark.parametrize("plan, ctas, max_seq_len, template, warps", [
