@@ -244,16 +244,18 @@ def _warps(plan: DecodePlan, ctas: int, sms: int, max_seq_len: int, head_tiles: 
     return 16 if wide else 4
 
 
-class Launches(NamedTuple):
-    """How a call's kernels launch on sm_90+ (programmatic dependent launch)."""
-    overlap: bool        # both kernels launch as programmatic dependents of the kernel before them,
-                         # and the decode grid warms L2 before it waits for that kernel
-    decode_early: bool   # the decode grid lets the kernel after it launch at its start
-    merge_early: bool    # the merge grid lets the kernel after it launch at its start
+class _Launches(NamedTuple):
+    """How a call's kernels launch on sm_90+ (programmatic dependent launch). ``overlap``: both
+    kernels launch as programmatic dependents of the kernel before them, and the decode grid
+    warms L2 before it waits for that kernel; ``decode_early`` / ``merge_early``: that grid lets
+    the kernel after it launch at its start."""
+    overlap: bool
+    decode_early: bool
+    merge_early: bool
 
 
 def _launches(plan: DecodePlan, capability: tuple[int, int], warps: int, splits: int, ctas: int,
-              sms: int, merge_ctas: int) -> Launches:
+              sms: int, merge_ctas: int) -> _Launches:
     """Overlap by default where the GPU has it (sm_90+). Early triggers only where the next
     kernel's CTAs find SMs that would otherwise idle, as measured on the H100 with 16-warp CTAs
     (perf/notes/attention.md rounds 14 and 16): an unsplit one-wave grid (B 64 x 4096 77.5
@@ -264,7 +266,7 @@ def _launches(plan: DecodePlan, capability: tuple[int, int], warps: int, splits:
     grid's CTAs let the merge launch as their streams end, in the kernel itself."""
     overlap = plan.overlap if plan.overlap is not None else capability >= PDL_CAPABILITY
     wide = overlap and warps == 16
-    return Launches(overlap, wide and splits == 1 and ctas < sms, wide and splits > 1 and merge_ctas <= sms)
+    return _Launches(overlap, wide and splits == 1 and ctas < sms, wide and splits > 1 and merge_ctas <= sms)
 
 
 def paged_attention(

@@ -226,8 +226,9 @@ __global__ void __launch_bounds__(
     // the wait that chain hits L2. What is read here may still change: it only chooses what to
     // prefetch, clamped into the table and the cache, and goes through L2 alone
     // (ld.global.cg), so no read after the wait can hit a stale L1 copy. Same-run sweeps, two
-    // rounds: 70B fp8 B 64 x 4096 79.7-80.4 -> 81.1-82.3%, B 8 x 32768 77.4-78.0 -> 81.5-82.9%
-    // (perf/notes/attention.md round 16).
+    // rounds: 70B fp8 B 64 x 4096 79.7-80.4 -> 81.1-82.3%, B 8 x 32768 77.4-78.0 -> 81.5-82.9%;
+    // the rows' prefetch is the gain (the length and table read alone: 77.7-78.8 / 76.3-77.1%,
+    // slower than no warm start; perf/notes/attention.md round 16).
     if (warm_start) {
         const int guess_token = min(max(load_through_l2(cu_seqlens_q + seq), 0), num_tokens - 1);
         if (threadIdx.x < group)
