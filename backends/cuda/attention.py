@@ -15,11 +15,13 @@ SM) when those are fewer than the SMs and long enough (wide_split_count) and of 
 and, when the grid is short of one wave of the GPU (the driver's occupancy for the compiled
 kernel times the SMs; for 16-warp CTAs, short of 45% of the SMs), KV splits merged by a second
 kernel. On sm_90 and newer both kernels launch as programmatic dependents of the kernel before
-them on the stream (PDL: each waits for that kernel's writes before its first read; a 16-warp
-unsplit grid, which leaves SMs idle and has no merge after it, lets the next kernel launch at
-once, and a split grid lets its merge launch once every CTA is past its stream): measured 1-2
-points at the 70B TP8 fp8 shapes (perf/notes/attention.md rounds 14 and 15). No device data is
-read, so CUDA graphs stay valid when lengths and tables change under them. First call per (GPU
+them on the stream (PDL: each waits for that kernel's writes before its first read, and the
+decode grid warms L2 for its first reads while it waits; a 16-warp unsplit grid, which leaves
+SMs idle and has no merge after it, lets the next kernel launch at once, a split grid lets its
+merge launch once every CTA is past its stream, and a merge grid of at most one CTA per SM lets
+the next kernel launch at its start; _launches): measured 1-2 points at the 70B TP8 fp8 shapes
+in rounds 14 and 15, and 1.5-7 more in round 16 (perf/notes/attention.md). The host reads no
+device data, so CUDA graphs stay valid when lengths and tables change under them. First call per (GPU
 arch, template set): one NVRTC compilation, 0.3-0.8 s on a 2-core VM for sm_90, kept on disk
 (_nvrtc.compile_module_cached: later processes load the cubin), then one module load per
 device. No autotuning: the warps, split counts and plan come from
