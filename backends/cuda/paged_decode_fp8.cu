@@ -204,6 +204,19 @@ __global__ void __launch_bounds__(
     const int kv_head = blockIdx.x, seq = blockIdx.y, split = blockIdx.z;
     TRACE_MARKS;
     const int* table = block_table + (i64)seq * table_stride;
+    // Where this KV head's rows lie: the K or V row (kHeadDim bytes) of a cache position in a
+    // cache block, and a token's query row for head h of the group (2 bytes an element).
+    const unsigned char* k_rows = k_cache + (i64)kv_head * k_stride_h;
+    const unsigned char* v_rows = v_cache + (i64)kv_head * v_stride_h;
+    const auto k_row = [&](i64 block, int pos) {
+        return k_rows + block * k_stride_b + (i64)(pos & (kPage - 1)) * k_stride_s;
+    };
+    const auto v_row = [&](i64 block, int pos) {
+        return v_rows + block * v_stride_b + (i64)(pos & (kPage - 1)) * v_stride_s;
+    };
+    const auto query_row = [&](int tok, int h) {
+        return query + ((i64)tok * q_stride_t + (i64)(kv_head * group + h) * q_stride_h) * 2;
+    };
     // KV range [lo, hi) of this CTA for a sequence of kv_len, walked in 32-position steps from
     // first, a multiple of 32 (so each 16-position tile lies inside one cache block when blocks
     // hold 16 or more).
@@ -232,17 +245,15 @@ __global__ void __launch_bounds__(
     if (warm_start) {
         const int guess_token = min(max(load_through_l2(cu_seqlens_q + seq), 0), num_tokens - 1);
         if (threadIdx.x < group)
-            prefetch_l2(query + ((i64)guess_token * q_stride_t + (i64)(kv_head * group + threadIdx.x) * q_stride_h) * 2,
-                        2 * kHeadDim);
+            prefetch_l2(query_row(guess_token, threadIdx.x), 2 * kHeadDim);
         const int guess_len = (int)min((i64)max(load_through_l2(seq_lens + seq), 0), (i64)table_width << PAGE_SHIFT);
         int guess_lo, guess_hi, guess_first;
         kv_range(guess_len, guess_lo, guess_hi, guess_first);
         const int pos = guess_first + warp * kStep + lane;
         if (pos >= guess_lo && pos < guess_hi && num_cache_blocks > 0) {
             const i64 block = min(max(load_through_l2(table + (pos >> PAGE_SHIFT)), 0), num_cache_blocks - 1);
-            const i64 row = pos & (kPage - 1);
-            prefetch_l2(k_cache + (i64)kv_head * k_stride_h + block * k_stride_b + row * k_stride_s, kHeadDim);
-            prefetch_l2(v_cache + (i64)kv_head * v_stride_h + block * v_stride_b + row * v_stride_s, kHeadDim);
+            prefetch_l2(k_row(block, pos), kHeadDim);
+            prefetch_l2(v_row(block, pos), kHeadDim);
         }
     }
 #endif
@@ -264,8 +275,6 @@ __global__ void __launch_bounds__(
     // masked, and a zero value row keeps 0 * garbage out of the sums. The first step's K is
     // requested before the query is read; with AHEAD the next step's K is requested once this
     // step's scores are computed (its V always once this step's values are summed).
-    const unsigned char* k_head = k_cache + (i64)kv_head * k_stride_h + 16 * t;
-    const unsigned char* v_head = v_cache + (i64)kv_head * v_stride_h + 16 * g;
     Bytes16 k_raw[2][2][2], v_raw[2][2][2];
     // Blocks of 16 positions or more: the cache block of each 16-position tile of this step,
     // and of the step this warp reads next (looked up a step ahead: the table read is not on
@@ -288,8 +297,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int pos = step + 16 * c + g + 8 * h;
-                const unsigned char* p =
-                    k_head + (i64)block_of(c, pos) * k_stride_b + (i64)(pos & (kPage - 1)) * k_stride_s;
+                const unsigned char* p = k_row(block_of(c, pos), pos) + 16 * t;
                 k_raw[c][h][0] = visible(pos) ? load16(p) : zero16();
                 k_raw[c][h][1] = visible(pos) ? load16(p + 64) : zero16();
             }
@@ -304,8 +312,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int pos = step + 16 * c + 8 * half + 2 * t + e;
-                    const unsigned char* p =
-                        v_head + (i64)block_of(c, pos) * v_stride_b + (i64)(pos & (kPage - 1)) * v_stride_s;
+                    const unsigned char* p = v_row(block_of(c, pos), pos) + 16 * g;
                     v_raw[c][half][e] = visible(pos) ? load16(p) : zero16();
                 }
     };
@@ -314,8 +321,7 @@ __global__ void __launch_bounds__(
 #ifdef KERNELMUX_TRACE
     // The first K row's arrival, timed by a load of its own (the loop's then hits in L2).
     if (PAGE_SHIFT >= 4 && step < hi) {
-        const unsigned char* row =
-            k_head + (i64)ahead_block[0] * k_stride_b + (i64)(step & (kPage - 1)) * k_stride_s;
+        const unsigned char* row = k_row(ahead_block[0], step) + 16 * t;
         TRACE_MARK(2, load16(row).w[0]);
     }
 #endif
@@ -334,8 +340,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
     for (int j = 0; j < HEAD_TILES; ++j) {
         const int h = 8 * j + g;
-        const unsigned char* row =
-            query + ((i64)token * q_stride_t + (i64)(kv_head * group + h) * q_stride_h) * 2 + 32 * t;
+        const unsigned char* row = query_row(token, h) + 32 * t;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const unsigned char* chunk = row + (c < 2 ? 16 * c : 128 + 16 * (c - 2));  // dims as K's bytes
