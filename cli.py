@@ -1,11 +1,12 @@
-"""The `kernelmux` command: `info` (platform, plugins, selection per op) and `explain OP`."""
+"""The `kernelmux` command: `info` (platform, plugins, selection per op), `explain OP` and `bench`.
+A usage error (unknown op, case or platform, bad settings or arguments) exits 2 with one line."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 __all__ = ["main"]
 
@@ -18,6 +19,11 @@ def _engine(platform: str | None):
     if platform:
         return engine.Engine(ALL_SPECS, engine.Settings.from_env().with_changes(platform=platform))
     return engine.current()
+
+
+def _usage_error(message: str) -> int:
+    print(f"kernelmux: {message}", file=sys.stderr)
+    return 2
 
 
 def _print(renderable) -> None:
@@ -42,20 +48,19 @@ def _explain(args: argparse.Namespace) -> int:
 
     engine = _engine(args.platform)
     if args.op not in engine.specs:
-        print(f"kernelmux: unknown op {args.op!r}; ops: {', '.join(sorted(engine.specs))}", file=sys.stderr)
-        return 2
+        return _usage_error(f"unknown op {args.op!r}; ops: {', '.join(sorted(engine.specs))}")
     spec = engine.specs[args.op]
     kwargs = None
     if args.case:
         try:
             case = spec.case(args.case)
         except KeyError as error:
-            print(f"kernelmux: {error.args[0]}", file=sys.stderr)
-            return 2
-        # On a simulated platform the inputs cannot live on its device: build them as meta
-        # tensors (shapes and dtypes only) and let the engine answer for the simulated device.
+            return _usage_error(error.args[0])
+        # On a simulated platform the inputs cannot live on its device: they are built on this
+        # machine's CPU, and the engine answers from their dispatch key moved to the simulated
+        # device (implementations decide from the key and the platform alone).
         simulated = engine.platform.simulated
-        kwargs = case.build("meta" if simulated else engine.platform.device_type)
+        kwargs = case.build("cpu" if simulated else engine.platform.device)
     data = explain_report(engine, args.op, kwargs, args.case)
     if args.json:
         print(json.dumps(data, indent=2))
@@ -64,10 +69,53 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    """perf/bench.py's main, once the cases named exist (it would skip unknown ones and time
+    nothing); it reports unknown ops itself (UnknownOpError)."""
+    from kernelmux.ops.specs import ALL_SPECS
+    from kernelmux.perf import bench as bench_module
+
+    specs = {spec.name: spec for spec in ALL_SPECS}
+    if args.cases and not args.load and all(op in specs for op in args.ops):
+        known = list(dict.fromkeys(case.name for op in args.ops or specs for case in specs[op].cases))
+        unknown = ", ".join(repr(name) for name in args.cases if name not in known)
+        if unknown and not args.ops:  # every op's cases would be hundreds of names
+            return _usage_error(f"no op has a case {unknown}; name the op to see its cases "
+                                "(kernelmux bench OP --case NAME)")
+        if unknown:
+            return _usage_error(f"unknown case(s) {unknown} for {', '.join(args.ops)}; cases: "
+                                f"{', '.join(known)}")
+    return bench_module.main(args)
+
+
+def _version() -> str:
+    """The installed kernelmux distribution's version and torch's."""
+    import importlib.metadata
+
+    import torch
+
+    try:
+        version = importlib.metadata.version("kernelmux")
+    except importlib.metadata.PackageNotFoundError:
+        version = "(not installed as a distribution)"
+    return f"kernelmux {version}, torch {torch.__version__}"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one ``kernelmux: ...`` line (exit 2) like the others."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("kernelmux").strip()
+        where = f"{command}: " if command else ""
+        self.exit(2, f"kernelmux: {where}{message} (see '{self.prog} --help')\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kernelmux", description="LLM-serving ops behind a plugin registry: what runs here, and why."
     )
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print the kernelmux and torch versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -91,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     from kernelmux.perf import bench as bench_module
 
     bench_module.add_arguments(bench)
-    bench.set_defaults(run=bench_module.main)
+    bench.set_defaults(run=_bench)
     return parser
 
 
@@ -101,9 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except KernelmuxError as error:  # bad platform names, settings, strict-mode plugin failures
-        print(f"kernelmux: {error}", file=sys.stderr)
-        return 2
+    except KernelmuxError as error:  # bad platforms, settings, unknown ops, strict-mode plugin failures
+        return _usage_error(str(error))
 
 
 if __name__ == "__main__":  # pragma: no cover

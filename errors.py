@@ -5,10 +5,14 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 __all__ = [
+    "ConfigurationError",
+    "DeviceDataError",
+    "ImplementationError",
     "InvalidArgumentError",
     "KernelmuxError",
     "NoImplementationError",
     "PlatformError",
+    "PluginConflictError",
     "PluginLoadError",
     "RegistrationError",
     "UnknownOpError",
@@ -70,6 +74,16 @@ class PluginLoadError(KernelmuxError):
         super().__init__(f"plugin {plugin!r} (from {distribution}) failed to load: {problem}")
 
 
+class PluginConflictError(PluginLoadError):
+    """A plugin not loaded because its name is reserved for a built-in backend or declared by
+    another distribution too; raised only in strict mode (else quarantined)."""
+
+    def __init__(self, plugin: str, distribution: str, problem: str) -> None:
+        super().__init__(plugin, distribution, problem)
+        # Same carried fields as PluginLoadError, a message that does not claim an import failed.
+        self.args = (f"plugin {plugin!r} (from {distribution}) was not loaded: {problem}",)
+
+
 class PlatformError(KernelmuxError, ValueError):
     """A platform description that cannot be parsed or simulated."""
 
@@ -85,3 +99,28 @@ class NoImplementationError(KernelmuxError, RuntimeError):
             f"{op}: no implementation accepted this call and strict mode forbids the reference "
             f"fallback; candidates:\n{lines or '  (none registered for this platform)'}"
         )
+
+
+class DeviceDataError(InvalidArgumentError):
+    """Checked mode: an index tensor's contents (a block table, a slot mapping, sequence offsets)
+    point outside what they index. Raised before any implementation runs."""
+
+
+class ImplementationError(KernelmuxError, RuntimeError):
+    """An implementation failed a call: it raised (the original is the ``__cause__``) or, in
+    checked mode, returned outputs whose structure, shape, dtype or device break the spec.
+    Names the op, the backend and the plugin (with its distribution) that provided it."""
+
+    def __init__(self, op: str, backend: str, plugin: str, distribution: str, problem: str) -> None:
+        self.op = op
+        self.backend = backend
+        self.plugin = plugin
+        self.distribution = distribution
+        self.problem = problem
+        source = f"plugin {plugin!r}" + (f" from {distribution}" if distribution else "")
+        super().__init__(f"{op}: implementation {op}:{backend} ({source}) {problem}")
+
+
+class ConfigurationError(KernelmuxError, ValueError):
+    """A setting (environment variable or ``configure`` argument) names something that does not
+    exist or cannot be parsed; the message lists what is known."""

@@ -12,17 +12,18 @@ from typing import Any, Iterable, Mapping
 from kernelmux.engine.platform import Feature, Platform, PlatformKind, detect, simulate
 from kernelmux.engine.settings import ENV_VARS, Settings
 from kernelmux.engine._engine import (
+    CheckedDispatcher,
     Decision,
     Dispatcher,
     Engine,
     FallbackWarning,
     OpTable,
-    check_known_backends,
 )
 from kernelmux.engine.report import report as _report_data
 
 __all__ = [
     "ENV_VARS",
+    "CheckedDispatcher",
     "Decision",
     "Dispatcher",
     "Engine",
@@ -74,17 +75,20 @@ def configure(
     deny: Iterable[str] | None = None,
     allow_plugins: Iterable[str] | None = None,
     strict: bool | None = None,
+    check: bool | None = None,
     platform: str | Platform | None = None,
     plugins: Mapping[str, Any] | None = None,
     from_env: bool = True,
 ) -> Engine:
     """Rebuild the engine with overrides on top of the environment's settings (or on top of the
     defaults with ``from_env=False``), install it as current and return it. ``plugins`` maps
-    names to plugin objects registered in addition to the installed entry points."""
+    names to plugin objects registered in addition to the installed entry points. ``check``:
+    checked mode (see ``CheckedDispatcher``), the way to debug an integration. Unknown names in
+    ``prefer``, ``deny`` or ``allow_plugins`` raise ``ConfigurationError``."""
     simulated = platform if isinstance(platform, str) else None
     base = Settings.from_env() if from_env else Settings()
     settings = base.with_changes(
-        prefer=prefer, deny=deny, allow_plugins=allow_plugins, strict=strict, platform=simulated
+        prefer=prefer, deny=deny, allow_plugins=allow_plugins, strict=strict, check=check, platform=simulated
     )
     engine = Engine(
         _all_specs(),
@@ -92,7 +96,6 @@ def configure(
         platform=platform if isinstance(platform, Platform) else None,
         plugins=plugins,
     )
-    check_known_backends(engine, (b for backends in settings.prefer.values() for b in backends))
     with _lock:
         return _install(engine)
 

@@ -2,30 +2,29 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterable, Mapping
+from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple
 
 import torch
 
 from kernelmux.engine.platform import Platform, detect, simulate
 from kernelmux.engine.settings import Settings
-from kernelmux.errors import KernelmuxError, NoImplementationError, UnknownOpError
+from kernelmux.errors import ConfigurationError, ImplementationError, NoImplementationError, UnknownOpError
 from kernelmux.ops._spec import OpSpec
 from kernelmux.registry import Backend, Implementation, Registry
 
 __all__ = [
     "Candidate",
+    "CheckedDispatcher",
     "Decision",
     "Dispatcher",
     "Engine",
     "FallbackWarning",
     "OpTable",
+    "output_problem",
 ]
-
-logger = logging.getLogger("kernelmux")
 
 
 class FallbackWarning(UserWarning):
@@ -56,76 +55,128 @@ class Decision:
     backend: str  # the chosen backend; Backend.REFERENCE on fallback
     fallback: bool
     answers: tuple[tuple[str, str | None], ...]  # (backend, None if accepted else reason)
+    platform: str = ""  # the platform the key was decided for (Platform.describe())
 
 
-def _first_tensor_device(args: Iterable[Any], kwargs: Mapping[str, Any]) -> str | None:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value.device.type
+class _Choice(NamedTuple):
+    """A dispatch key's cached outcome: the function to run and who provides it."""
+
+    fn: Callable[..., Any]
+    backend: str
+    plugin: str
+
+
+def _ask(impl: Implementation, key: Any, platform: Platform) -> str | None:
+    """``impl.supports(key, platform)``, with anything it raises or returns amiss as its reason to
+    decline: a buggy supports() must not crash calls (KeyboardInterrupt still propagates)."""
+    try:
+        reason = impl.supports(key, platform)  # type: ignore[misc]
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # noqa: BLE001 - SystemExit included: a plugin must not end the host
+        return f"supports() raised {type(error).__name__}: {error}"
+    if reason is not None and not isinstance(reason, str):
+        return f"supports() returned {reason!r}; it must return None (accept) or a reason string (decline)"
+    return reason
+
+
+def output_problem(actual: Any, expected: Any, where: str = "output") -> str | None:
+    """How ``actual`` differs from the spec's fake outputs ``expected`` in structure, shape, dtype
+    or device (None when it does not): checked mode's conformance check of every call."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            return f"returned {type(actual).__name__} as {where}, the spec returns a tensor"
+        got = (tuple(actual.shape), actual.dtype, actual.device)
+        want = (tuple(expected.shape), expected.dtype, expected.device)
+        if got != want:
+            return (f"returned {where} of shape {got[0]}, {got[1]} on {got[2]}; the spec returns shape "
+                    f"{want[0]}, {want[1]} on {want[2]}")
+        return None
+    if isinstance(expected, (tuple, list)):
+        if not isinstance(actual, (tuple, list)) or len(actual) != len(expected):
+            shape = f"a {type(actual).__name__}" + (f" of {len(actual)}" if isinstance(actual, (tuple, list)) else "")
+            return f"returned {shape} as {where}, the spec returns a tuple of {len(expected)}"
+        for index, (a, e) in enumerate(zip(actual, expected)):
+            problem = output_problem(a, e, f"{where}[{index}]")
+            if problem is not None:
+                return problem
+        return None
+    if expected is None and actual is not None:
+        return f"returned {type(actual).__name__} as {where}, the spec returns None (an in-place op)"
     return None
 
 
 class Dispatcher:
     """The per-call path of one op: validate, look the key up, run. Everything slow happens once
-    per dispatch key, in ``_select``."""
+    per dispatch key, in ``_select``; an implementation that raises is reported as an
+    ``ImplementationError`` naming it."""
 
-    __slots__ = ("_cache", "_engine", "_lock", "_validate", "decisions", "table")
+    __slots__ = ("_cache", "_decisions", "_engine", "_lock", "_validate", "table")
 
     def __init__(self, engine: "Engine", table: OpTable) -> None:
         self._engine = engine
         self.table = table
         self._validate = table.spec.validate
-        self._cache: dict[Hashable, Callable[..., Any]] = {}
+        self._cache: dict[Hashable, _Choice] = {}
         self._lock = threading.Lock()
-        self.decisions: dict[Hashable, Decision] = {}
+        self._decisions: dict[Hashable, Decision] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = self._validate(*args, **kwargs)
-        fn = self._cache.get(key)
-        if fn is None:
-            fn = self._select(key, args, kwargs)
-        return fn(*args, **kwargs)
+        choice = self._cache.get(key)
+        if choice is None:
+            choice = self._select(key)
+        try:
+            return choice.fn(*args, **kwargs)
+        except Exception as error:
+            failure = self._failure(choice, error)
+            if failure is error:
+                raise
+            raise failure from error
 
     def resolve(self, *args: Any, **kwargs: Any) -> Callable[..., Any]:
-        """Validate once and return the implementation function this call would run."""
+        """Validate once and return the implementation function this call would run (called
+        directly, it is not wrapped: what it raises reaches the caller as is)."""
         key = self._validate(*args, **kwargs)
-        fn = self._cache.get(key)
-        return fn if fn is not None else self._select(key, args, kwargs)
+        choice = self._cache.get(key)
+        return (choice if choice is not None else self._select(key)).fn
 
-    def answers(
-        self, args: tuple[Any, ...], kwargs: Mapping[str, Any], device_type: str | None = None
-    ) -> list[tuple[Implementation, str | None]]:
-        """Every candidate's answer to a call, in order (``device_type`` overrides the inputs'
-        device, for simulated platforms whose tensors cannot exist here)."""
-        device_type = device_type or _first_tensor_device(args, kwargs)
+    @property
+    def decisions(self) -> dict[Hashable, Decision]:
+        """A snapshot of every dispatch key decided so far (safe while other threads dispatch)."""
+        with self._lock:
+            return dict(self._decisions)
+
+    def answers(self, key: Any, platform: Platform) -> list[tuple[Implementation, str | None]]:
+        """Every candidate's answer to a call with dispatch ``key`` on ``platform``, in order."""
+        engine = self._engine
+        device_type = key.device.type
         result = []
         for candidate in self.table.candidates:
             impl = candidate.impl
             reason = None
             if impl.devices and device_type not in impl.devices:
-                reason = (
-                    f"runs on {'/'.join(sorted(impl.devices))} tensors, the inputs are on {device_type}"
-                )
-            elif impl.supports is not None:
-                try:
-                    reason = impl.supports(*args, **kwargs)
-                except Exception as error:  # a buggy supports() declines; it must not crash calls
-                    reason = f"supports() raised {type(error).__name__}: {error}"
+                reason = f"runs on {'/'.join(sorted(impl.devices))} tensors, the inputs are on {device_type}"
+            elif platform is not engine.platform:
+                reason = engine.platform_problem(impl, platform)
+            if reason is None and impl.supports is not None:
+                reason = _ask(impl, key, platform)
             result.append((impl, reason))
         return result
 
-    def _select(self, key: Hashable, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Callable[..., Any]:
+    def _select(self, key: Hashable) -> _Choice:
         with self._lock:
-            fn = self._cache.get(key)
-            if fn is not None:
-                return fn
-            answers = self.answers(args, kwargs)
+            choice = self._cache.get(key)
+            if choice is not None:
+                return choice
+            platform = self._engine.platform_for(key.device)  # type: ignore[attr-defined]
+            answers = self.answers(key, platform)
             chosen = next((impl for impl, reason in answers if reason is None), None)
             summary = tuple((impl.backend, reason) for impl, reason in answers)
             spec = self.table.spec
             if chosen is not None:
-                fn = chosen.fn
-                self.decisions[key] = Decision(chosen.backend, False, summary)
+                choice = _Choice(chosen.fn, chosen.backend, chosen.plugin)
+                self._decisions[key] = Decision(chosen.backend, False, summary, platform.describe())
             else:
                 declined = [(b, r or "") for b, r in summary] + [
                     (impl.backend, f"rejected at startup: {why}")
@@ -134,23 +185,66 @@ class Dispatcher:
                 ]
                 if self._engine.settings.strict:
                     raise NoImplementationError(spec.name, declined)
-                fn = spec.reference
-                self.decisions[key] = Decision(Backend.REFERENCE.value, True, summary)
-                reasons = "; ".join(f"{b}: {r}" for b, r in declined) or (
-                    "no other implementation is registered"
+                choice = _Choice(spec.reference, Backend.REFERENCE.value, Backend.REFERENCE.value)
+                self._decisions[key] = Decision(Backend.REFERENCE.value, True, summary, platform.describe())
+                reasons = "; ".join(f"{b}: {r}" for b, r in declined) or "no other implementation is registered"
+                # One channel only (a warning, which logging.captureWarnings can route): a log
+                # record beside it printed every fallback twice.
+                warnings.warn(
+                    f"kernelmux: {spec.name} fell back to the reference (slow) for this input ({reasons}). "
+                    "Set KERNELMUX_STRICT=1 to make this an error.",
+                    FallbackWarning, stacklevel=4,
                 )
-                message = (
-                    f"kernelmux: {spec.name} fell back to the reference (slow) for this input "
-                    f"({reasons}). Set KERNELMUX_STRICT=1 to make this an error."
-                )
-                logger.warning(message)
-                warnings.warn(message, FallbackWarning, stacklevel=4)
-            self._cache[key] = fn
-            return fn
+            self._cache[key] = choice
+            return choice
+
+    def _failure(self, choice: _Choice, error: Exception) -> Exception:
+        """The ImplementationError reporting ``error``, raised by ``choice``'s function. Running
+        out of memory is the machine's state, not the implementation's fault: callers catch it
+        by its type, so it passes through, named in a note."""
+        if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+            if hasattr(error, "add_note"):
+                error.add_note(f"(in {self.table.spec.name}:{choice.backend}, plugin {choice.plugin!r})")
+            return error
+        return ImplementationError(
+            self.table.spec.name, choice.backend, choice.plugin, self._engine.distribution(choice.plugin),
+            f"raised {type(error).__name__}: {error}",
+        )
+
+
+class CheckedDispatcher(Dispatcher):
+    """Checked mode (``KERNELMUX_CHECK=1``, ``configure(check=True)``): before a call, the
+    spec's ``check_data`` validates the contents of its index tensors (one device pass and one
+    sync); after it, the outputs' structure, shapes, dtypes and devices are compared with the
+    spec's fake. For debugging an integration, not for serving: each call costs a host sync."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = self._validate(*args, **kwargs)
+        spec = self.table.spec
+        if spec.check_data is not None:
+            spec.check_data(*args, **kwargs)
+        choice = self._cache.get(key)
+        if choice is None:
+            choice = self._select(key)
+        try:
+            result = choice.fn(*args, **kwargs)
+        except Exception as error:
+            failure = self._failure(choice, error)
+            if failure is error:
+                raise
+            raise failure from error
+        problem = output_problem(result, spec.fake(*args, **kwargs))
+        if problem is not None:
+            raise ImplementationError(spec.name, choice.backend, choice.plugin,
+                                      self._engine.distribution(choice.plugin), problem)
+        return result
 
 
 class Engine:
-    """Startup selection for one platform: detect, load plugins, build frozen per-op tables.
+    """Startup selection for one platform: detect, load plugins, check the settings against
+    what loaded, build frozen per-op tables.
 
     ``plugins`` (name -> plugin object) are registered after the entry points, for plugins that
     live in a script or notebook rather than an installed distribution.
@@ -176,8 +270,53 @@ class Engine:
         for name, plugin in (plugins or {}).items():
             registry.register_plugin(plugin, name)
         self.registry = registry
+        self._check_settings()
+        self._platforms: dict[torch.device, Platform] = {}
+        self._platform_lock = threading.Lock()
         self.tables = {name: self._build_table(spec) for name, spec in self.specs.items()}
-        self.dispatchers = {name: Dispatcher(self, table) for name, table in self.tables.items()}
+        dispatcher = CheckedDispatcher if self.settings.check else Dispatcher
+        self.dispatchers = {name: dispatcher(self, table) for name, table in self.tables.items()}
+
+    def _check_settings(self) -> None:
+        """Every op, backend and plugin the settings name exists: a typo in an environment
+        variable or a configure() argument is an error listing the known names, never ignored."""
+        settings, registry = self.settings, self.registry
+        ops = set(self.specs)
+        backends = {impl.backend for impl in registry.implementations.values()} | {b.value for b in Backend}
+        problems = []
+        for op, names in settings.prefer.items():
+            if op != "*" and op not in ops:
+                problems.append(f"prefer names unknown op {op!r}")
+            problems += [f"prefer names unknown backend {b!r} (for {op})" for b in names if b not in backends]
+        for entry in sorted(settings.deny):
+            op, _, backend = entry.rpartition(":")
+            if op and op not in ops:
+                problems.append(f"deny names unknown op {op!r} (in {entry!r})")
+            if backend not in backends:
+                problems.append(f"deny names unknown backend {backend!r}" + (f" (in {entry!r})" if op else ""))
+        if settings.allow_plugins is not None:
+            discovered = {p.name for p in (*registry.plugins, *registry.skipped, *registry.quarantined)}
+            problems += [f"the plugin allow-list names {name!r}, which no installed distribution provides"
+                         for name in sorted(settings.allow_plugins - discovered)]
+            known_plugins = f"; plugins: {', '.join(sorted(discovered))}"
+        else:
+            known_plugins = ""
+        if problems:
+            raise ConfigurationError(
+                "kernelmux settings (KERNELMUX_PREFER / KERNELMUX_DENY / KERNELMUX_PLUGINS or "
+                f"configure()): {'; '.join(problems)}. Known ops: {', '.join(sorted(ops))}; backends: "
+                f"{', '.join(sorted(backends))}{known_plugins}"
+            )
+
+    def platform_problem(self, impl: Implementation, platform: Platform) -> str | None:
+        """Why ``impl`` cannot run on ``platform`` (requirement, static check), or None; what its
+        static check raises is its reason."""
+        try:
+            return impl.platform_problem(platform)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # noqa: BLE001 - a plugin's check must not end the host
+            return f"static_check() raised {type(error).__name__}: {error}"
 
     def _build_table(self, spec: OpSpec) -> OpTable:
         preference = self.settings.preference(spec.name)
@@ -185,14 +324,13 @@ class Engine:
         rejected: list[tuple[Implementation, str]] = []
         for impl in self.registry.for_op(spec.name):
             denial = self.settings.denial(spec.name, impl.backend)
-            reason = (
-                f"denied by the deny list ({denial!r})" if denial
-                else impl.requirement.check(self.platform)
-            )
+            reason = f"denied by the deny list ({denial!r})" if denial else None
             if reason is None:
                 missing = impl.missing_packages()
                 if missing:
                     reason = f"missing packages {', '.join(missing)} (pip install {' '.join(missing)})"
+            if reason is None:
+                reason = self.platform_problem(impl, self.platform)
             if reason is None and impl.backend == Backend.REFERENCE and Backend.REFERENCE not in preference:
                 # The reference is the fallback, never a silent candidate: it runs only when asked
                 # for by name or when nothing accepts a call (with a warning).
@@ -210,6 +348,26 @@ class Engine:
         candidates = tuple(Candidate(impl, impl.backend in preference) for impl in viable)
         return OpTable(spec, candidates, tuple(rejected))
 
+    def platform_for(self, device: torch.device) -> Platform:
+        """The platform of ``device``: the startup one for its device (and for every device when
+        simulating), else detected once per device (a host with GPUs of two archs, or CPU
+        tensors on a GPU host)."""
+        if self.platform.simulated or device == self.platform.device:
+            return self.platform
+        platform = self._platforms.get(device)
+        if platform is None:
+            with self._platform_lock:
+                platform = self._platforms.get(device) or detect(device)
+                self._platforms[device] = platform
+        return platform
+
+    def distribution(self, plugin: str) -> str:
+        """``distribution version`` of the plugin named ``plugin``, or "" when not installed."""
+        info = next((p for p in self.registry.plugins if p.name == plugin), None)
+        if info is None or info.distribution in ("", "?", "(api)"):
+            return ""
+        return f"{info.distribution} {info.version}".strip()
+
     def dispatcher(self, op: str) -> Dispatcher:
         try:
             return self.dispatchers[op]
@@ -220,18 +378,12 @@ class Engine:
         return self.dispatcher(op).resolve(*args, **kwargs)
 
     def explain(self, op: str, kwargs: Mapping[str, Any]) -> list[tuple[Implementation, str | None]]:
-        """Every candidate's answer to a call with ``kwargs``, without running or caching it."""
+        """Every candidate's answer to a call with ``kwargs``, without running or caching it. On
+        a simulated platform the inputs live on this machine but the key says they are on the
+        simulated device: implementations decide from the key and the platform alone, so the
+        answer is the one the real machine gives."""
         dispatcher = self.dispatcher(op)
-        dispatcher.table.spec.validate(**kwargs)
-        device_type = self.platform.device_type if self.platform.simulated else None
-        return dispatcher.answers((), kwargs, device_type)
-
-
-def check_known_backends(engine: Engine, names: Iterable[str]) -> None:
-    """Raise when preferences name a backend no plugin registered (a typo would otherwise be silent)."""
-    known = {impl.backend for impl in engine.registry.implementations.values()}
-    unknown = sorted(set(names) - known)
-    if unknown:
-        raise KernelmuxError(
-            f"unknown backend(s) {unknown} in preferences; registered backends: {sorted(known)}"
-        )
+        key = dispatcher.table.spec.validate(**kwargs)
+        if self.platform.simulated:
+            key = key._replace(device=self.platform.device)
+        return dispatcher.answers(key, self.platform_for(key.device))

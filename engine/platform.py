@@ -122,6 +122,13 @@ class Platform:
         )
 
     @property
+    def device(self) -> torch.device:
+        """The torch device this platform describes (the first of its kind when simulated)."""
+        if self.kind is PlatformKind.CPU:
+            return torch.device("cpu")
+        return torch.device(self.device_type, self.device_index or 0)
+
+    @property
     def fp8_flavour(self) -> str | None:
         if Feature.FP8 not in self.features:
             return None
@@ -215,7 +222,7 @@ def simulate(description: str) -> Platform:
     ``gfx942``, ``gfx950``, ``x86_64``, ``aarch64``, ``s390x``, ``xpu``; features can be added or
     removed with ``+name`` / ``-name`` suffixes (``x86_64+amx``, ``aarch64-sve``)."""
     text = description.strip().lower()
-    match = re.match(r"^(sm_\d+|gfx[0-9a-f]+|x86_64|aarch64|arm64|s390x|xpu)(.*)$", text)
+    match = re.match(r"^(sm_[0-9]+|gfx[0-9a-f]+|x86_64|aarch64|arm64|s390x|xpu)(.*)$", text)
     if not match:
         raise PlatformError(
             f"cannot simulate platform {description!r}; expected sm_XY (e.g. sm_90, sm_100), "
@@ -224,6 +231,15 @@ def simulate(description: str) -> Platform:
     base, edits = match.group(1), match.group(2)
     if base.startswith("sm_"):
         digits = base[3:]
+        # sm_<major><minor>: a one-digit minor after a major of one or two digits (sm_90 is 9.0,
+        # sm_120 is 12.0); "sm_9" has no minor and "sm_090" a leading zero.
+        if not 2 <= len(digits) <= 3 or digits[0] == "0":
+            known = ", ".join(f"sm_{major}{minor}" for major, minor in sorted(_CUDA_FEATURES))
+            raise PlatformError(
+                f"cannot simulate platform {description!r}: {base!r} is not a CUDA arch; expected "
+                f"sm_<major><minor> with a one-digit minor, e.g. sm_90 for compute capability 9.0 "
+                f"(listed: {known})"
+            )
         capability = (int(digits[:-1]), int(digits[-1]))
         platform = Platform(PlatformKind.CUDA, base, capability, _cuda_features(capability),
                             f"simulated {base}", 0, True)

@@ -46,12 +46,13 @@ def report(engine: "Engine") -> dict[str, Any]:
             "rejected": [dict(_impl_json(impl), reason=reason) for impl, reason in table.rejected],
             "calls": [
                 {
-                    "key": [str(part) for part in (key if isinstance(key, tuple) else (key,))],
+                    "key": {name: str(value) for name, value in zip(key._fields, key)},
                     "backend": decision.backend,
                     "fallback": decision.fallback,
                     "answers": [{"backend": b, "reason": r} for b, r in decision.answers],
+                    "platform": decision.platform,
                 }
-                for key, decision in dispatcher.decisions.items()
+                for key, decision in dispatcher.decisions.items()  # a snapshot: safe while others dispatch
             ],
         })
     return {
@@ -64,9 +65,11 @@ def report(engine: "Engine") -> dict[str, Any]:
             "deny": sorted(engine.settings.deny),
             "allow_plugins": sorted(engine.settings.allow_plugins) if engine.settings.allow_plugins is not None else None,
             "strict": engine.settings.strict,
+            "check": engine.settings.check,
         },
         "plugins": [
-            {"name": p.name, "distribution": p.distribution, "version": p.version, "module": p.module}
+            {"name": p.name, "distribution": p.distribution, "version": p.version, "module": p.module,
+             "implementations": p.implementations}
             for p in registry.plugins
         ],
         "quarantined": [
@@ -85,6 +88,7 @@ def report(engine: "Engine") -> dict[str, Any]:
 def render_report(data: Mapping[str, Any]) -> Any:
     """The report as rich renderables (a group of tables)."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
@@ -97,14 +101,18 @@ def render_report(data: Mapping[str, Any]) -> Any:
         f"\nkernelmux {data['kernelmux']}, torch {data['torch']}, triton {data['triton'] or 'not installed'}",
     )
     plugins = Table(title="plugins", title_justify="left")
-    for column in ("name", "distribution", "version", "status"):
+    for column in ("name", "distribution", "version", "implementations", "status"):
         plugins.add_column(column)
     for p in data["plugins"]:
-        plugins.add_row(p["name"], p["distribution"], p["version"], "loaded")
+        # A plugin that loaded but registered nothing is as useless as a broken one: make it stand out.
+        count = str(p["implementations"]) if p["implementations"] else "[yellow]0[/yellow]"
+        plugins.add_row(escape(p["name"]), p["distribution"], p["version"], count, "loaded")
     for q in data["quarantined"]:
-        plugins.add_row(q["name"], q["distribution"], q["version"], f"[red]quarantined[/red]: {q['reason']}")
+        # escape(): a reason quoting a [pyproject.toml] table would otherwise be read as markup.
+        plugins.add_row(escape(q["name"]), q["distribution"], q["version"], "-",
+                        f"[red]quarantined[/red]: {escape(q['reason'])}")
     for name in data["skipped_plugins"]:
-        plugins.add_row(name, "", "", "not in KERNELMUX_PLUGINS allow-list")
+        plugins.add_row(escape(name), "", "", "-", "not in KERNELMUX_PLUGINS allow-list")
     parts: list[Any] = [header, plugins]
     if data["rejected_registrations"]:
         rejected = Table(title="implementations rejected at registration", title_justify="left")

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from kernelmux.errors import KernelmuxError
+from kernelmux.errors import ConfigurationError
 
 __all__ = ["ENV_VARS", "Settings"]
 
@@ -20,10 +20,22 @@ ENV_VARS: Mapping[str, str] = {
     "KERNELMUX_DENY": "backends or op:backend pairs never used, e.g. 'triton,grouped_topk:cpu'",
     "KERNELMUX_PLUGINS": "allow-list of plugin (entry-point) names to load, e.g. 'reference,cpu'",
     "KERNELMUX_STRICT": "1: raise instead of falling back to the reference or quarantining",
+    "KERNELMUX_CHECK": "1: checked mode, for debugging an integration: index tensors' contents are "
+    "validated before each call (one device pass and a host sync) and outputs checked against the spec",
     "KERNELMUX_PLATFORM": "simulate a platform: sm_90, sm_100, gfx942, aarch64, s390x, ...",
 }
 
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    text = env.get(name, "").strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigurationError(f"{name}={env[name]!r}: expected one of 1, true, yes, on (or 0, false, no, off)")
 
 
 def _split(text: str, sep: str = ",") -> tuple[str, ...]:
@@ -35,7 +47,7 @@ def _parse_prefer(text: str) -> dict[str, tuple[str, ...]]:
     for clause in _split(text, ";"):
         op, eq, backends = clause.partition("=")
         if not eq or not op.strip() or not _split(backends):
-            raise KernelmuxError(
+            raise ConfigurationError(
                 f"KERNELMUX_PREFER: cannot parse {clause!r}; expected 'op=backend[,backend...]' "
                 "clauses separated by ';' (op '*' means every op)"
             )
@@ -53,6 +65,11 @@ class Settings:
     - ``strict``: a call no implementation accepts raises instead of using the reference, and a
       broken plugin or rejected implementation raises instead of being quarantined.
     - ``platform``: simulate this platform instead of detecting one.
+    - ``check``: checked mode (``CheckedDispatcher``): every call's index data and outputs are
+      checked, at the cost of a host sync per call.
+
+    Names in ``prefer``, ``deny`` and ``allow_plugins`` are checked against what is installed
+    when an engine is built from them (``Engine``), whichever way they were given.
     """
 
     prefer: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -60,6 +77,7 @@ class Settings:
     allow_plugins: frozenset[str] | None = None
     strict: bool = False
     platform: str | None = None
+    check: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -69,7 +87,8 @@ class Settings:
             prefer=_parse_prefer(env.get("KERNELMUX_PREFER", "")),
             deny=frozenset(_split(env.get("KERNELMUX_DENY", ""))),
             allow_plugins=frozenset(_split(plugins)) if plugins else None,
-            strict=env.get("KERNELMUX_STRICT", "").strip().lower() in _TRUE,
+            strict=_flag(env, "KERNELMUX_STRICT"),
+            check=_flag(env, "KERNELMUX_CHECK"),
             platform=env.get("KERNELMUX_PLATFORM", "").strip() or None,
         )
 

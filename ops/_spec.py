@@ -66,9 +66,18 @@ class OpSpec:
     - ``reference``: pure-torch math (fp32 inside); its signature, with annotations and defaults,
       is the signature every implementation must have and the torch custom op's schema.
     - ``validate``: same signature; raises ``InvalidArgumentError`` naming the argument, or returns
-      the *dispatch key*: a small hashable of the properties that can change which implementation
-      accepts the call (dtypes, device type, the dims that matter). It runs on every call, so it
-      must stay cheap: attribute reads, no tensor math, no device sync.
+      the *dispatch key*, an instance of ``key``. It runs on every call, so it must stay cheap:
+      attribute reads, no tensor math, no device sync.
+    - ``key``: the dispatch key's type, a NamedTuple of everything that can change which
+      implementation accepts a call: the device (field ``device``, a ``torch.device``), dtypes,
+      the dims that matter, host options, each tensor's ``Layout`` and the classes of sizes that
+      vary per batch (ops/_key.py). Implementations decide from the key alone
+      (``supports(key, platform)``) and the decision is cached per key, so a property missing
+      from the key cannot be decided on.
+    - ``check_data``, if given: same signature; checks the contents of the call's index tensors
+      (block tables, slot mappings, offsets) against the shapes they index, with one device pass
+      and one sync, raising ``DeviceDataError``. The engine runs it in checked mode only
+      (``KERNELMUX_CHECK=1``): out-of-range indices are what kernels cannot survive.
     - ``fake``: same signature; returns outputs of the right shape, dtype and device without
       computing them (torch.compile and meta tensors).
     - ``check_close(actual, expected, kwargs)``: raises ``AssertionError`` with the worst
@@ -92,13 +101,19 @@ class OpSpec:
     cost: Callable[[Mapping[str, Any]], Cost]
     cases: tuple[Case, ...]
     tolerance: Mapping[torch.dtype, Tolerance]
+    key: type
     mutates_args: tuple[str, ...] = ()
+    check_data: Callable[..., None] | None = None
     canonical: Callable[[Any, Mapping[str, Any]], Any] | None = None
     signature: inspect.Signature = field(init=False)
 
     def __post_init__(self) -> None:
         signature = inspect.signature(self.reference)
-        for role in ("validate", "fake"):
+        if "device" not in getattr(self.key, "_fields", ()):
+            raise TypeError(f"spec {self.name}: key must be a NamedTuple with a 'device' field, got {self.key!r}")
+        for role in ("validate", "fake", "check_data"):
+            if getattr(self, role) is None:
+                continue
             other = inspect.signature(getattr(self, role))
             if list(other.parameters) != list(signature.parameters):
                 raise TypeError(

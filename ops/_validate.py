@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Collection
 
 import torch
 
 from kernelmux.errors import InvalidArgumentError
 
-__all__ = ["check_choice", "check_int", "check_paged_batch", "check_tensor", "dtype_names"]
+__all__ = ["check_choice", "check_float", "check_int", "check_paged_batch", "check_tensor", "dtype_names"]
 
 
 def dtype_names(dtypes: Collection[torch.dtype]) -> str:
@@ -49,8 +50,27 @@ def check_int(op: str, name: str, value: Any, *, low: int, high: int | None = No
 
 
 def check_choice(op: str, name: str, value: Any, choices: Collection[Any]) -> None:
-    if value not in choices:
-        raise InvalidArgumentError(op, name, f"one of {sorted(choices)}", repr(value))
+    """``value`` is one of ``choices`` (hashable constants: names, dtypes; a dict's keys). Any other
+    value, of any type, is an InvalidArgumentError naming the argument, the allowed values and
+    the value given."""
+    try:
+        # Hashed first, so == runs only against a choice of equal hash: an array's elementwise ==
+        # never meets a name.
+        allowed = value in frozenset(choices)
+    except TypeError:  # unhashable (a list, dict, set, array): none of the hashable choices
+        allowed = False
+    if not allowed:
+        kinds = {type(choice) for choice in choices}
+        hint = ("" if type(value) in kinds
+                else f"a {type(value).__name__} was given; pass one of the values listed")
+        raise InvalidArgumentError(op, name, f"one of {sorted(choices, key=repr)}",
+                                   _short_repr(value), hint=hint)
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` on one line, cut to ``limit`` characters (a tensor's repr spans lines)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_paged_batch(
@@ -82,6 +102,15 @@ def check_paged_batch(
         )
     check_int(op, "max_query_len", max_query_len, low=0)
     check_int(op, "max_seq_len", max_seq_len, low=0)
-    if type(scale) not in (float, int):
-        raise InvalidArgumentError(op, "scale", "a Python float", type(scale).__name__)
+    check_float(op, "scale", scale)
     return batch
+
+
+def check_float(op: str, name: str, value: Any, *, low: float | None = None) -> None:
+    """``value`` is a finite Python float (or int), at least ``low`` if given. Host floats go
+    into dispatch keys by value: a NaN key would never match itself."""
+    if type(value) not in (float, int):
+        raise InvalidArgumentError(op, name, "a Python float", type(value).__name__)
+    if not math.isfinite(value) or (low is not None and value < low):
+        bound = f" >= {low:g}" if low is not None else ""
+        raise InvalidArgumentError(op, name, f"a finite float{bound}", repr(value))

@@ -1,11 +1,12 @@
 """Per-call dispatch overhead on the CPU: ``kernelmux.ops.<op>`` against calling the chosen
 implementation directly and against calling the function ``kernelmux.resolve`` returned (once),
-plus what one ``resolve()`` call costs.
+plus what one ``resolve()`` call costs; and what checked mode (``KERNELMUX_CHECK=1``) adds to a
+paged_attention decode call on the machine's device.
 
     python -m kernelmux.perf.dispatch_overhead [--json FILE]
 
-Two measurements: with a no-op implementation (the overhead alone, nothing else in the call) and
-with the real chosen implementation on a DeepSeek-V3 decode step (T = 1).
+Two dispatch measurements: with a no-op implementation (the overhead alone, nothing else in the
+call) and with the real chosen implementation on a DeepSeek-V3 decode step (T = 1).
 """
 
 from __future__ import annotations
@@ -63,8 +64,11 @@ def measure(calls: int, repeats: int) -> dict[str, Any]:
     results = {}
     for label, plugins in (("noop", {"noop": _NoopPlugin()}), ("chosen", None)):
         engine = kernelmux.configure(plugins=plugins, from_env=False)
-        impl = engine.tables["grouped_topk"].candidates[0].impl  # what startup ranked first
         resolved = kernelmux.resolve("grouped_topk", *positional)
+        # What dispatch chose for these (CPU) tensors: on a GPU host, not the triton backend that
+        # startup ranks first.
+        (decision,) = engine.dispatchers["grouped_topk"].decisions.values()
+        impl = engine.registry.implementations[("grouped_topk", decision.backend)]
         op = kernelmux.ops.grouped_topk
         variants = {
             "kernelmux.ops": lambda: op(*positional),
@@ -92,6 +96,41 @@ def measure(calls: int, repeats: int) -> dict[str, Any]:
     return results
 
 
+# A Llama-3-70B TP8 decode step, B 8 x 4096: the checked mode's device pass reads its 8 x 258
+# block-table entries, offsets and lengths.
+CHECKED_CASE = "llama3_70b_tp8_decode_b8_ctx4096"
+
+
+def measure_checked(calls: int, repeats: int) -> dict[str, Any]:
+    """paged_attention on the machine's device with checked mode off and on: median time per
+    call, each call followed by a device synchronization (checked mode syncs inside every call;
+    without the trailing one, the unchecked calls would only be queued)."""
+    from kernelmux.ops.specs import paged_attention as paged_spec
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kwargs = paged_spec.SPEC.case(CHECKED_CASE).build(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    samples: dict[str, list[float]] = {"unchecked": [], "checked": []}
+    engines = {name: kernelmux.configure(check=name == "checked", from_env=False) for name in samples}
+    for name, engine in engines.items():
+        engine.dispatchers["paged_attention"](**kwargs)  # compile and select outside the timing
+    sync()
+    for round_index in range(repeats):
+        for name in (("unchecked", "checked") if round_index % 2 == 0 else ("checked", "unchecked")):
+            dispatcher = engines[name].dispatchers["paged_attention"]
+
+            def call() -> None:
+                dispatcher(**kwargs)
+                sync()
+
+            samples[name] += _per_call_ns(call, calls, 1)
+    kernelmux.reset()
+    medians = {name: statistics.median(s) / 1e3 for name, s in samples.items()}
+    backend = engines["unchecked"].dispatchers["paged_attention"].decisions.popitem()[1].backend
+    return {"device": device, "case": CHECKED_CASE, "backend": backend, "median_us": medians,
+            "added_us": medians["checked"] - medians["unchecked"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the results here")
@@ -99,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
     results = measure(args.calls, args.repeats)
+    results["checked"] = measure_checked(max(args.calls // 20, 10), args.repeats)
     results["environment"] = {"python": sys.version.split()[0], "torch": torch.__version__,
                               "machine": platform.machine(), "cpu": kernelmux.current().platform.device_name}
     kernelmux.reset()
@@ -108,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:6s} ({r['backend']}): {times}; added by kernelmux.ops "
               f"{r['added_us_ops_vs_direct']:.2f} us, by the resolved function "
               f"{r['added_us_resolved_vs_direct']:.2f} us")
+    checked = results["checked"]
+    print(f"checked mode ({checked['device']}, paged_attention {checked['case']} on {checked['backend']}): "
+          f"{checked['median_us']['unchecked']:.1f} us a call unchecked, {checked['median_us']['checked']:.1f} us "
+          f"checked (+{checked['added_us']:.1f} us; each call followed by a sync)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU suite, for one device call per group of steps. Installs kernelmux and the example plugin
+# The GPU suite, for one device call per group of steps. Installs kernelmux
 # into the machine's python (no network: no build isolation, no dependency resolution), then runs
 # the named steps, writing to $OUT (or ./perf-out):
 #   tests-core   pytest on everything but the two slow files below   -> pytest_core.txt
@@ -42,7 +42,7 @@ out=${OUT:-perf-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 repo=$(pwd)
-python3 -m pip install -q --no-deps --no-build-isolation --no-index . ./tests/plugin_pkg 2>&1 | tail -3
+python3 -m pip install -q --no-deps --no-build-isolation --no-index . 2>&1 | tail -3
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 slow=(tests/test_torch_integration.py tests/backends/triton)
 for step in "$@"; do

@@ -6,8 +6,10 @@ from kernelmux.registry._registry import (
     ENTRY_POINT_GROUP,
     PluginInfo,
     QuarantinedPlugin,
+    RESERVED_NAMES,
     Registry,
     Rejection,
+    builtin_module,
     signature_difference,
 )
 
@@ -18,8 +20,10 @@ __all__ = [
     "PlatformRequirement",
     "PluginInfo",
     "QuarantinedPlugin",
+    "RESERVED_NAMES",
     "Registry",
     "Rejection",
+    "builtin_module",
     "hookimpl",
     "hookspec",
     "signature_difference",

@@ -10,9 +10,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 if TYPE_CHECKING:
     from kernelmux.engine.platform import Feature, Platform, PlatformKind
 
-__all__ = ["Backend", "Implementation", "PlatformRequirement", "SupportsFn"]
+__all__ = ["Backend", "Implementation", "PlatformRequirement", "StaticCheckFn", "SupportsFn"]
 
-SupportsFn = Callable[..., Optional[str]]
+# supports(key, platform): the spec's dispatch key and the platform of the call's device.
+SupportsFn = Callable[[Any, "Platform"], Optional[str]]
+# static_check(platform): once per platform, not per call.
+StaticCheckFn = Callable[["Platform"], Optional[str]]
 
 
 class Backend(str, enum.Enum):
@@ -70,9 +73,17 @@ class Implementation:
     """One op's implementation by one backend.
 
     - ``fn`` must have exactly the spec's signature (checked at registration).
-    - ``supports``, if given, takes the same arguments and returns None when it accepts the call
-      or a human reason when it does not. Its answer is cached per dispatch key (the spec's
-      ``validate`` return value), so it must decide only from what that key captures.
+    - ``supports``, if given, is called as ``supports(key, platform)`` with the call's dispatch
+      key (an instance of the spec's ``key`` NamedTuple, e.g. ``paged_attention.Key``: dtypes,
+      dims, options, each tensor's layout, size classes) and the ``Platform`` of the device the
+      call's tensors are on, and returns None when it accepts the call or a human reason when
+      it does not. It sees nothing else, so its answer, cached per key, holds for every call
+      with that key.
+    - ``requirement``: static conditions on the platform, checked at startup (and for a call on
+      a device whose platform differs from the startup one).
+    - ``static_check``, if given: ``static_check(platform)`` returns None or why the
+      implementation cannot run on this machine beyond its requirement (a runtime library not
+      found); asked once per platform, like ``requirement``.
     - ``devices``: torch device types of the inputs it runs on (empty: any).
     - ``packages``: import names it needs; a missing one rejects it with a pip hint.
     - ``priority``: higher runs first among viable implementations, after user preferences.
@@ -87,6 +98,7 @@ class Implementation:
     devices: frozenset[str] = frozenset()
     packages: tuple[str, ...] = ()
     supports: SupportsFn | None = None
+    static_check: StaticCheckFn | None = None
     description: str = ""
     plugin: str = field(default="", compare=False)  # filled in by the registry
 
@@ -98,8 +110,10 @@ class Implementation:
             problems.append(f"backend must be a non-empty str, got {self.backend!r}")
         if not callable(self.fn):
             problems.append(f"fn must be callable, got {type(self.fn).__name__}")
-        if self.supports is not None and not callable(self.supports):
-            problems.append(f"supports must be callable or None, got {type(self.supports).__name__}")
+        for role in ("supports", "static_check"):
+            value = getattr(self, role)
+            if value is not None and not callable(value):
+                problems.append(f"{role} must be callable or None, got {type(value).__name__}")
         if type(self.spec_version) is not int:
             problems.append(f"spec_version must be an int, got {self.spec_version!r}")
         if type(self.priority) is not int:
@@ -117,3 +131,11 @@ class Implementation:
 
     def missing_packages(self) -> tuple[str, ...]:
         return tuple(p for p in self.packages if importlib.util.find_spec(p) is None)
+
+    def platform_problem(self, platform: "Platform") -> str | None:
+        """Why this implementation cannot run on ``platform`` (its requirement, then its static
+        check), or None."""
+        reason = self.requirement.check(platform)
+        if reason is None and self.static_check is not None:
+            reason = self.static_check(platform)
+        return reason

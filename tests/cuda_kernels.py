@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
+from fakes import ask
 from kernelmux.backends.cuda import _nvrtc, attention
 from kernelmux.ops.specs import paged_attention as pa_spec
 
@@ -75,7 +76,7 @@ def check_paged_attention(kwargs: dict, seed: int, poison: bool = False) -> None
     """The cuda backend takes the call and matches the spec's reference; ``poison`` fills fresh
     allocator blocks with NaN first, so output the kernel never writes fails. ``seed`` names the
     inputs in the failure."""
-    assert attention.paged_attention_supports(**kwargs) is None
+    assert ask(attention.paged_attention_supports, pa_spec.SPEC, kwargs) is None
     expected = pa_spec.SPEC.reference(**kwargs)
     if poison:
         poison_allocator(kwargs["query"].numel() * 2)

@@ -1,13 +1,22 @@
-"""Counting fake implementations and plugins for registry and engine tests."""
+"""Counting fake implementations and plugins for registry and engine tests, and ``ask``: a
+supports() function's answer to a call, as the engine would get it."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from kernelmux.engine import Platform, detect
 from kernelmux.ops.specs.grouped_topk import SPEC
 from kernelmux.registry import Implementation, PlatformRequirement, hookimpl
+
+
+def ask(supports: Callable, spec, kwargs: dict, platform: Optional[Platform] = None) -> Optional[str]:
+    """``supports``' answer to a call of ``spec``'s op with ``kwargs``: the dispatch key the
+    spec's validate builds, and ``platform`` (default: the platform of the key's device)."""
+    key = spec.validate(**kwargs)
+    return supports(key, platform if platform is not None else detect(key.device))
 
 
 class Counter:
@@ -43,17 +52,16 @@ def fake_impl(
     counter: Counter,
     *,
     priority: int = 0,
-    decline: Callable[[torch.Tensor], Optional[str]] | None = None,
+    decline: Callable[[Any], Optional[str]] | None = None,  # given the dispatch key
     devices: frozenset[str] = frozenset(),
     requirement: PlatformRequirement = PlatformRequirement(),
     spec_version: int = SPEC.version,
 ) -> Implementation:
     supports = None
     if decline is not None:
-        def supports(gating_output, topk, renormalize, num_expert_group, topk_group,
-                     scoring_func="softmax", routed_scaling_factor=1.0, e_score_correction_bias=None):
+        def supports(key, platform):
             counter.supports_calls += 1
-            return decline(gating_output)
+            return decline(key)
 
     return Implementation(
         op=SPEC.name, backend=backend, fn=counting_grouped_topk(counter), spec_version=spec_version,

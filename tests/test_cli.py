@@ -49,3 +49,62 @@ def test_explain_errors_name_what_exists(capsys):
     assert "deepseek_v3_t64" in capsys.readouterr().err
     assert main(["info", "--platform", "sm90"]) == 2
     assert "expected sm_XY" in capsys.readouterr().err
+
+
+def test_version_names_the_installed_distribution_and_torch(capsys):
+    import importlib.metadata
+
+    import torch
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"kernelmux {importlib.metadata.version('kernelmux')}, torch {torch.__version__}"
+
+
+# Every usage error of every command: exit 2, one `kernelmux: ...` line on stderr, no traceback
+# (main returns or argparse exits; nothing else escapes). (argv, environment, what the line says)
+USAGE_ERRORS = {
+    "info_platform_without_minor": (["info", "--platform", "sm_9"], {}, "'sm_9' is not a CUDA arch"),
+    "info_platform_leading_zero": (["info", "--platform", "sm_090"], {}, "'sm_090' is not a CUDA arch"),
+    "info_platform_unknown": (["info", "--platform", "tpu"], {}, "cannot simulate platform 'tpu'"),
+    "info_platform_from_env": (["info"], {"KERNELMUX_PLATFORM": "sm_9"}, "'sm_9' is not a CUDA arch"),
+    "info_bad_setting": (["info"], {"KERNELMUX_PREFER": "junk"}, "KERNELMUX_PREFER: cannot parse 'junk'"),
+    "explain_unknown_op": (["explain", "no_such_op"], {}, "unknown op 'no_such_op'"),
+    "explain_unknown_case": (["explain", "grouped_topk", "--case", "nope"], {}, "no case 'nope'"),
+    "explain_platform": (["explain", "grouped_topk", "--platform", "sm_9"], {}, "'sm_9' is not a CUDA arch"),
+    "explain_missing_op": (["explain"], {}, "explain: the following arguments are required: op"),
+    "bench_unknown_op": (["bench", "no_such_op"], {}, "unknown op 'no_such_op'; known ops: "),
+    "bench_unknown_case": (["bench", "grouped_topk", "--case", "nope"], {},
+                           "unknown case(s) 'nope' for grouped_topk; cases: deepseek_v3_t1"),
+    "bench_unknown_case_any_op": (["bench", "--case", "nope"], {}, "no op has a case 'nope'"),
+    "bench_platform_from_env": (["bench", "grouped_topk"], {"KERNELMUX_PLATFORM": "sm_9"},
+                                "'sm_9' is not a CUDA arch"),
+    "bench_bad_setting": (["bench", "grouped_topk"], {"KERNELMUX_PREFER": "junk"}, "KERNELMUX_PREFER"),
+    "unknown_command": (["frobnicate"], {}, "invalid choice: 'frobnicate'"),
+}
+
+
+@pytest.mark.parametrize("name", list(USAGE_ERRORS))
+def test_usage_errors_exit_2_with_one_line(capsys, monkeypatch, name):
+    from kernelmux import engine
+    from kernelmux.perf import ceilings
+
+    argv, env, says = USAGE_ERRORS[name]
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    monkeypatch.setattr(engine, "_engine", None)  # as in a new process: built from this environment
+
+    def started(*args, **kwargs):
+        raise AssertionError("the benchmark started instead of refusing its arguments")
+
+    monkeypatch.setattr(ceilings, "measure", started)
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own errors exit here
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("kernelmux: ") and err.count("\n") == 1, err
+    assert says in err, err

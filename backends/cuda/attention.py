@@ -41,10 +41,12 @@ import torch
 
 from kernelmux.backends._scoped import PlanSetting
 from kernelmux.backends.cuda import _nvrtc, prefill
-from kernelmux.backends.cuda._layout import page_shift, vector_alignment_problem
+from kernelmux.backends.cuda._layout import page_shift
 from kernelmux.engine import probes
+from kernelmux.engine.platform import Platform
+from kernelmux.ops.specs import paged_attention as paged_spec
 
-__all__ = ["DecodePlan", "HEAD_DIM", "MAX_GROUP", "override_plan", "paged_attention",
+__all__ = ["DecodePlan", "HEAD_DIM", "MAX_GROUP", "layout_reason", "override_plan", "paged_attention",
            "paged_attention_supports", "split_count", "wide_split_count"]
 
 FP8 = torch.float8_e4m3fn
@@ -153,51 +155,34 @@ def shape_reason(query_dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: 
     return None
 
 
-def _alignment_reason(query, k_cache, v_cache) -> Optional[str]:
-    """_alignment_problem as supports' reason."""
-    problem = _alignment_problem(query, k_cache, v_cache)
-    return None if problem is None else f"{problem[0]} needs {problem[1]}, got {problem[2]}"
+def layout_reason(key: paged_spec.Key) -> Optional[str]:
+    """Why the decode or the prefill kernel cannot read the call's tensors (None when both can):
+    16-byte vector loads of the query and cache rows, and unit-stride reads of the batch
+    description and the sinks."""
+    for name in ("query", "k_cache", "v_cache"):
+        tensor_layout = getattr(key, f"{name}_layout")
+        if not tensor_layout.dense_rows:
+            return (f"{name} needs a unit stride along the head dim and 16-byte aligned data and row strides "
+                    f"(the kernels' vector loads), got {tensor_layout}")
+    for name in ("cu_seqlens_q", "block_table", "seq_lens", "sinks"):
+        tensor_layout = getattr(key, f"{name}_layout")
+        if tensor_layout is not None and not tensor_layout.unit_stride:
+            return f"{name} needs a unit stride along its last dim (the kernels index it densely)"
+    return None
 
 
-def _alignment_problem(query, k_cache, v_cache) -> Optional[tuple[str, str, str]]:
-    """(argument, expected, actual) when a tensor breaks the kernels' 16-byte vector loads (the
-    decode and the prefill kernel read the same tensors the same way)."""
-    return vector_alignment_problem((("query", query, 2), ("k_cache", k_cache, 3), ("v_cache", v_cache, 3)),
-                                    "the head dim")
-
-
-def paged_attention_supports(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_query_len: int,
-    max_seq_len: int,
-    scale: float,
-    causal: bool = True,
-    sliding_window: int = 0,
-    logits_soft_cap: float = 0.0,
-    sinks: Optional[torch.Tensor] = None,
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-) -> Optional[str]:
-    """None when one of the backend's kernels handles this (already validated) call, else why not."""
-    if max_query_len > 1:
-        reason = prefill.prefill_supports(query, k_cache, seq_lens, max_query_len, scale)
-        return reason if reason is not None else _alignment_reason(query, k_cache, v_cache)
-    reason = shape_reason(query.dtype, k_cache.dtype, query.shape[1], k_cache.shape[2], query.shape[2],
-                          k_cache.shape[1], max_query_len <= 1)
-    if reason is not None:
-        return reason
-    reason = _nvrtc.device_problem(query.device, lambda capability: capability >= MIN_CAPABILITY,
-                                   "needs sm_89 or newer (e4m3 conversions)")
-    if reason is not None:
-        return reason
-    if seq_lens.shape[0] > 65535:
-        return f"{seq_lens.shape[0]} sequences > 65535, CUDA's limit on grid axis 1 (split the batch)"
-    return _alignment_reason(query, k_cache, v_cache)
+def paged_attention_supports(key: paged_spec.Key, platform: Platform) -> Optional[str]:
+    """None when one of the backend's kernels handles calls with this dispatch key on
+    ``platform``, else why not."""
+    if not key.decode:
+        reason = prefill.prefill_supports(key, platform)
+    else:
+        reason = shape_reason(key.query_dtype, key.cache_dtype, key.num_heads, key.num_kv_heads, key.head_dim,
+                              key.block_size, key.decode)
+        if reason is None and key.num_seqs_class > 65535:
+            reason = (f"up to {key.num_seqs_class} sequences (this batch's size class) > 65535, CUDA's limit "
+                      "on grid axis 1 (split the batch)")
+    return reason if reason is not None else layout_reason(key)
 
 
 _capability = probes.device_capability
@@ -291,9 +276,6 @@ def paged_attention(
     """The spec's paged_attention: prefill batches on prefill.py's kernel; fp8 decode on one
     kernel, plus a merge when it splits. Arguments are validated by the caller and accepted by
     paged_attention_supports."""
-    problem = _alignment_problem(query, k_cache, v_cache)
-    if problem is not None:  # supports' answer is cached per dispatch key, which strides are not
-        raise ValueError(f"paged_attention (cuda): {problem[0]} needs {problem[1]}, got {problem[2]}")
     if max_query_len > 1:
         return prefill.paged_prefill(query, k_cache, v_cache, cu_seqlens_q, block_table, seq_lens, max_query_len,
                                      scale, causal, sliding_window, logits_soft_cap, sinks)

@@ -29,14 +29,16 @@ import torch
 
 from kernelmux.backends._scoped import PlanSetting
 from kernelmux.backends.cuda import _nvrtc
-from kernelmux.backends.cuda._layout import vector_alignment_problem
 from kernelmux.backends.cuda.attention import split_count
 from kernelmux.engine import probes
+from kernelmux.engine.platform import Platform
+from kernelmux.ops.specs import mla_decode as mla_spec
 
-__all__ = ["CAPABILITY", "MlaPlan", "mla_decode", "mla_decode_supports", "override_plan", "shape_reason"]
+__all__ = ["ARCH", "CAPABILITY", "MlaPlan", "mla_decode", "mla_decode_supports", "override_plan", "shape_reason"]
 
 FP8 = torch.float8_e4m3fn
 CAPABILITY = (9, 0)  # wgmma: sm_90a cubins run on sm_90 only
+ARCH = f"sm_{CAPABILITY[0]}{CAPABILITY[1]}"
 ROW_WIDTH, RANK = 576, 512  # the kernel's tiles are laid out for these
 HEAD_TILE = 64  # heads per CTA (the wgmma M)
 STEP = 64  # positions per step; cache blocks must hold a multiple
@@ -94,46 +96,23 @@ def shape_reason(q_dtype: torch.dtype, cache_dtype: torch.dtype, width: int, ran
     return None
 
 
-def _alignment_problem(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                       cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> Optional[tuple[str, str, str]]:
-    """(argument, expected, actual) when a tensor breaks the kernel's 16-byte copies or its
-    unit-stride index reads."""
-    problem = vector_alignment_problem((("q", q, 2), ("kv_cache", kv_cache, 2)), "the row")
-    if problem is not None:
-        return problem
-    indices = (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens))
-    for name, tensor in indices:
-        if tensor.stride(-1) != 1 and tensor.shape[-1] > 1:
-            return name, "a unit stride along its last dim", f"stride {tensor.stride(-1)}"
-    return None
-
-
-def mla_decode_supports(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_query_len: int,
-    max_seq_len: int,
-    scale: float,
-    kv_lora_rank: int = 512,
-    kv_scale: Optional[torch.Tensor] = None,
-    return_lse: bool = False,
-) -> Optional[str]:
-    """None when the kernel handles this (already validated) call, else why not."""
-    reason = shape_reason(q.dtype, kv_cache.dtype, q.shape[2], kv_lora_rank, kv_cache.shape[1])
+def mla_decode_supports(key: mla_spec.Key, platform: Platform) -> Optional[str]:
+    """None when the kernel handles calls with this dispatch key, else why not. The arch (sm_90,
+    the kernel's wgmma) is the implementation's requirement, checked before this."""
+    reason = shape_reason(key.q_dtype, key.cache_dtype, key.width, key.kv_lora_rank, key.block_size)
     if reason is not None:
         return reason
-    reason = _nvrtc.device_problem(q.device, CAPABILITY.__eq__,
-                                   f"needs sm_{CAPABILITY[0]}{CAPABILITY[1]} (Hopper: the kernel is built on its wgmma)")
-    if reason is not None:
-        return reason
-    if q.shape[0] > 65535:
-        return f"{q.shape[0]} query tokens > 65535, CUDA's limit on grid axis 1 (split the batch)"
-    problem = _alignment_problem(q, kv_cache, block_table, cu_seqlens_q, seq_lens)
-    if problem is not None:
-        return f"{problem[0]} needs {problem[1]}, got {problem[2]}"
+    if key.num_tokens_class > 65535:
+        return (f"up to {key.num_tokens_class} query tokens (this batch's size class) > 65535, CUDA's limit "
+                "on grid axis 1 (split the batch)")
+    for name in ("q", "kv_cache"):
+        tensor_layout = getattr(key, f"{name}_layout")
+        if not tensor_layout.dense_rows:
+            return (f"{name} needs a unit stride along the row and 16-byte aligned data and row strides (the "
+                    f"kernel's 16-byte copies), got {tensor_layout}")
+    for name in ("cu_seqlens_q", "block_table", "seq_lens"):
+        if not getattr(key, f"{name}_layout").unit_stride:
+            return f"{name} needs a unit stride along its last dim (the kernel indexes it densely)"
     return None
 
 
@@ -177,9 +156,6 @@ def mla_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec's mla_decode on the wgmma kernel, plus a merge when it splits; arguments are
     validated by the caller and accepted by mla_decode_supports."""
-    problem = _alignment_problem(q, kv_cache, block_table, cu_seqlens_q, seq_lens)
-    if problem is not None:  # supports' answer is cached per dispatch key, which strides are not
-        raise ValueError(f"mla_decode (cuda): {problem[0]} needs {problem[1]}, got {problem[2]}")
     num_tokens, num_heads, _ = q.shape
     device = q.device
     out = torch.empty((num_tokens, num_heads, RANK), dtype=q.dtype, device=device)

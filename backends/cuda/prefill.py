@@ -31,6 +31,8 @@ from kernelmux.backends._scoped import PlanSetting
 from kernelmux.backends.cuda import _nvrtc
 from kernelmux.backends.cuda._layout import page_shift
 from kernelmux.engine import probes
+from kernelmux.engine.platform import Platform
+from kernelmux.ops.specs import paged_attention as paged_spec
 
 __all__ = ["CAPABILITY", "HEAD_DIM", "PrefillPlan", "override_plan", "paged_prefill", "prefill_supports",
            "kernel_name", "shape_reason", "shared_bytes"]
@@ -107,25 +109,24 @@ def shape_reason(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: i
     return None
 
 
-def prefill_supports(query: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor,
-                     max_query_len: int, scale: float) -> Optional[str]:
-    """None when the prefill kernel handles this (already validated) call, else why not; the
-    tensors' alignment is attention.py's check, shared with the decode kernel."""
-    reason = shape_reason(query.dtype, k_cache.dtype, query.shape[2], k_cache.shape[1])
+def prefill_supports(key: paged_spec.Key, platform: Platform) -> Optional[str]:
+    """None when the prefill kernel handles calls with this dispatch key on ``platform``, else
+    why not; the tensors' layouts are attention.py's check, shared with the decode kernel."""
+    reason = shape_reason(key.query_dtype, key.cache_dtype, key.head_dim, key.block_size)
     if reason is not None:
         return reason
-    if not (math.isfinite(scale) and scale > 0):
+    if not (math.isfinite(key.scale) and key.scale > 0):
         # The kernel takes each row's maximum over raw scores and scales it once.
-        return f"prefill: scale must be finite and > 0, got {scale}"
-    reason = _nvrtc.device_problem(query.device, CAPABILITY.__eq__,
-                                   f"prefill needs sm_{CAPABILITY[0]}{CAPABILITY[1]} (Hopper: the kernel is "
-                                   "built on its wgmma)")
-    if reason is not None:
-        return reason
-    if seq_lens.shape[0] > 65535:
-        return f"{seq_lens.shape[0]} sequences > 65535, CUDA's limit on grid axis 2 (split the batch)"
-    if math.ceil(max_query_len / ROWS) > 65535:
-        return f"max_query_len {max_query_len} > {65535 * ROWS}, CUDA's limit on grid axis 1 in 128-query tiles"
+        return f"prefill: scale must be finite and > 0, got {key.scale}"
+    if platform.capability != CAPABILITY:
+        return (f"prefill needs sm_{CAPABILITY[0]}{CAPABILITY[1]} (Hopper: the kernel is built on its wgmma), "
+                f"this GPU is {platform.arch}")
+    if key.num_seqs_class > 65535:
+        return (f"up to {key.num_seqs_class} sequences (this batch's size class) > 65535, CUDA's limit on grid "
+                "axis 2 (split the batch)")
+    if math.ceil(key.max_query_len_class / ROWS) > 65535:
+        return (f"max_query_len up to {key.max_query_len_class} (its size class) > {65535 * ROWS}, CUDA's limit "
+                "on grid axis 1 in 128-query tiles")
     return None
 
 

@@ -31,7 +31,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _find_sequence(cu_q_ptr, tile, num_seqs, TOKENS_PER_TILE: tl.constexpr):
+def _find_sequence(cu_q_ptr, stride_cu, tile, num_seqs, TOKENS_PER_TILE: tl.constexpr):
     """The sequence owning query tile ``tile``: sequence b's tiles start at
     ``cu_q[b] // TOKENS_PER_TILE + b``, a strictly increasing index that leaves every sequence at
     least ceil(q_len / TOKENS_PER_TILE) tiles (the host launches T // TOKENS_PER_TILE + B)."""
@@ -39,7 +39,7 @@ def _find_sequence(cu_q_ptr, tile, num_seqs, TOKENS_PER_TILE: tl.constexpr):
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        first_tile = tl.load(cu_q_ptr + mid) // TOKENS_PER_TILE + mid
+        first_tile = tl.load(cu_q_ptr + mid * stride_cu) // TOKENS_PER_TILE + mid
         if first_tile <= tile:
             lo = mid + 1
         else:
@@ -55,12 +55,15 @@ def _finite_abs(x):
 
 
 @triton.jit
-def _load_pages(table_row, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASK: tl.constexpr):
-    """The cache block of each KV position start .. start + BLOCK_N (0 past ``hi`` with MASK)."""
+def _load_pages(table_row, stride_bp, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                MASK: tl.constexpr):
+    """The cache block of each KV position start .. start + BLOCK_N (0 past ``hi`` with MASK);
+    ``stride_bp`` steps along a block-table row (Triton specializes it when it is 1)."""
     n = start + tl.arange(0, BLOCK_N)
+    entries = table_row + (n // BLOCK_SIZE) * stride_bp
     if MASK:
-        return tl.load(table_row + n // BLOCK_SIZE, mask=n < hi, other=0).to(tl.int64)
-    return tl.load(table_row + n // BLOCK_SIZE).to(tl.int64)
+        return tl.load(entries, mask=n < hi, other=0).to(tl.int64)
+    return tl.load(entries).to(tl.int64)
 
 
 @triton.jit
@@ -128,7 +131,7 @@ def _attend_step(
 
 @triton.jit
 def _attend_range(
-    acc, l_i, m_i, page, first, last, q, q_rope, hi, row_pos, window, scale, soft_cap, table_row,
+    acc, l_i, m_i, page, first, last, q, q_rope, hi, row_pos, window, scale, soft_cap, table_row, stride_bp,
     k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
     BLOCK_N: tl.constexpr, D_MAIN: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, MASK_RANGE: tl.constexpr, MASK_CAUSAL: tl.constexpr,
@@ -144,9 +147,9 @@ def _attend_range(
     for start in range(first, last, BLOCK_N):
         if PREFETCH_PAGES:
             step_page = page
-            page = _load_pages(table_row, start + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE, True)
+            page = _load_pages(table_row, stride_bp, start + BLOCK_N, hi, BLOCK_N, BLOCK_SIZE, True)
         else:
-            step_page = _load_pages(table_row, start, hi, BLOCK_N, BLOCK_SIZE, MASK_RANGE)
+            step_page = _load_pages(table_row, stride_bp, start, hi, BLOCK_N, BLOCK_SIZE, MASK_RANGE)
         acc, l_i, m_i = _attend_step(
             acc, l_i, m_i, q, q_rope, start, hi, step_page, row_pos, window, scale, soft_cap, k_head, v_head,
             stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
@@ -164,10 +167,10 @@ def paged_attention_kernel(
     lse_ptr,  # [T, Hq] fp32 (RETURN_LSE, not SPLIT_KV)
     part_acc_ptr,  # [num_splits, T, Hq, D_MAIN] fp32 (SPLIT_KV)
     part_ml_ptr,  # [2, num_splits, T, Hq] fp32: running max (base 2) then running sum
-    cu_q_ptr,  # [B + 1] int32
-    block_table_ptr,  # [B, max_blocks] int32
-    seq_lens_ptr,  # [B] int32
-    sinks_ptr,  # [Hq] fp32 (HAS_SINKS)
+    cu_q_ptr,  # [B + 1] int32, any stride
+    block_table_ptr,  # [B, max_blocks] int32, any strides
+    seq_lens_ptr,  # [B] int32, any stride
+    sinks_ptr,  # [Hq] fp32 (HAS_SINKS), any stride
     k_scale_ptr,  # fp32 scalar (HAS_K_SCALE)
     v_scale_ptr,  # fp32 scalar (HAS_V_SCALE)
     num_seqs,
@@ -180,7 +183,8 @@ def paged_attention_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh,
-    stride_bt,
+    stride_bt, stride_bp,  # block table: rows (sequences), entries
+    stride_cu, stride_sl, stride_sink,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
     HEADS_PER_TILE: tl.constexpr,  # query heads of one KV head in a tile (<= GROUP)
@@ -220,14 +224,14 @@ def paged_attention_kernel(
         # the GPU starts programs in launch order, so the longest start first instead of forming
         # the tail of the launch.
         tile = tl.num_programs(1) - 1 - tl.program_id(1)
-        seq = _find_sequence(cu_q_ptr, tile, num_seqs, TOKENS_PER_TILE)
-        local_tile = tile - (tl.load(cu_q_ptr + seq) // TOKENS_PER_TILE + seq)
-    q_start = tl.load(cu_q_ptr + seq)
-    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+        seq = _find_sequence(cu_q_ptr, stride_cu, tile, num_seqs, TOKENS_PER_TILE)
+        local_tile = tile - (tl.load(cu_q_ptr + seq * stride_cu) // TOKENS_PER_TILE + seq)
+    q_start = tl.load(cu_q_ptr + seq * stride_cu)
+    q_len = tl.load(cu_q_ptr + (seq + 1) * stride_cu) - q_start
     first_token = local_tile * TOKENS_PER_TILE  # within the sequence
     if first_token >= q_len:
         return
-    kv_len = tl.load(seq_lens_ptr + seq)
+    kv_len = tl.load(seq_lens_ptr + seq * stride_sl)
 
     # Rows: token-major, head-minor.
     rows = tl.arange(0, BLOCK_M)
@@ -312,13 +316,13 @@ def paged_attention_kernel(
         clean_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
     # With PREFETCH_PAGES the block-table entries of each step are loaded one step ahead (see
     # _attend_range); the unmasked steps hand the next step's entries to the masked ones.
-    page = _load_pages(table_row, lo, hi, BLOCK_N, BLOCK_SIZE, True) if PREFETCH_PAGES else 0
+    page = _load_pages(table_row, stride_bp, lo, hi, BLOCK_N, BLOCK_SIZE, True) if PREFETCH_PAGES else 0
     acc, l_i, m_i, page = _attend_range(
-        acc, l_i, m_i, page, lo, clean_hi, q, q_rope, hi, row_pos, window, scale, soft_cap, table_row,
+        acc, l_i, m_i, page, lo, clean_hi, q, q_rope, hi, row_pos, window, scale, soft_cap, table_row, stride_bp,
         k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
         BLOCK_N, D_MAIN, D_ROPE, BLOCK_D, BLOCK_SIZE, False, False, False, SOFT_CAP, V_FROM_K, PREFETCH_PAGES)
     acc, l_i, m_i, page = _attend_range(
-        acc, l_i, m_i, page, clean_hi, hi, q, q_rope, hi, row_pos, window, scale, soft_cap, table_row,
+        acc, l_i, m_i, page, clean_hi, hi, q, q_rope, hi, row_pos, window, scale, soft_cap, table_row, stride_bp,
         k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs, dot_dtype, d, r,
         BLOCK_N, D_MAIN, D_ROPE, BLOCK_D, BLOCK_SIZE, True, CAUSAL and TOKENS_PER_TILE > 1,
         WINDOW and TOKENS_PER_TILE > 1, SOFT_CAP, V_FROM_K, PREFETCH_PAGES)
@@ -335,7 +339,7 @@ def paged_attention_kernel(
         m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
         denominator = l_i
         if HAS_SINKS:
-            sink = tl.load(sinks_ptr + row_head, mask=row_ok, other=0.0)
+            sink = tl.load(sinks_ptr + row_head * stride_sink, mask=row_ok, other=0.0)
             denominator += tl.exp2(sink * LOG2E - m_use)
         denominator = tl.where(denominator == 0.0, 1.0, denominator)  # rows with nothing visible
         out = acc / denominator[:, None]
@@ -357,6 +361,7 @@ def merge_splits_kernel(
     num_tokens,
     num_splits,
     stride_ot, stride_oh,
+    stride_sink,
     NUM_Q_HEADS: tl.constexpr,
     D_MAIN: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -379,7 +384,7 @@ def merge_splits_kernel(
     total = tl.sum(l_s * w, 0)
     denominator = total
     if HAS_SINKS:
-        denominator += tl.exp2(tl.load(sinks_ptr + head) * LOG2E - m_use)
+        denominator += tl.exp2(tl.load(sinks_ptr + head * stride_sink) * LOG2E - m_use)
     denominator = tl.where(denominator == 0.0, 1.0, denominator)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D_MAIN

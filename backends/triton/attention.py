@@ -29,6 +29,9 @@ import torch
 from kernelmux.backends._scoped import ScopedSetting
 from kernelmux.backends.triton._host import INTERPRETED, next_pow2
 from kernelmux.engine import probes
+from kernelmux.engine.platform import Platform, PlatformKind
+from kernelmux.ops.specs import mla_decode as mla_spec
+from kernelmux.ops.specs import paged_attention as paged_spec
 
 __all__ = [
     "AttentionPlan",
@@ -193,13 +196,24 @@ def _base_plan(kind: str, device: torch.device) -> AttentionPlan:
 
 
 def _table_for(device: torch.device) -> dict:
+    """The plan table for launches on ``device``."""
     if device.type in ("cpu", "meta"):
-        return _TABLE  # the interpreter's; meta tensors stand in for a GPU's in supports checks
-    if device.type != "cuda" or probes.is_rocm():
-        # Intel's shared local memory is 64-128 KB; ROCm reports gfx9 parts as major 9, but their
-        # LDS is 64-160 KB.
-        return _COMPACT_TABLE
-    if _capability(device)[0] not in _LARGE_SHARED_MEMORY_MAJORS:
+        return _TABLE  # the interpreter's
+    rocm = probes.is_rocm()
+    return _table_for_gpu(device.type == "cuda" and not rocm, None if rocm else _capability(device))
+
+
+def _table_for_platform(platform: Platform) -> dict:
+    """The plan table the launches on ``platform``'s GPU use (supports decides on it)."""
+    if platform.kind is PlatformKind.CPU:
+        return _TABLE
+    return _table_for_gpu(platform.kind is PlatformKind.CUDA, platform.capability)
+
+
+def _table_for_gpu(nvidia: bool, capability: Optional[tuple[int, int]]) -> dict:
+    # Intel's shared local memory is 64-128 KB; ROCm reports gfx9 parts as major 9, but their LDS
+    # is 64-160 KB.
+    if not nvidia or capability is None or capability[0] not in _LARGE_SHARED_MEMORY_MAJORS:
         return _COMPACT_TABLE
     return _TABLE
 
@@ -220,15 +234,20 @@ def _kind(max_query_len: int, cache_dtype: torch.dtype, mla: bool) -> str:
 _MAX_GRID_Y = 65535
 
 
-def _launch_limit(kind: str, device: torch.device, cache_dtype: torch.dtype, group: int, num_seqs: int,
-                  num_tokens: int, max_query_len: int) -> Optional[str]:
-    """Why the call would not compile or launch on ``device``, or None."""
-    if cache_dtype == FP8 and device.type == "cuda" and _capability(device) < (8, 9):
-        major, minor = _capability(device)
-        return f"fp8 e4m3 caches need sm_89 or newer in Triton; this GPU is sm_{major}{minor}"
-    tiles, _ = _grid_size(_base_plan(kind, device).block_m, group, num_seqs, num_tokens, max_query_len)
+def _launch_limit(kind: str, platform: Platform, cache_dtype: torch.dtype, group: int, num_seqs: int,
+                  num_tokens: int, one_query_per_seq: bool) -> Optional[str]:
+    """Why a call would not compile or launch on ``platform``, or None. ``num_seqs`` and
+    ``num_tokens`` are upper bounds (the key's size classes): a bound past a limit declines,
+    never a call that fits."""
+    capability = platform.capability
+    if (cache_dtype == FP8 and platform.kind is PlatformKind.CUDA and capability is not None
+            and capability < (8, 9)):
+        return f"fp8 e4m3 caches need sm_89 or newer in Triton; this GPU is {platform.arch}"
+    block_m = _table_for_platform(platform)[kind].block_m
+    tiles = num_seqs if one_query_per_seq else num_tokens // (block_m // min(group, block_m)) + num_seqs
     if tiles > _MAX_GRID_Y:
-        return f"{tiles} query tiles > {_MAX_GRID_Y}, CUDA's limit on grid axis 1 (split the batch)"
+        return (f"up to {tiles} query tiles (this batch's size class) > {_MAX_GRID_Y}, CUDA's limit on grid "
+                "axis 1 (split the batch)")
     return None
 
 
@@ -330,7 +349,8 @@ def _launch(
             k.stride(0), k.stride(1), k.stride(2) if k.dim() == 4 else 0,
             v.stride(0), v.stride(1), v.stride(2) if v.dim() == 4 else 0,
             out.stride(0), out.stride(1),
-            block_table.stride(0),
+            block_table.stride(0), block_table.stride(1),
+            cu_seqlens_q.stride(0), seq_lens.stride(0), sinks.stride(0) if sinks is not None else 0,
             NUM_Q_HEADS=num_q_heads,
             GROUP=group,
             HEADS_PER_TILE=heads_per_tile,
@@ -361,7 +381,7 @@ def _launch(
             kernels.merge_splits_kernel[(num_tokens, num_q_heads)](
                 out, lse if want_lse else out, part_acc, part_ml,
                 sinks if sinks is not None else out,
-                num_tokens, splits, out.stride(0), out.stride(1),
+                num_tokens, splits, out.stride(0), out.stride(1), sinks.stride(0) if sinks is not None else 0,
                 NUM_Q_HEADS=num_q_heads,
                 D_MAIN=d_main,
                 BLOCK_D=_dot_width(d_main),
@@ -372,34 +392,18 @@ def _launch(
             )
 
 
-def paged_attention_supports(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_query_len: int,
-    max_seq_len: int,
-    scale: float,
-    causal: bool = True,
-    sliding_window: int = 0,
-    logits_soft_cap: float = 0.0,
-    sinks: Optional[torch.Tensor] = None,
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-) -> Optional[str]:
-    """None when the kernel handles this (already validated) call, else why not."""
-    head_dim = query.shape[2]
-    if head_dim > MAX_HEAD_DIM:
-        return f"head dim {head_dim} > {MAX_HEAD_DIM}: the register tiles would spill"
-    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            return f"{name} has a non-unit stride {t.stride(-1)} along the head dim"
-    group = query.shape[1] // k_cache.shape[2]
-    kind = _kind(max_query_len, k_cache.dtype, mla=False)
-    return _launch_limit(kind, query.device, k_cache.dtype, group, seq_lens.shape[0], query.shape[0],
-                         max_query_len)
+def paged_attention_supports(key: paged_spec.Key, platform: Platform) -> Optional[str]:
+    """None when the kernel handles calls with this dispatch key on ``platform``, else why not.
+    The kernel reads any strides of the index tensors and sinks; rows must be contiguous."""
+    if key.head_dim > MAX_HEAD_DIM:
+        return f"head dim {key.head_dim} > {MAX_HEAD_DIM}: the register tiles would spill"
+    for name in ("query", "k_cache", "v_cache"):
+        if not getattr(key, f"{name}_layout").unit_stride:
+            return f"{name} has a non-unit stride along the head dim"
+    group = key.num_heads // key.num_kv_heads
+    kind = _kind(key.max_query_len_class, key.cache_dtype, mla=False)
+    return _launch_limit(kind, platform, key.cache_dtype, group, key.num_seqs_class, key.num_tokens_class,
+                         key.uniform_queries and key.decode)
 
 
 def paged_attention(
@@ -438,28 +442,16 @@ def paged_attention(
     return out
 
 
-def mla_decode_supports(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_query_len: int,
-    max_seq_len: int,
-    scale: float,
-    kv_lora_rank: int = 512,
-    kv_scale: Optional[torch.Tensor] = None,
-    return_lse: bool = False,
-) -> Optional[str]:
-    """None when the kernel handles this (already validated) call, else why not."""
-    if q.shape[2] > MAX_MLA_WIDTH:
-        return f"row width {q.shape[2]} > {MAX_MLA_WIDTH}: the register tiles would spill"
-    for name, t in (("q", q), ("kv_cache", kv_cache)):
-        if t.stride(-1) != 1:
-            return f"{name} has a non-unit stride {t.stride(-1)} along the row"
-    kind = _kind(max_query_len, kv_cache.dtype, mla=True)
-    return _launch_limit(kind, q.device, kv_cache.dtype, q.shape[1], seq_lens.shape[0], q.shape[0],
-                         max_query_len)
+def mla_decode_supports(key: mla_spec.Key, platform: Platform) -> Optional[str]:
+    """None when the kernel handles calls with this dispatch key on ``platform``, else why not."""
+    if key.width > MAX_MLA_WIDTH:
+        return f"row width {key.width} > {MAX_MLA_WIDTH}: the register tiles would spill"
+    for name in ("q", "kv_cache"):
+        if not getattr(key, f"{name}_layout").unit_stride:
+            return f"{name} has a non-unit stride along the row"
+    kind = _kind(key.max_query_len, key.cache_dtype, mla=True)
+    return _launch_limit(kind, platform, key.cache_dtype, key.num_heads, key.num_seqs_class,
+                         key.num_tokens_class, key.uniform_queries and key.max_query_len <= 1)
 
 
 def mla_decode(

@@ -13,6 +13,8 @@ import torch
 
 from kernelmux.backends._scoped import ScopedSetting
 from kernelmux.backends.triton._host import next_pow2
+from kernelmux.engine.platform import Platform
+from kernelmux.ops.specs import grouped_topk as grouped_topk_spec
 
 __all__ = [
     "LaunchConfig",
@@ -175,19 +177,11 @@ def override_launch_config(config: LaunchConfig) -> contextlib.AbstractContextMa
     return _override.override(config)
 
 
-def supports(
-    gating_output: torch.Tensor,
-    topk: int,
-    renormalize: bool,
-    num_expert_group: int,
-    topk_group: int,
-    scoring_func: str = "softmax",
-    routed_scaling_factor: float = 1.0,
-    e_score_correction_bias: Optional[torch.Tensor] = None,
-) -> Optional[str]:
-    """None when the fused kernel handles this (already validated) call, else why not. The
-    engine checks the tensors' device against the record's ``devices`` before asking."""
-    num_experts = gating_output.shape[1]
+def supports(key: grouped_topk_spec.Key, platform: Platform) -> Optional[str]:
+    """None when the fused kernel handles calls with this dispatch key, else why not (it reads
+    any strides of the logits and the bias). The engine checks the tensors' device against the
+    record's ``devices`` before asking."""
+    num_experts, num_expert_group = key.num_experts, key.num_expert_group
     group_size = num_experts // num_expert_group
     padded = next_pow2(num_expert_group) * next_pow2(group_size)
     if padded > MAX_PADDED_EXPERTS:
@@ -195,11 +189,11 @@ def supports(
             f"E = {num_experts} in {num_expert_group} groups pads to {padded} > "
             f"{MAX_PADDED_EXPERTS} lanes: the row does not fit one register tile"
         )
-    if topk > MAX_UNROLLED_PICKS:
-        return f"topk = {topk} > {MAX_UNROLLED_PICKS}: expert selection is an unrolled loop"
-    if topk_group < num_expert_group and topk_group > MAX_UNROLLED_PICKS:
+    if key.topk > MAX_UNROLLED_PICKS:
+        return f"topk = {key.topk} > {MAX_UNROLLED_PICKS}: expert selection is an unrolled loop"
+    if key.topk_group < num_expert_group and key.topk_group > MAX_UNROLLED_PICKS:
         return (
-            f"topk_group = {topk_group} > {MAX_UNROLLED_PICKS}: group selection is an unrolled loop"
+            f"topk_group = {key.topk_group} > {MAX_UNROLLED_PICKS}: group selection is an unrolled loop"
         )
     return None
 

@@ -14,6 +14,8 @@ import torch
 from kernelmux.backends._scoped import ScopedSetting
 from kernelmux.backends.triton._host import INTERPRETED, next_pow2
 from kernelmux.engine import probes
+from kernelmux.engine.platform import Platform
+from kernelmux.ops.specs import kv_cache_write as kv_cache_write_spec
 
 __all__ = [
     "LaunchConfig",
@@ -131,18 +133,11 @@ def _kernel():
     return kv_cache_write_kernel
 
 
-def supports(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-) -> Optional[str]:
-    """None when the kernel handles this (already validated) call, else why not. The engine
-    checks the tensors' device against the record's ``devices`` before asking."""
-    head_dim = key.shape[2]
+def supports(key: kv_cache_write_spec.Key, platform: Platform) -> Optional[str]:
+    """None when the kernel handles calls with this dispatch key, else why not (it reads any
+    strides). The engine checks the tensors' device against the record's ``devices`` before
+    asking."""
+    head_dim = key.head_dim
     if next_pow2(head_dim) > MAX_PADDED_HEAD_DIM:
         return (
             f"head dim D = {head_dim} pads to {next_pow2(head_dim)} > {MAX_PADDED_HEAD_DIM} lanes: "

@@ -1,12 +1,13 @@
 """fp4_mm: the FP4 GEMM with NVFP4 or MXFP4 weights, W4A16 (``a @ dequant(b).T``) or W4A4
 (``dequant(a) @ dequant(b).T``); the spec, its reference and its cases."""
 
-from typing import Any, Hashable, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.ops._compare import assert_close_to_magnitude
+from kernelmux.ops._key import Layout, layout, size_class
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.ops._validate import check_choice, check_tensor
 from kernelmux.ops.specs.quantize_mxfp4 import e8m0_to_float, quantize_mxfp4
@@ -15,7 +16,7 @@ from kernelmux.ops.specs.scaled_mm import OUT_DTYPES  # the GEMM specs share the
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
-__all__ = ["SPEC", "decode_e2m1", "dequantize_fp4", "fp4_mm"]
+__all__ = ["SPEC", "Key", "decode_e2m1", "dequantize_fp4", "fp4_mm"]
 
 NAME = "fp4_mm"
 # The API names the output dtype with a string (a torch.dtype is not a custom-op argument type).
@@ -136,6 +137,26 @@ def _check_scale(name: str, value: Any, fmt: str, shape: tuple, device: torch.de
         )
 
 
+class Key(NamedTuple):
+    """fp4_mm's dispatch key: what an implementation may decide on (OpSpec.key). N and K are the
+    weight's, fixed per layer; M (tokens) changes per batch and is a class (``size_class``)."""
+
+    device: torch.device
+    mode: str  # "w4a16" (a bf16/fp16) or "w4a4" (a packed uint8)
+    fmt: str
+    a_dtype: torch.dtype
+    out_dtype: str
+    n: int
+    k: int  # unpacked: 2 * b.shape[1]
+    m_class: int
+    a_layout: Layout
+    b_layout: Layout
+    b_scale_layout: Layout
+    a_scale_layout: Optional[Layout]  # None: W4A16
+    b_global_scale_layout: Optional[Layout]  # None: mxfp4
+    a_global_scale_layout: Optional[Layout]  # None unless nvfp4 W4A4
+
+
 def validate(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -145,7 +166,7 @@ def validate(
     b_global_scale: Optional[torch.Tensor] = None,
     a_global_scale: Optional[torch.Tensor] = None,
     out_dtype: str = "bfloat16",
-) -> Hashable:
+) -> Key:
     """Check a call against the spec; return the dispatch key."""
     check_tensor(NAME, "a", a, dtypes=ACTIVATION_DTYPES + (torch.uint8,), rank=2)
     device = a.device  # read once: building a torch.device costs ~0.3 us
@@ -201,7 +222,11 @@ def validate(
             type(a_global_scale).__name__, hint="only NVFP4 packed activations have one",
         )
     check_choice(NAME, "out_dtype", out_dtype, OUT_DTYPES)
-    return ("w4a4" if w4a4 else "w4a16", fmt, a.dtype, device.type, out_dtype, channels, cols)
+    return Key(
+        device, "w4a4" if w4a4 else "w4a16", fmt, a.dtype, out_dtype, channels, cols,
+        size_class(rows), layout(a), layout(b), layout(b_scale), layout(a_scale),
+        layout(b_global_scale), layout(a_global_scale),
+    )
 
 
 def fake(
@@ -384,4 +409,5 @@ SPEC = OpSpec(
     cost=cost,
     cases=_cases(),
     tolerance=TOLERANCE,
+    key=Key,
 )

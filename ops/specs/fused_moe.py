@@ -2,19 +2,21 @@
 projection, router-weighted sum over each token's top-k experts), unquantized or with FP8
 per-tensor or 128-block-scaled weights; the spec, its reference and its cases."""
 
-from typing import Any, Hashable, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._check_data import distinct_rule, enforce, index_rule, range_rule
 from kernelmux.ops._compare import assert_close_to_magnitude
+from kernelmux.ops._key import Layout, layout, size_class
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.ops._validate import check_choice, check_tensor
 from kernelmux.ops.specs.quantize_fp8 import quantize_fp8
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
-__all__ = ["SPEC", "fused_moe"]
+__all__ = ["SPEC", "Key", "fused_moe"]
 
 NAME = "fused_moe"
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16)
@@ -48,15 +50,16 @@ def fused_moe(
             float8_e4m3fn or float8_e4m3fnuz (codes; ``W ~ codes * scale``).
         w2: ``[E, H, I]`` the down projections, the dtype of ``w1``.
         topk_weights: ``[T, k]`` fp32 router weights, used as given (no renormalization).
-        topk_ids: ``[T, k]`` int32 *global* expert ids. Preconditions (not checked: reading the
-            values would need a device sync): every id in ``[0, E_global)`` and the ``k`` ids of
-            a row distinct (as every router returns them).
+        topk_ids: ``[T, k]`` int32 *global* expert ids. Preconditions (checked in checked mode
+            only, by ``check_data``: reading the values needs a device sync): every id in
+            ``[0, E_global)`` and the ``k`` ids of a row distinct (as every router returns them).
         activation: ``"silu"``: ``silu(gate) * up``; ``"gelu"``: ``gelu(gate) * up`` with the
             exact (erf) GELU, as vLLM's ``GeluAndMul`` default.
         expert_map: ``[E_global]`` int32 or None. Global id -> local id in ``[0, E)``, or -1 when
             the expert lives on another rank: such a (token, expert) pair contributes zero.
             ``w1``/``w2`` then hold the ``E <= E_global`` local experts only. Without it,
-            ``E_global = E`` and ids are local. Precondition: values in ``[-1, E)``.
+            ``E_global = E`` and ids are local. Precondition (checked mode): values in
+            ``[-1, E)``.
         apply_router_weight_on_input: multiply the expert's *input* by the router weight
             (``W2 act(W1 (w x))``, Llama-4) instead of its output. Only ``k == 1`` is accepted
             (validate rejects others), as vLLM asserts: then the weighted input is simply
@@ -165,6 +168,33 @@ def _check_scale(name: str, value: Any, shape: tuple, device: torch.device, what
         raise InvalidArgumentError(NAME, name, f"shape {shape} ({what})", tuple(value.shape))
 
 
+class Key(NamedTuple):
+    """fused_moe's dispatch key: what an implementation may decide on (OpSpec.key). The expert
+    counts and sizes are the model's (and the rank's); T (tokens) changes per batch and is a
+    class (``size_class``)."""
+
+    device: torch.device
+    hidden_dtype: torch.dtype
+    weight_dtype: torch.dtype  # w1's and w2's: hidden_dtype, or an fp8 dtype
+    quantization: str
+    activation: str
+    num_experts: int  # E, local: w1.shape[0]
+    num_global_experts: int  # E_global: expert_map.shape[0], or E without a map
+    hidden_size: int
+    intermediate_size: int
+    topk: int
+    apply_router_weight_on_input: bool
+    num_tokens_class: int
+    hidden_layout: Layout
+    w1_layout: Layout
+    w2_layout: Layout
+    topk_weights_layout: Layout
+    topk_ids_layout: Layout
+    expert_map_layout: Optional[Layout]  # None: no expert map
+    w1_scale_layout: Optional[Layout]  # None: quantization "none"
+    w2_scale_layout: Optional[Layout]
+
+
 def validate(
     hidden: torch.Tensor,
     w1: torch.Tensor,
@@ -177,7 +207,7 @@ def validate(
     quantization: str = "none",
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
-) -> Hashable:
+) -> Key:
     """Check a call against the spec; return the dispatch key."""
     check_tensor(NAME, "hidden", hidden, dtypes=HIDDEN_DTYPES, rank=2)
     device = hidden.device  # read once: building a torch.device costs ~0.3 us
@@ -252,19 +282,44 @@ def validate(
                      device, "fp8_block: [E, ceil(2I/128), ceil(H/128)]")
         _check_scale("w2_scale", w2_scale, _block_scale_shape(experts, hidden_size, inter_size),
                      device, "fp8_block: [E, ceil(H/128), ceil(I/128)]")
-    return (
-        hidden.dtype,
-        device.type,
-        w1.dtype,
-        quantization,
-        activation,
-        experts,
-        hidden_size,
-        inter_size,
-        topk,
-        expert_map is not None,
-        apply_router_weight_on_input,
+    return Key(
+        device, hidden.dtype, w1.dtype, quantization, activation, experts, global_experts,
+        hidden_size, inter_size, topk, apply_router_weight_on_input, size_class(num_tokens),
+        layout(hidden), layout(w1), layout(w2), layout(topk_weights), layout(topk_ids),
+        layout(expert_map), layout(w1_scale), layout(w2_scale),
     )
+
+
+def check_data(
+    hidden: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+    expert_map: Optional[torch.Tensor] = None,
+    apply_router_weight_on_input: bool = False,
+    quantization: str = "none",
+    w1_scale: Optional[torch.Tensor] = None,
+    w2_scale: Optional[torch.Tensor] = None,
+) -> None:
+    """Checked mode: every routed id names an expert (global ids when there is a map), the ids
+    of a row are distinct, and the map sends each global id to a local expert or to -1."""
+    experts = w1.shape[0]
+    if expert_map is None:
+        bound, what = experts, f"the {experts} experts of w1"
+    else:
+        bound, what = expert_map.shape[0], f"the {expert_map.shape[0]} global experts of expert_map"
+    rules = [
+        index_rule("topk_ids", topk_ids, bound, what, negative_skips=False),
+        distinct_rule("topk_ids", topk_ids, "a token routed twice to one expert",
+                      negative_skips=False),
+    ]
+    if expert_map is not None:
+        rules.append(range_rule("expert_map", expert_map, -1, experts,
+                                f"-1: another rank's expert; else a local id < E = {experts}, "
+                                "w1.shape[0]"))
+    enforce(NAME, rules)
 
 
 def fake(
@@ -568,4 +623,6 @@ SPEC = OpSpec(
     cost=cost,
     cases=_cases(),
     tolerance=TOLERANCE,
+    key=Key,
+    check_data=check_data,
 )

@@ -1,17 +1,18 @@
 """grouped_topk: DeepSeek-style group-limited MoE routing; the spec, its reference and its cases."""
 
-from typing import Any, Hashable, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.ops._compare import assert_close
+from kernelmux.ops._key import Layout, layout, size_class
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
-from kernelmux.ops._validate import check_choice, check_int, check_tensor
+from kernelmux.ops._validate import check_choice, check_float, check_int, check_tensor
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
-__all__ = ["SPEC", "grouped_topk"]
+__all__ = ["SPEC", "Key", "grouped_topk"]
 
 NAME = "grouped_topk"
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -75,6 +76,24 @@ def grouped_topk(
     return weights, ids.to(torch.int32)
 
 
+class Key(NamedTuple):
+    """grouped_topk's dispatch key: what an implementation may decide on (OpSpec.key)."""
+
+    device: torch.device
+    logits_dtype: torch.dtype
+    num_experts: int
+    num_expert_group: int
+    topk_group: int
+    topk: int
+    renormalize: bool
+    scoring_func: str
+    routed_scaling_factor: float
+    bias_dtype: Optional[torch.dtype]  # None: no correction bias
+    num_tokens_class: int
+    gating_output_layout: Layout
+    e_score_correction_bias_layout: Optional[Layout]
+
+
 def validate(
     gating_output: torch.Tensor,
     topk: int,
@@ -84,7 +103,7 @@ def validate(
     scoring_func: str = "softmax",
     routed_scaling_factor: float = 1.0,
     e_score_correction_bias: Optional[torch.Tensor] = None,
-) -> Hashable:
+) -> Key:
     """Check a call against the spec; return the dispatch key."""
     check_tensor(NAME, "gating_output", gating_output, dtypes=LOGIT_DTYPES, rank=2)
     device = gating_output.device  # read once: building a torch.device costs ~0.3 us
@@ -103,10 +122,7 @@ def validate(
     if type(renormalize) is not bool:
         raise InvalidArgumentError(NAME, "renormalize", "a bool", type(renormalize).__name__)
     check_choice(NAME, "scoring_func", scoring_func, SCORING_FUNCS)
-    if type(routed_scaling_factor) not in (float, int):
-        raise InvalidArgumentError(
-            NAME, "routed_scaling_factor", "a Python float", type(routed_scaling_factor).__name__
-        )
+    check_float(NAME, "routed_scaling_factor", routed_scaling_factor)
     bias_dtype = None
     if e_score_correction_bias is not None:
         check_tensor(
@@ -132,15 +148,12 @@ def validate(
                 num_expert_group,
             )
         bias_dtype = e_score_correction_bias.dtype
-    return (
-        gating_output.dtype,
-        device.type,
-        num_experts,
-        num_expert_group,
-        topk_group,
-        topk,
-        scoring_func,
-        bias_dtype,
+    return Key(
+        device=device, logits_dtype=gating_output.dtype, num_experts=num_experts,
+        num_expert_group=num_expert_group, topk_group=topk_group, topk=topk, renormalize=renormalize,
+        scoring_func=scoring_func, routed_scaling_factor=routed_scaling_factor, bias_dtype=bias_dtype,
+        num_tokens_class=size_class(gating_output.shape[0]), gating_output_layout=layout(gating_output),
+        e_score_correction_bias_layout=layout(e_score_correction_bias),
     )
 
 
@@ -354,4 +367,5 @@ SPEC = OpSpec(
     cost=cost,
     cases=_cases(),
     tolerance=TOLERANCE,
+    key=Key,
 )

@@ -1,17 +1,19 @@
 """kv_cache_write: scatter this step's keys and values into vLLM's paged NHD KV cache (in place,
 quantizing for fp8 caches); the spec, its reference and its cases. Companion of paged_attention."""
 
-from typing import Any, Hashable, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._check_data import enforce, index_rule
+from kernelmux.ops._key import Layout, layout, size_class
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.ops._validate import check_tensor
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
-__all__ = ["FP8_MAX", "SPEC", "check_scale", "kv_cache_write", "quantize_to_cache_fp8"]
+__all__ = ["FP8_MAX", "SPEC", "Key", "check_scale", "kv_cache_write", "quantize_to_cache_fp8"]
 
 NAME = "kv_cache_write"
 KV_DTYPES = (torch.bfloat16, torch.float16)
@@ -93,6 +95,25 @@ def check_scale(op: str, name: str, scale: Any, cache_dtype: torch.dtype, device
                                    scale.device)
 
 
+class Key(NamedTuple):
+    """kv_cache_write's dispatch key: what an implementation may decide on (OpSpec.key)."""
+
+    device: torch.device
+    kv_dtype: torch.dtype
+    cache_dtype: torch.dtype
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_tokens_class: int
+    key_layout: Layout
+    value_layout: Layout
+    k_cache_layout: Layout
+    v_cache_layout: Layout
+    slot_mapping_layout: Layout
+    k_scale_layout: Optional[Layout]  # None: no scale (1.0)
+    v_scale_layout: Optional[Layout]
+
+
 def validate(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -101,7 +122,7 @@ def validate(
     slot_mapping: torch.Tensor,
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
-) -> Hashable:
+) -> Key:
     """Check a call against the spec; return the dispatch key."""
     check_tensor(NAME, "key", key, dtypes=KV_DTYPES, rank=3)
     device = key.device
@@ -126,16 +147,28 @@ def validate(
                                    tuple(slot_mapping.shape))
     check_scale(NAME, "k_scale", k_scale, k_cache.dtype, device)
     check_scale(NAME, "v_scale", v_scale, k_cache.dtype, device)
-    return (
-        key.dtype,
-        k_cache.dtype,
-        device.type,
-        num_kv_heads,
-        head_dim,
-        k_cache.shape[1],
-        k_scale is not None,
-        v_scale is not None,
+    return Key(
+        device=device, kv_dtype=key.dtype, cache_dtype=k_cache.dtype, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, block_size=k_cache.shape[1], num_tokens_class=size_class(num_tokens),
+        key_layout=layout(key), value_layout=layout(value), k_cache_layout=layout(k_cache),
+        v_cache_layout=layout(v_cache), slot_mapping_layout=layout(slot_mapping), k_scale_layout=layout(k_scale),
+        v_scale_layout=layout(v_scale),
     )
+
+
+def check_data(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> None:
+    """Checked mode: every slot inside the cache (negative slots are padding)."""
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    enforce(NAME, [index_rule("slot_mapping", slot_mapping, num_blocks * block_size,
+                              f"the cache's {num_blocks} blocks x {block_size} slots", negative_skips=True)])
 
 
 def fake(
@@ -299,5 +332,7 @@ SPEC = OpSpec(
     cost=cost,
     cases=_cases(),
     tolerance=TOLERANCE,
+    key=Key,
+    check_data=check_data,
     mutates_args=("k_cache", "v_cache"),
 )

@@ -2,19 +2,21 @@
 (decode and MTP/speculative queries, bf16 or fp8 e4m3 cache); the spec, its reference and its cases."""
 
 import itertools
-from typing import Any, Hashable, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._check_data import enforce, paged_batch_rules
 from kernelmux.ops._compare import assert_close
+from kernelmux.ops._key import Layout, layout, size_class
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.ops._validate import check_int, check_paged_batch, check_tensor
 from kernelmux.ops.specs.kv_cache_write import FP8, check_scale, random_cache
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
-__all__ = ["SPEC", "mla_decode"]
+__all__ = ["SPEC", "Key", "mla_decode"]
 
 NAME = "mla_decode"
 QUERY_DTYPES = (torch.bfloat16, torch.float16)
@@ -97,6 +99,34 @@ def mla_decode(
     return out, lse
 
 
+class Key(NamedTuple):
+    """mla_decode's dispatch key: what an implementation may decide on (OpSpec.key). Sizes that
+    change per batch are classes (``size_class``); ``max_query_len`` is small in decode and MTP
+    batches (1-4) and is kept exactly, with ``uniform_queries`` (T == B * max_query_len, host
+    ints), which proves every sequence has max_query_len queries, since none has more: decode
+    kernels such as FlashMLA's take a fixed count per sequence."""
+
+    device: torch.device
+    q_dtype: torch.dtype
+    cache_dtype: torch.dtype
+    num_heads: int
+    width: int  # q.shape[2]: kv_lora_rank latent dims then the rope dims
+    kv_lora_rank: int
+    block_size: int
+    num_tokens_class: int
+    num_seqs_class: int
+    max_query_len: int
+    uniform_queries: bool
+    scale: float
+    return_lse: bool
+    q_layout: Layout
+    kv_cache_layout: Layout
+    cu_seqlens_q_layout: Layout
+    block_table_layout: Layout
+    seq_lens_layout: Layout
+    kv_scale_layout: Optional[Layout]  # None: no scale (1.0)
+
+
 def validate(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -109,7 +139,7 @@ def validate(
     kv_lora_rank: int = 512,
     kv_scale: Optional[torch.Tensor] = None,
     return_lse: bool = False,
-) -> Hashable:
+) -> Key:
     """Check a call against the spec; return the dispatch key. Reads metadata only: the contents
     of cu_seqlens_q, block_table and seq_lens are device data and stay unchecked."""
     check_tensor(NAME, "q", q, dtypes=QUERY_DTYPES, rank=3)
@@ -128,22 +158,33 @@ def validate(
     check_scale(NAME, "kv_scale", kv_scale, kv_cache.dtype, device)
     if type(return_lse) is not bool:
         raise InvalidArgumentError(NAME, "return_lse", "a bool", type(return_lse).__name__)
-    return (
-        q.dtype,
-        kv_cache.dtype,
-        device.type,
-        num_heads,
-        head_dim,
-        kv_lora_rank,
-        kv_cache.shape[1],
-        # Decode kernels (FlashMLA) take a fixed number of queries per sequence: T == B *
-        # max_query_len (host ints) proves every q_len_b == max_query_len, since none exceeds it.
-        # max_query_len itself is small in decode/MTP batches (1-4), so it stays in the key.
-        max_query_len,
-        num_tokens == batch * max_query_len,
-        kv_scale is not None,
-        return_lse,
+    return Key(
+        device=device, q_dtype=q.dtype, cache_dtype=kv_cache.dtype, num_heads=num_heads, width=head_dim,
+        kv_lora_rank=kv_lora_rank, block_size=kv_cache.shape[1], num_tokens_class=size_class(num_tokens),
+        num_seqs_class=size_class(batch), max_query_len=max_query_len,
+        uniform_queries=num_tokens == batch * max_query_len, scale=scale, return_lse=return_lse,
+        q_layout=layout(q), kv_cache_layout=layout(kv_cache), cu_seqlens_q_layout=layout(cu_seqlens_q),
+        block_table_layout=layout(block_table), seq_lens_layout=layout(seq_lens), kv_scale_layout=layout(kv_scale),
     )
+
+
+def check_data(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    kv_lora_rank: int = 512,
+    kv_scale: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+) -> None:
+    """Checked mode: the batch description's contents against the queries and the cache (causal:
+    a sequence's queries are its last positions)."""
+    enforce(NAME, paged_batch_rules(cu_seqlens_q, block_table, seq_lens, q.shape[0], max_query_len,
+                                    max_seq_len, kv_cache.shape[1], kv_cache.shape[0], causal=True))
 
 
 def fake(
@@ -381,4 +422,6 @@ SPEC = OpSpec(
     cost=cost,
     cases=_cases(),
     tolerance=TOLERANCE,
+    key=Key,
+    check_data=check_data,
 )

@@ -2,19 +2,21 @@
 sliding window, soft cap, sinks, fp8 caches); the spec, its reference and its cases."""
 
 import itertools
-from typing import Any, Hashable, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._check_data import enforce, paged_batch_rules
 from kernelmux.ops._compare import assert_close
+from kernelmux.ops._key import Layout, layout, size_class
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
-from kernelmux.ops._validate import check_int, check_paged_batch, check_tensor
+from kernelmux.ops._validate import check_float, check_int, check_paged_batch, check_tensor
 from kernelmux.ops.specs.kv_cache_write import FP8, check_scale, random_cache
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
-__all__ = ["SPEC", "paged_attention"]
+__all__ = ["SPEC", "Key", "paged_attention"]
 
 NAME = "paged_attention"
 QUERY_DTYPES = (torch.bfloat16, torch.float16)
@@ -114,6 +116,42 @@ def paged_attention(
     return out
 
 
+class Key(NamedTuple):
+    """paged_attention's dispatch key: what an implementation may decide on (OpSpec.key).
+    Sizes that change per batch are classes (``size_class``); ``max_query_len_class <= 1`` is a
+    decode batch (one query per sequence at most). ``uniform_queries``: T == B * max_query_len
+    (host ints), which proves every sequence has max_query_len queries, since none has more."""
+
+    device: torch.device
+    query_dtype: torch.dtype
+    cache_dtype: torch.dtype
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_tokens_class: int
+    num_seqs_class: int
+    max_query_len_class: int
+    uniform_queries: bool
+    scale: float
+    causal: bool
+    sliding_window: int
+    logits_soft_cap: float
+    query_layout: Layout
+    k_cache_layout: Layout
+    v_cache_layout: Layout
+    cu_seqlens_q_layout: Layout
+    block_table_layout: Layout
+    seq_lens_layout: Layout
+    sinks_layout: Optional[Layout]  # None: no sinks
+    k_scale_layout: Optional[Layout]  # None: no scale (1.0)
+    v_scale_layout: Optional[Layout]
+
+    @property
+    def decode(self) -> bool:
+        return self.max_query_len_class <= 1
+
+
 def validate(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -130,7 +168,7 @@ def validate(
     sinks: Optional[torch.Tensor] = None,
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
-) -> Hashable:
+) -> Key:
     """Check a call against the spec; return the dispatch key. Reads metadata only: the contents
     of cu_seqlens_q, block_table and seq_lens are device data and stay unchecked."""
     check_tensor(NAME, "query", query, dtypes=QUERY_DTYPES, rank=3)
@@ -163,9 +201,7 @@ def validate(
             NAME, "sliding_window", "0 (no window) when causal=False (a window is defined as the "
             "last W positions up to the query's own)", sliding_window,
         )
-    if type(logits_soft_cap) not in (float, int) or logits_soft_cap < 0:
-        raise InvalidArgumentError(NAME, "logits_soft_cap", "a Python float >= 0 (0.0 = no cap)",
-                                   repr(logits_soft_cap))
+    check_float(NAME, "logits_soft_cap", logits_soft_cap, low=0.0)  # 0.0 = no cap
     if sinks is not None:
         check_tensor(NAME, "sinks", sinks, dtypes=(torch.float32,), rank=1, device=device)
         if sinks.shape[0] != num_heads:
@@ -173,24 +209,39 @@ def validate(
                                        tuple(sinks.shape))
     check_scale(NAME, "k_scale", k_scale, k_cache.dtype, device)
     check_scale(NAME, "v_scale", v_scale, k_cache.dtype, device)
-    return (
-        query.dtype,
-        k_cache.dtype,
-        device.type,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        k_cache.shape[1],
-        # Decode-only kernels (one query per sequence) are common: the key says which kind of
-        # batch this is; the lengths themselves are per-batch data and stay out of it.
-        max_query_len <= 1,
-        causal,
-        sliding_window > 0,
-        logits_soft_cap > 0,
-        sinks is not None,
-        k_scale is not None,
-        v_scale is not None,
+    return Key(
+        device=device, query_dtype=query.dtype, cache_dtype=k_cache.dtype, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=k_cache.shape[1],
+        num_tokens_class=size_class(query.shape[0]), num_seqs_class=size_class(seq_lens.shape[0]),
+        max_query_len_class=size_class(max_query_len),
+        uniform_queries=query.shape[0] == seq_lens.shape[0] * max_query_len, scale=scale, causal=causal,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, query_layout=layout(query),
+        k_cache_layout=layout(k_cache), v_cache_layout=layout(v_cache), cu_seqlens_q_layout=layout(cu_seqlens_q),
+        block_table_layout=layout(block_table), seq_lens_layout=layout(seq_lens), sinks_layout=layout(sinks),
+        k_scale_layout=layout(k_scale), v_scale_layout=layout(v_scale),
     )
+
+
+def check_data(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int = 0,
+    logits_soft_cap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> None:
+    """Checked mode: the batch description's contents against the queries and the cache."""
+    enforce(NAME, paged_batch_rules(cu_seqlens_q, block_table, seq_lens, query.shape[0], max_query_len,
+                                    max_seq_len, k_cache.shape[1], k_cache.shape[0], causal))
 
 
 def fake(
@@ -463,4 +514,6 @@ SPEC = OpSpec(
     cost=cost,
     cases=_cases(),
     tolerance=TOLERANCE,
+    key=Key,
+    check_data=check_data,
 )

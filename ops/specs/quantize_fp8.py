@@ -1,17 +1,18 @@
 """quantize_fp8: dynamic FP8 (e4m3) quantization per tensor, per token or per 1xG group; the spec,
 its reference and its cases. The codes and scales it returns are the inputs of ``scaled_mm``."""
 
-from typing import Any, Hashable, Mapping
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._key import Layout, layout, size_class
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.ops._validate import check_choice, check_int, check_tensor
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
-__all__ = ["SPEC", "quantize_fp8"]
+__all__ = ["SPEC", "Key", "quantize_fp8"]
 
 NAME = "quantize_fp8"
 GRANULARITIES = ("per_tensor", "per_token", "per_group")
@@ -100,13 +101,28 @@ def round_up_to_power_of_two(scale: torch.Tensor) -> torch.Tensor:
     return rounded.view(torch.float32)
 
 
+class Key(NamedTuple):
+    """quantize_fp8's dispatch key: what an implementation may decide on (OpSpec.key). K is the
+    layer's; M (rows) changes per batch and is a class (``size_class``)."""
+
+    device: torch.device
+    x_dtype: torch.dtype
+    granularity: str
+    group_size: Optional[int]  # None unless per_group: the other granularities ignore it
+    ue8m0: bool
+    fp8_dtype: str
+    k: int
+    m_class: int
+    x_layout: Layout
+
+
 def validate(
     x: torch.Tensor,
     granularity: str = "per_tensor",
     group_size: int = 128,
     ue8m0: bool = False,
     fp8_dtype: str = "e4m3fn",
-) -> Hashable:
+) -> Key:
     """Check a call against the spec; return the dispatch key."""
     check_tensor(NAME, "x", x, dtypes=INPUT_DTYPES, rank=2)
     cols = x.shape[1]
@@ -120,14 +136,9 @@ def validate(
     if type(ue8m0) is not bool:
         raise InvalidArgumentError(NAME, "ue8m0", "a bool", type(ue8m0).__name__)
     check_choice(NAME, "fp8_dtype", fp8_dtype, FP8_DTYPES)
-    return (
-        x.dtype,
-        x.device.type,
-        granularity,
-        group_size if granularity == "per_group" else None,
-        cols,
-        ue8m0,
-        fp8_dtype,
+    return Key(
+        x.device, x.dtype, granularity, group_size if granularity == "per_group" else None, ue8m0,
+        fp8_dtype, cols, size_class(x.shape[0]), layout(x),
     )
 
 
@@ -322,4 +333,5 @@ SPEC = OpSpec(
     cost=cost,
     cases=_cases(),
     tolerance=TOLERANCE,
+    key=Key,
 )

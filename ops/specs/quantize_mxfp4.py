@@ -1,18 +1,19 @@
 """quantize_mxfp4: MXFP4 quantization (OCP MX v1.0: e2m1 codes in blocks of 32 along K sharing
 one e8m0 power-of-two scale); the spec, its reference and its cases."""
 
-from typing import Any, Hashable, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._key import Layout, layout, size_class
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.ops._validate import check_choice, check_tensor
 from kernelmux.ops.specs.quantize_nvfp4 import encode_e2m1, first_mismatch, pack_nibbles
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
-__all__ = ["SPEC", "e8m0_to_float", "quantize_mxfp4"]
+__all__ = ["SPEC", "Key", "e8m0_to_float", "quantize_mxfp4"]
 
 NAME = "quantize_mxfp4"
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -86,10 +87,22 @@ def quantize_mxfp4(
     return pack_nibbles(codes.view(rows, cols)), code
 
 
+class Key(NamedTuple):
+    """quantize_mxfp4's dispatch key: what an implementation may decide on (OpSpec.key). K is
+    the layer's; M (rows) changes per batch and is a class (``size_class``)."""
+
+    device: torch.device
+    x_dtype: torch.dtype
+    k: int
+    rounding: str
+    m_class: int
+    x_layout: Layout
+
+
 def validate(
     x: torch.Tensor,
     rounding: str = "floor",
-) -> Hashable:
+) -> Key:
     """Check a call against the spec; return the dispatch key."""
     check_tensor(NAME, "x", x, dtypes=INPUT_DTYPES, rank=2)
     cols = x.shape[1]
@@ -99,7 +112,7 @@ def validate(
             hint="MXFP4 packs whole blocks of 32; pad K with zeros",
         )
     check_choice(NAME, "rounding", rounding, ROUNDINGS)
-    return (x.dtype, x.device.type, cols, rounding)
+    return Key(x.device, x.dtype, cols, rounding, size_class(x.shape[0]), layout(x))
 
 
 def fake(
@@ -223,4 +236,5 @@ SPEC = OpSpec(
     cost=cost,
     cases=_cases(),
     tolerance=TOLERANCE,
+    key=Key,
 )

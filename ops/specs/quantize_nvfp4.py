@@ -2,17 +2,18 @@
 one fp32 global scale); the spec, its reference and its cases. Also the e2m1 encoder and nibble
 packing shared by ``quantize_mxfp4`` and ``fp4_mm``."""
 
-from typing import Any, Hashable, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._key import Layout, layout, size_class
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.ops._validate import check_tensor
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
-__all__ = ["SPEC", "E2M1_VALUES", "encode_e2m1", "pack_nibbles", "quantize_nvfp4"]
+__all__ = ["SPEC", "E2M1_VALUES", "Key", "encode_e2m1", "pack_nibbles", "quantize_nvfp4"]
 
 NAME = "quantize_nvfp4"
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -93,10 +94,22 @@ def quantize_nvfp4(
     return pack_nibbles(codes.view(rows, cols)), sf, gs
 
 
+class Key(NamedTuple):
+    """quantize_nvfp4's dispatch key: what an implementation may decide on (OpSpec.key). K is
+    the layer's; M (rows) changes per batch and is a class (``size_class``)."""
+
+    device: torch.device
+    x_dtype: torch.dtype
+    k: int
+    m_class: int
+    x_layout: Layout
+    global_scale_layout: Optional[Layout]  # None: the global scale is computed (dynamic)
+
+
 def validate(
     x: torch.Tensor,
     global_scale: Optional[torch.Tensor] = None,
-) -> Hashable:
+) -> Key:
     """Check a call against the spec; return the dispatch key."""
     check_tensor(NAME, "x", x, dtypes=INPUT_DTYPES, rank=2)
     cols = x.shape[1]
@@ -117,7 +130,7 @@ def validate(
         if global_scale.device != x.device:
             raise InvalidArgumentError(NAME, "global_scale", f"a tensor on {x.device} (x's device)",
                                        global_scale.device)
-    return (x.dtype, x.device.type, cols, global_scale is None)
+    return Key(x.device, x.dtype, cols, size_class(x.shape[0]), layout(x), layout(global_scale))
 
 
 def fake(
@@ -272,4 +285,5 @@ SPEC = OpSpec(
     cost=cost,
     cases=_cases(),
     tolerance=TOLERANCE,
+    key=Key,
 )

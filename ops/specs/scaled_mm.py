@@ -1,19 +1,20 @@
 """scaled_mm: the FP8 GEMM ``dequant(a) @ dequant(b).T (+ bias)`` with per-tensor, per-token x
 per-channel or 128-block scales; the spec, its reference and its cases."""
 
-from typing import Any, Hashable, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.ops._compare import assert_close_to_magnitude
+from kernelmux.ops._key import Layout, layout, size_class
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.ops._validate import check_choice, check_tensor
 from kernelmux.ops.specs.quantize_fp8 import quantize_fp8
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
-__all__ = ["SPEC", "scaled_mm"]
+__all__ = ["SPEC", "Key", "scaled_mm"]
 
 NAME = "scaled_mm"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
@@ -132,6 +133,25 @@ def _check_scale(name: str, value: Any, device: torch.device) -> None:
         )
 
 
+class Key(NamedTuple):
+    """scaled_mm's dispatch key: what an implementation may decide on (OpSpec.key). N and K are
+    the weight's, fixed per layer; M (tokens) changes per batch and is a class (``size_class``)."""
+
+    device: torch.device
+    fp8_dtype: torch.dtype  # a's and b's
+    scaling: str  # the scale layout, one of LAYOUTS
+    out_dtype: str
+    bias_dtype: Optional[torch.dtype]  # None: no bias
+    n: int
+    k: int
+    m_class: int
+    a_layout: Layout
+    b_layout: Layout
+    scale_a_layout: Layout
+    scale_b_layout: Layout
+    bias_layout: Optional[Layout]
+
+
 def validate(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -139,7 +159,7 @@ def validate(
     scale_b: torch.Tensor,
     out_dtype: str = "bfloat16",
     bias: Optional[torch.Tensor] = None,
-) -> Hashable:
+) -> Key:
     """Check a call against the spec; return the dispatch key."""
     check_tensor(NAME, "a", a, dtypes=FP8_DTYPES, rank=2)
     device = a.device  # read once: building a torch.device costs ~0.3 us
@@ -158,7 +178,7 @@ def validate(
         raise InvalidArgumentError(NAME, "b", "N = b.shape[0] >= 1", f"shape {tuple(b.shape)}")
     _check_scale("scale_a", scale_a, device)
     _check_scale("scale_b", scale_b, device)
-    layout = scale_layout(a, b, scale_a, scale_b)
+    scaling = scale_layout(a, b, scale_a, scale_b)
     check_choice(NAME, "out_dtype", out_dtype, OUT_DTYPES)
     bias_dtype = None
     if bias is not None:
@@ -169,7 +189,10 @@ def validate(
                 NAME, "bias", f"shape ({channels},) to match N = b.shape[0]", tuple(bias.shape)
             )
         bias_dtype = bias.dtype
-    return (a.dtype, device.type, layout, out_dtype, bias_dtype, channels, cols)
+    return Key(
+        device, a.dtype, scaling, out_dtype, bias_dtype, channels, cols, size_class(a.shape[0]),
+        layout(a), layout(b), layout(scale_a), layout(scale_b), layout(bias),
+    )
 
 
 def fake(
@@ -361,4 +384,5 @@ SPEC = OpSpec(
     cost=cost,
     cases=_cases(),
     tolerance=TOLERANCE,
+    key=Key,
 )

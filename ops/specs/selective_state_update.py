@@ -2,19 +2,21 @@
 slot in place; the spec, its reference and its cases."""
 
 import math
-from typing import Any, Hashable, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._check_data import distinct_rule, enforce, index_rule
 from kernelmux.ops._compare import assert_close
+from kernelmux.ops._key import Layout, layout, size_class
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.ops._validate import check_tensor
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
-__all__ = ["SPEC", "selective_state_update"]
+__all__ = ["SPEC", "Key", "selective_state_update"]
 
 NAME = "selective_state_update"
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -68,32 +70,65 @@ def selective_state_update(
     num_requests, num_heads, _ = x.shape
     num_groups = B.shape[1]
     head_group = torch.arange(num_heads, device=x.device) // (num_heads // num_groups)
-    if state_batch_indices is None:
-        slots = torch.arange(num_requests, device=x.device)
-    else:
-        slots = state_batch_indices.long()
-    live = (slots >= 0).nonzero().flatten()  # the reference may sync; implementations must not
-    slots = slots[live]
-
-    delta = dt[live].float() + (dt_bias.float() if dt_bias is not None else 0.0)  # [b, Hh]
-    if dt_softplus:
-        delta = F.softplus(delta)
-    decay = torch.exp(delta * A.float())[:, :, None, None]
-    x_live = x[live].float()  # [b, Hh, P]
-    B_live = B[live].float()[:, head_group]  # [b, Hh, N]
-    C_live = C[live].float()[:, head_group]
-    update = (delta[:, :, None] * x_live)[..., None] * B_live[:, :, None]  # dt' x (x) B
-    new = decay * state[slots].float() + update
-    y_live = (new * C_live[:, :, None, :]).sum(dim=-1)  # [b, Hh, P]
-    if D is not None:
-        y_live = y_live + D.float()[:, None] * x_live
-    if z is not None:
-        y_live = y_live * F.silu(z[live].float())
-    state[slots] = new.to(state.dtype)
-
+    # The reference may sync; implementations must not.
+    slots = range(num_requests) if state_batch_indices is None else state_batch_indices.tolist()
     y = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
-    y[live] = y_live.to(x.dtype)
+    # One request at a time, on tensors whose shapes do not depend on the batch, so a request's
+    # row is a function of its own inputs: batched, torch's CPU kernels computed an element in a
+    # vector loop or in a scalar tail loop by its position in the tensor (softplus and silu differ
+    # there by an ulp; an EPYC host gave a request other bits in a reordered batch), and GPU
+    # reductions pick their split by the tensor's shape.
+    for request, slot in enumerate(slots):
+        if slot < 0:
+            continue  # padding: its slot is neither read nor written, its row of y stays zero
+        delta = dt[request].float() + (dt_bias.float() if dt_bias is not None else 0.0)  # [Hh]
+        if dt_softplus:
+            delta = F.softplus(delta)
+        decay = torch.exp(delta * A.float())[:, None, None]
+        x_request = x[request].float()  # [Hh, P]
+        B_request = B[request].float()[head_group]  # [Hh, N]
+        C_request = C[request].float()[head_group]
+        update = (delta[:, None] * x_request)[..., None] * B_request[:, None]  # dt' x (x) B
+        new = decay * state[slot].float() + update  # [Hh, P, N]
+        y_request = (new * C_request[:, None, :]).sum(dim=-1)  # [Hh, P]
+        if D is not None:
+            y_request = y_request + D.float()[:, None] * x_request
+        if z is not None:
+            y_request = y_request * F.silu(z[request].float())
+        state[slot] = new.to(state.dtype)
+        y[request] = y_request.to(x.dtype)
     return y
+
+
+class Key(NamedTuple):
+    """selective_state_update's dispatch key: what an implementation may decide on (OpSpec.key).
+    The head and state dims are the model's; the request count Bs changes per batch and the
+    cache's slot count S is a class as well (``size_class``): it equals Bs when there are no
+    indices, and a class still bounds the state's size (e.g. for 32-bit offsets)."""
+
+    device: torch.device
+    state_dtype: torch.dtype
+    x_dtype: torch.dtype  # x's, z's, B's and C's
+    dt_dtype: torch.dtype
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_dim: int
+    D_dtype: Optional[torch.dtype]  # None: no D
+    dt_bias_dtype: Optional[torch.dtype]  # None: no dt_bias
+    dt_softplus: bool
+    num_requests_class: int
+    num_slots_class: int
+    state_layout: Layout
+    x_layout: Layout
+    dt_layout: Layout
+    A_layout: Layout
+    B_layout: Layout
+    C_layout: Layout
+    D_layout: Optional[Layout]
+    z_layout: Optional[Layout]  # None: no gate
+    dt_bias_layout: Optional[Layout]
+    state_batch_indices_layout: Optional[Layout]  # None: request b uses slot b
 
 
 def validate(
@@ -108,9 +143,10 @@ def validate(
     dt_bias: Optional[torch.Tensor] = None,
     dt_softplus: bool = False,
     state_batch_indices: Optional[torch.Tensor] = None,
-) -> Hashable:
-    """Check a call against the spec; return the dispatch key. Values (A < 0, slot indices in
-    range and distinct) are not checked: that would sync the device."""
+) -> Key:
+    """Check a call against the spec; return the dispatch key. Values are not checked: that
+    would sync the device (checked mode's ``check_data`` checks the slot indices; A < 0 stays a
+    precondition)."""
     check_tensor(NAME, "x", x, dtypes=ACTIVATION_DTYPES, rank=3)
     device = x.device
     num_requests, num_heads, head_dim = x.shape
@@ -142,12 +178,10 @@ def validate(
             num_groups)
     check_activation("C", C)
     check_shape("C", C, tuple(B.shape), "B's [Bs, G, N]")
-    optional_dtypes = []
     for name, value in (("D", D), ("dt_bias", dt_bias)):
         if value is not None:
             check_tensor(NAME, name, value, dtypes=PARAM_DTYPES, rank=1, device=device)
             check_shape(name, value, (num_heads,), "[Hh] from x")
-        optional_dtypes.append(value.dtype if value is not None else None)
     if z is not None:
         check_activation("z", z)
         check_shape("z", z, tuple(x.shape), "x's [Bs, Hh, P]")
@@ -162,20 +196,39 @@ def validate(
         raise InvalidArgumentError(
             NAME, "state", f"{num_requests} slots (one per request) when state_batch_indices is "
             "None", num_slots, hint="pass state_batch_indices to address a larger cache")
-    return (
-        state.dtype,
-        x.dtype,
-        dt.dtype,
-        device.type,
-        num_heads,
-        head_dim,
-        num_groups,
-        state_dim,
-        *optional_dtypes,  # D, dt_bias
-        z is not None,
-        dt_softplus,
-        state_batch_indices is not None,
+    return Key(
+        device, state.dtype, x.dtype, dt.dtype, num_heads, head_dim, num_groups, state_dim,
+        D.dtype if D is not None else None, dt_bias.dtype if dt_bias is not None else None,
+        dt_softplus, size_class(num_requests), size_class(num_slots), layout(state), layout(x),
+        layout(dt), layout(A), layout(B), layout(C), layout(D), layout(z), layout(dt_bias),
+        layout(state_batch_indices),
     )
+
+
+def check_data(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: Optional[torch.Tensor] = None,
+    z: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    dt_softplus: bool = False,
+    state_batch_indices: Optional[torch.Tensor] = None,
+) -> None:
+    """Checked mode: every request's slot inside the cache (negative slots are padding), and no
+    slot shared by two live requests (both would write it)."""
+    if state_batch_indices is None:
+        return  # request b uses slot b, and validate saw S == Bs
+    num_slots = state.shape[0]
+    enforce(NAME, [
+        index_rule("state_batch_indices", state_batch_indices, num_slots,
+                   f"the cache's {num_slots} slots, state.shape[0]", negative_skips=True),
+        distinct_rule("state_batch_indices", state_batch_indices,
+                      "two requests would update one slot", negative_skips=True),
+    ])
 
 
 def fake(
@@ -370,5 +423,7 @@ SPEC = OpSpec(
     cost=cost,
     cases=_cases(),
     tolerance=TOLERANCE,
+    key=Key,
+    check_data=check_data,
     mutates_args=("state",),
 )

@@ -2,19 +2,21 @@
 SSD form); the spec, its reference and its cases."""
 
 import math
-from typing import Any, Hashable, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._check_data import enforce, offsets_rules
 from kernelmux.ops._compare import assert_close
+from kernelmux.ops._key import Layout, layout, size_class
 from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.ops._validate import check_int, check_tensor
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
-__all__ = ["NO_UPPER_DT_LIMIT", "SPEC", "ssd_scan"]
+__all__ = ["NO_UPPER_DT_LIMIT", "SPEC", "Key", "ssd_scan"]
 
 NAME = "ssd_scan"
 # x, z, B and C are the layer's activations and share one dtype; y comes back in it.
@@ -59,7 +61,7 @@ def ssd_scan(
         C: ``[T, G, N]``, x's dtype.
         cu_seqlens: ``[Bs + 1]`` int32 on x's device: ``0 = c_0 <= c_1 <= ... <= c_Bs = T``;
             sequence ``s`` is tokens ``c_s:c_{s+1}`` and may be empty (its final state is its
-            initial state). Not checked (values; would sync).
+            initial state). Checked in checked mode only (``check_data``: values need a sync).
         D: ``[Hh]`` or None (no skip connection).
         z: ``[T, Hh, P]`` x's dtype, or None (no gate).
         dt_bias: ``[Hh]`` or None (zero).
@@ -174,6 +176,44 @@ def _scan_one(x, delta, A, B, C, state, head_group, chunk_size):
     return y.flatten(0, 1)[:length], state
 
 
+class Key(NamedTuple):
+    """ssd_scan's dispatch key: what an implementation may decide on (OpSpec.key). The head and
+    state dims, chunk size and dt limits are the model's; the token count T and the sequence
+    count Bs change per batch and are classes (``size_class``). ``dt_max`` is ``inf`` for "no
+    upper limit" (any ``dt_max >= NO_UPPER_DT_LIMIT``), so equal calls share one key."""
+
+    device: torch.device
+    x_dtype: torch.dtype  # x's, z's, B's and C's
+    dt_dtype: torch.dtype
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_dim: int
+    chunk_size: int
+    D_dtype: Optional[torch.dtype]  # None: no D
+    dt_bias_dtype: Optional[torch.dtype]  # None: no dt_bias
+    dt_softplus: bool
+    dt_min: float
+    dt_max: float
+    num_tokens_class: int
+    num_seqs_class: int
+    x_layout: Layout
+    dt_layout: Layout
+    A_layout: Layout
+    B_layout: Layout
+    C_layout: Layout
+    cu_seqlens_layout: Layout
+    D_layout: Optional[Layout]
+    z_layout: Optional[Layout]  # None: no gate
+    dt_bias_layout: Optional[Layout]
+    initial_states_layout: Optional[Layout]  # None: zero initial states
+
+    @property
+    def has_dt_limit(self) -> bool:
+        """Whether the clamp of dt' does anything (dt' >= 0 is a precondition)."""
+        return self.dt_min > 0.0 or self.dt_max < math.inf
+
+
 def validate(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -189,9 +229,10 @@ def validate(
     dt_max: float = NO_UPPER_DT_LIMIT,
     initial_states: Optional[torch.Tensor] = None,
     chunk_size: int = 256,
-) -> Hashable:
-    """Check a call against the spec; return the dispatch key. Values (A < 0, cu_seqlens
-    monotone and ending at T) are not checked: that would sync the device."""
+) -> Key:
+    """Check a call against the spec; return the dispatch key. Values are not checked: that
+    would sync the device (checked mode's ``check_data`` checks cu_seqlens; A < 0 stays a
+    precondition)."""
     check_tensor(NAME, "x", x, dtypes=ACTIVATION_DTYPES, rank=3)
     device = x.device
     num_tokens, num_heads, head_dim = x.shape
@@ -225,12 +266,10 @@ def validate(
         raise InvalidArgumentError(NAME, "cu_seqlens", "[Bs + 1] offsets (at least [0])",
                                    tuple(cu_seqlens.shape))
     num_seqs = cu_seqlens.shape[0] - 1
-    optional_dtypes = []
     for name, value in (("D", D), ("dt_bias", dt_bias)):
         if value is not None:
             check_tensor(NAME, name, value, dtypes=PARAM_DTYPES, rank=1, device=device)
             check_shape(name, value, (num_heads,), "[Hh] from x")
-        optional_dtypes.append(value.dtype if value is not None else None)
     if z is not None:
         check_activation("z", z, 3)
         check_shape("z", z, tuple(x.shape), "x's [T, Hh, P]")
@@ -239,7 +278,7 @@ def validate(
     for name, value in (("dt_min", dt_min), ("dt_max", dt_max)):
         if type(value) not in (float, int):
             raise InvalidArgumentError(NAME, name, "a Python float", type(value).__name__)
-    if not 0.0 <= dt_min <= dt_max:  # also rejects NaN
+    if not 0.0 <= dt_min <= dt_max:  # also rejects NaN (which would make a key never equal)
         raise InvalidArgumentError(NAME, "dt_max" if dt_min >= 0 else "dt_min",
                                    "0 <= dt_min <= dt_max", f"dt_min={dt_min}, dt_max={dt_max}")
     if initial_states is not None:
@@ -250,22 +289,34 @@ def validate(
     check_int(NAME, "chunk_size", chunk_size, low=1)
     if chunk_size & (chunk_size - 1):
         raise InvalidArgumentError(NAME, "chunk_size", "a power of two", chunk_size)
-    has_dt_limit = dt_min > 0.0 or dt_max < NO_UPPER_DT_LIMIT
-    return (
-        x.dtype,
-        dt.dtype,
-        device.type,
-        num_heads,
-        head_dim,
-        num_groups,
-        state_dim,
-        chunk_size,
-        *optional_dtypes,  # D, dt_bias
-        z is not None,
-        dt_softplus,
-        has_dt_limit,
-        initial_states is not None,
+    return Key(
+        device, x.dtype, dt.dtype, num_heads, head_dim, num_groups, state_dim, chunk_size,
+        D.dtype if D is not None else None, dt_bias.dtype if dt_bias is not None else None,
+        dt_softplus, dt_min, math.inf if dt_max >= NO_UPPER_DT_LIMIT else dt_max,
+        size_class(num_tokens), size_class(num_seqs), layout(x), layout(dt), layout(A), layout(B),
+        layout(C), layout(cu_seqlens), layout(D), layout(z), layout(dt_bias),
+        layout(initial_states),
     )
+
+
+def check_data(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    D: Optional[torch.Tensor] = None,
+    z: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    dt_softplus: bool = False,
+    dt_min: float = 0.0,
+    dt_max: float = NO_UPPER_DT_LIMIT,
+    initial_states: Optional[torch.Tensor] = None,
+    chunk_size: int = 256,
+) -> None:
+    """Checked mode: cu_seqlens starts at 0, never decreases and ends at T = x.shape[0]."""
+    enforce(NAME, offsets_rules("cu_seqlens", cu_seqlens, x.shape[0], "T (x.shape[0])"))
 
 
 def fake(
@@ -469,4 +520,6 @@ SPEC = OpSpec(
     cost=cost,
     cases=_cases(),
     tolerance=TOLERANCE,
+    key=Key,
+    check_data=check_data,
 )

@@ -11,6 +11,7 @@ second and third runs against the first and writes all three JSON files.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -22,7 +23,7 @@ import torch
 from kernelmux.engine import Engine, Settings
 from kernelmux.ops.specs import ALL_SPECS
 from kernelmux.perf import bench, ceilings
-from kernelmux.registry import Implementation, Registry, hookimpl
+from kernelmux.registry import Registry
 
 
 def _delayed(fn, delay_us: float):
@@ -56,20 +57,12 @@ def _slowed_engine(op: str, backend: str, delay_us: float) -> Engine:
     specs = {spec.name: spec for spec in ALL_SPECS}
     registry = Registry(specs)
     registry.load_entry_points()
-    original = next(i for i in registry.implementations.values() if i.op == op and i.backend == backend)
-    # Replace the registered implementation in place of the original (same backend name, so
-    # --compare pairs the rows).
-    registry.implementations = {k: v for k, v in registry.implementations.items() if v is not original}
-
-    class Slowed:
-        @hookimpl
-        def kernelmux_implementations(self):
-            return [Implementation(op=op, backend=backend, fn=_delayed(original.fn, delay_us),
-                                   spec_version=original.spec_version, priority=original.priority,
-                                   requirement=original.requirement, devices=original.devices,
-                                   description=f"{original.description} + {delay_us} us wait")]
-
-    registry.register_plugin(Slowed(), "slowed")
+    # The implementation replaced in place by a slowed copy of itself: the same backend name (so
+    # --compare pairs the rows), plugin, supports() and requirements. Built-in backend names are
+    # reserved, so a separate plugin could not register it.
+    original = registry.implementations[(op, backend)]
+    registry.implementations[(op, backend)] = dataclasses.replace(
+        original, fn=_delayed(original.fn, delay_us), description=f"{original.description} + {delay_us} us wait")
     return Engine(ALL_SPECS, Settings(), registry=registry)
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kernelmux
 from conftest import DEVICE
-from kernelmux.engine import detect
+from kernelmux.engine import Engine, Settings, detect
 from kernelmux.ops.specs import ALL_SPECS
 from kernelmux.ops.specs import grouped_topk as grouped_topk_module
 from kernelmux.registry import Registry
@@ -42,6 +42,7 @@ def _runnable_here():
 
 
 IMPLS = _runnable_here()
+PLATFORM = detect()
 
 
 def _interpreted(impl) -> bool:
@@ -55,9 +56,18 @@ def _poison(device: str, nbytes: int) -> None:
     del blocks
 
 
+def _answer(impl, kwargs) -> str | None:
+    """``impl``'s answer to a call with ``kwargs``, as dispatch would ask it: from the dispatch key
+    and the platform of the inputs' device."""
+    if impl.supports is None:
+        return None
+    key = SPECS[impl.op].validate(**kwargs)
+    return impl.supports(key, PLATFORM)
+
+
 def _check(impl, kwargs, seed, *, drawn: bool = False):
     spec = SPECS[impl.op]
-    reason = impl.supports(**kwargs) if impl.supports is not None else None
+    reason = _answer(impl, kwargs)
     if reason is not None:
         # A declined named case is reported as a skip; a declined drawn shape is drawn again.
         if drawn:
@@ -160,7 +170,7 @@ def test_dispatch_runs_the_preferred_implementation(impl):
     spec = SPECS[impl.op]
     case = next(c for c in spec.cases if "random" in c.tags)  # every spec has small random cases
     kwargs = case.build(DEVICE, _fresh_seed())
-    if impl.supports is not None and impl.supports(**kwargs) is not None:
+    if _answer(impl, kwargs) is not None:
         pytest.skip(f"{impl.key} declines {case.name}")
     try:
         engine = kernelmux.configure(prefer={impl.op: [impl.backend]}, from_env=False)
@@ -175,3 +185,94 @@ def test_dispatch_runs_the_preferred_implementation(impl):
 
 def test_something_runs_here():
     assert {impl.backend for impl in IMPLS} >= {"reference", "cpu"} if DEVICE == "cpu" else {"reference", "triton"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Index tensors with any strides (issue 24, item 1): the spec accepts every layout, so each
+# implementation reads what it is given or declines it, naming the tensor; dispatch then runs
+# something else, and the answer is right either way. The strided views interleave the real
+# entries with garbage, so a reader that assumes unit strides reads garbage.
+
+_GARBAGE = 1 << 20
+
+
+def _strided(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """A view equal to ``tensor`` whose ``dim`` has stride 2, the skipped elements garbage."""
+    doubled = torch.full_like(tensor, _GARBAGE).repeat_interleave(2, dim=dim)
+    index = [slice(None)] * tensor.dim()
+    index[dim] = slice(0, None, 2)
+    view = doubled[tuple(index)]
+    view.copy_(tensor)
+    return view
+
+
+INDEX_VARIANTS = {
+    "paged_attention": {
+        "block_table_column_major": lambda kw: dict(kw, block_table=kw["block_table"].t().contiguous().t()),
+        "block_table_every_other_entry": lambda kw: dict(kw, block_table=_strided(kw["block_table"])),
+        "offsets_and_lengths_strided": lambda kw: dict(kw, cu_seqlens_q=_strided(kw["cu_seqlens_q"]),
+                                                       seq_lens=_strided(kw["seq_lens"])),
+        "sinks_strided": lambda kw: dict(kw, sinks=_strided(kw["sinks"])) if kw["sinks"] is not None else None,
+    },
+    "mla_decode": {
+        "block_table_column_major": lambda kw: dict(kw, block_table=kw["block_table"].t().contiguous().t()),
+        "block_table_every_other_entry": lambda kw: dict(kw, block_table=_strided(kw["block_table"])),
+        "offsets_and_lengths_strided": lambda kw: dict(kw, cu_seqlens_q=_strided(kw["cu_seqlens_q"]),
+                                                       seq_lens=_strided(kw["seq_lens"])),
+    },
+    "kv_cache_write": {
+        "slot_mapping_strided": lambda kw: dict(kw, slot_mapping=_strided(kw["slot_mapping"])),
+    },
+}
+
+# Cases each op's implementations are tried on, in order: the first one an implementation accepts
+# in its contiguous form is used (the cuda kernels take only their shapes: head dim 128, fp8
+# decode or Hopper prefill, MLA blocks of 64).
+INDEX_CASES = {
+    "paged_attention": ["small_soft_cap_sinks_window", "small_mixed_batch", "small_fp8",
+                        "llama3_8b_fp8_decode_b8_ctx4096", "llama3_8b_chunked_prefill"],
+    "mla_decode": ["small_mtp_fp16", "small_fp8", "deepseek_v3_h16_mtp_mixed", "partial_blocks"],
+    "kv_cache_write": [c.name for c in SPECS["kv_cache_write"].cases if "random" in c.tags],
+}
+
+INDEX_PARAMS = [pytest.param(impl, variant, id=f"{impl.key}-{variant}")
+                for impl in IMPLS if impl.op in INDEX_VARIANTS for variant in INDEX_VARIANTS[impl.op]]
+
+
+def _accepted_case(impl, seed):
+    spec = SPECS[impl.op]
+    for name in INDEX_CASES[impl.op]:
+        kwargs = spec.case(name).build(DEVICE, seed)
+        if _interpreted(impl) and spec.cost(kwargs).bytes > INTERPRETER_MAX_BYTES // 16:
+            continue
+        if _answer(impl, kwargs) is None:
+            return kwargs
+    pytest.skip(f"{impl.key} takes none of {INDEX_CASES[impl.op]} (its shapes), strided or not")
+
+
+@pytest.mark.parametrize("impl, variant", INDEX_PARAMS)
+def test_index_tensors_with_any_strides(impl, variant):
+    spec = SPECS[impl.op]
+    seed = _fresh_seed()
+    kwargs = _accepted_case(impl, seed)
+    strided = INDEX_VARIANTS[impl.op][variant](kwargs)
+    if strided is None:
+        pytest.skip(f"{variant}: the case has no such tensor")
+    ref_kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    expected = spec.outputs(spec.reference(**ref_kwargs), ref_kwargs)
+    reason = _answer(impl, strided)
+    call = {k: v.clone() if isinstance(v, torch.Tensor) and k in spec.mutates_args else v
+            for k, v in strided.items()}
+    if reason is None:
+        actual = spec.outputs(impl.fn(**call), call)
+        what = impl.key
+    else:
+        changed = [name for name in strided if strided[name] is not kwargs[name]]
+        assert any(name in reason for name in changed), f"{impl.key} declines without naming {changed}: {reason}"
+        engine = Engine(ALL_SPECS, Settings())
+        actual = spec.outputs(engine.dispatchers[impl.op](**call), call)
+        what = f"dispatch after {impl.key} declined ({reason})"
+    try:
+        spec.check_close(actual, expected, kwargs)
+    except AssertionError as error:
+        raise AssertionError(f"{what}, {variant} (seed {seed}): {error}") from None

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+import threading
 import warnings
 
 import pytest
@@ -11,12 +17,14 @@ import kernelmux
 from fakes import Counter, FakePlugin, fake_impl
 from kernelmux.engine import Engine, FallbackWarning, PlatformKind, Settings, simulate
 from kernelmux.engine.report import report
-from kernelmux.errors import KernelmuxError, NoImplementationError, UnknownOpError
+from kernelmux.errors import (ConfigurationError, ImplementationError, KernelmuxError, NoImplementationError,
+                              UnknownOpError)
 from kernelmux.ops.specs import ALL_SPECS
 from kernelmux.ops.specs.grouped_topk import SPEC
 from kernelmux.registry import PlatformRequirement, Registry
 
 CPU = simulate("x86_64")
+ALL_OPS_SPECS = {spec.name: spec for spec in ALL_SPECS}
 SM90 = simulate("sm_90")
 
 
@@ -72,7 +80,7 @@ def test_supports_decision_is_cached_per_dispatch_key():
     picky, fallback = Counter(), Counter()
     engine = _engine(
         fake_impl("picky", picky, priority=5,
-                  decline=lambda x: "bf16 only" if x.dtype != torch.bfloat16 else None),
+                  decline=lambda key: "bf16 only" if key.logits_dtype != torch.bfloat16 else None),
         fake_impl("general", fallback, priority=1),
     )
     for _ in range(3):
@@ -126,11 +134,15 @@ def test_device_mismatch_declines_without_calling_supports():
 
 
 def test_explain_answers_for_a_simulated_device_without_running():
+    """The inputs live on this machine's CPU; on a simulated sm_90 the key says cuda:0, so a
+    cuda-only implementation is asked (with the simulated platform) and accepts."""
     gpu = Counter()
-    engine = _engine(fake_impl("gpu", gpu, devices=frozenset({"cuda"})), platform=SM90)
-    meta_kwargs = SPEC.case("deepseek_v3_t64").build("meta")
-    answers = engine.explain("grouped_topk", meta_kwargs)
+    seen = []
+    engine = _engine(fake_impl("gpu", gpu, devices=frozenset({"cuda"}),
+                               decline=lambda key: seen.append(key.device) or None), platform=SM90)
+    answers = engine.explain("grouped_topk", SPEC.case("deepseek_v3_t64").build("cpu"))
     assert [(impl.backend, reason) for impl, reason in answers] == [("gpu", None)]
+    assert seen == [torch.device("cuda", 0)]
     assert gpu.calls == 0
 
 
@@ -193,3 +205,224 @@ def test_report_lists_chosen_viable_and_rejected():
     assert op["chosen"] == "fast"
     assert [v["backend"] for v in op["viable"]] == ["fast", "slow"]
     assert {r["backend"]: r["reason"] for r in op["rejected"]}["gpu"].startswith("needs a cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# supports() decides from the dispatch key and the platform alone (issue 24, item 2)
+
+
+def test_supports_taking_the_calls_arguments_is_rejected_at_registration():
+    """A supports() reading the call's tensors could decide on what the cached key does not hold
+    (a layout, an alignment, a batch size): registration refuses it and says what to take."""
+    def supports(gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func="softmax",
+                 routed_scaling_factor=1.0, e_score_correction_bias=None):
+        return None
+
+    impl = dataclasses.replace(fake_impl("old_style", Counter()), supports=supports)
+    engine = _engine(impl)
+    (rejection,) = engine.registry.rejections
+    assert rejection.backend == "old_style"
+    assert "it must take (key, platform)" in rejection.reason and "gating_output_layout" in rejection.reason
+
+
+def test_a_layout_the_cached_choice_cannot_read_is_decided_afresh():
+    """The first call (row-major logits) caches 'rows' for its key; the same values read
+    column-major form another key, so 'rows' is asked again, declines, and 'general' runs."""
+    rows, general = Counter(), Counter()
+    engine = _engine(
+        fake_impl("rows", rows, priority=5,
+                  decline=lambda key: None if key.gating_output_layout.unit_stride else "row-major logits only"),
+        fake_impl("general", general, priority=1),
+    )
+    kwargs = SPEC.case("deepseek_v3_t64").build()
+    engine.dispatchers["grouped_topk"](**kwargs)
+    column_major = dict(kwargs, gating_output=kwargs["gating_output"].t().contiguous().t())
+    out = engine.dispatchers["grouped_topk"](**column_major)
+    SPEC.check_close(out, SPEC.reference(**kwargs), kwargs)
+    assert (rows.calls, general.calls, rows.supports_calls) == (1, 1, 2)
+
+
+def test_supports_gets_the_platform_of_the_calls_device():
+    seen = []
+    engine = _engine(fake_impl("any", Counter(), decline=lambda key: seen.append(key.device) or None))
+    _call(engine)
+    assert seen == [torch.device("cpu")]
+    assert engine.platform_for(torch.device("cpu")) is engine.platform
+
+
+# ---------------------------------------------------------------------------------------------
+# What an implementation raises is reported as its own failure (issue 24, item 6)
+
+
+def _raising_impl(backend: str, error: BaseException, counter: Counter, priority: int = 5):
+    def grouped_topk(gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func="softmax",
+                     routed_scaling_factor=1.0, e_score_correction_bias=None):
+        counter.calls += 1
+        raise error
+
+    grouped_topk.__signature__ = SPEC.signature
+    return dataclasses.replace(fake_impl(backend, counter, priority=priority), fn=grouped_topk)
+
+
+def test_an_implementation_that_raises_is_named_in_a_typed_error():
+    broken, fallback = Counter(), Counter()
+    cause = IndexError("index 9 is out of bounds")
+    engine = _engine(_raising_impl("broken", cause, broken), fake_impl("general", fallback, priority=1))
+    with pytest.raises(ImplementationError) as info:
+        _call(engine)
+    error = info.value
+    assert (error.op, error.backend, error.plugin) == ("grouped_topk", "broken", "fakes")
+    assert error.__cause__ is cause
+    assert "grouped_topk:broken (plugin 'fakes') raised IndexError: index 9 is out of bounds" in str(error)
+    assert isinstance(error, RuntimeError)
+    # No silent fallback: the next candidate did not run in its place.
+    assert (broken.calls, fallback.calls) == (1, 0)
+
+
+def test_running_out_of_memory_passes_through_with_a_note():
+    memory = torch.OutOfMemoryError("CUDA out of memory")
+    engine = _engine(_raising_impl("hungry", memory, Counter()))
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        _call(engine)
+    assert info.value is memory and "grouped_topk:hungry" in "".join(getattr(memory, "__notes__", []))
+
+
+# ---------------------------------------------------------------------------------------------
+# The report while other threads dispatch (issue 24, item 9)
+
+
+def test_report_while_another_thread_dispatches_new_keys():
+    engine = _engine(fake_impl("any", Counter()))
+    stop = threading.Event()
+    failures = []
+
+    def dispatch():
+        experts = 2
+        while not stop.is_set():
+            experts += 2  # every call a new key
+            logits = torch.randn(1, experts)
+            try:
+                engine.dispatchers["grouped_topk"](logits, 1, False, 2, 1)
+            except Exception as error:  # noqa: BLE001 - surfaced below
+                failures.append(error)
+                return
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    worker = threading.Thread(target=dispatch)
+    worker.start()
+    try:
+        for _ in range(300):
+            report(engine)
+    finally:
+        stop.set()
+        worker.join()
+        sys.setswitchinterval(previous)
+    assert failures == []
+    assert len(engine.dispatchers["grouped_topk"].decisions) > 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings name only what exists, from the environment or the API alike (issue 24, item 10)
+
+
+@pytest.mark.parametrize("env, fragment", [
+    ({"KERNELMUX_DENY": "tritn"}, "deny names unknown backend 'tritn'"),
+    ({"KERNELMUX_DENY": "grouped_topk:cpuu"}, "deny names unknown backend 'cpuu' (in 'grouped_topk:cpuu')"),
+    ({"KERNELMUX_DENY": "groupd_topk:cpu"}, "deny names unknown op 'groupd_topk'"),
+    ({"KERNELMUX_PREFER": "grouped_topk=tritn"}, "prefer names unknown backend 'tritn' (for grouped_topk)"),
+    ({"KERNELMUX_PREFER": "groupd_topk=cpu"}, "prefer names unknown op 'groupd_topk'"),
+    ({"KERNELMUX_PLUGINS": "reference,cpuu"}, "the plugin allow-list names 'cpuu'"),
+])
+def test_a_typo_in_the_environment_is_an_error_listing_known_names(env, fragment):
+    with pytest.raises(ConfigurationError) as info:
+        Engine(ALL_SPECS, Settings.from_env(env), platform=CPU)
+    message = str(info.value)
+    assert fragment in message
+    assert "Known ops:" in message and "grouped_topk" in message and "backends:" in message and "triton" in message
+
+
+def test_a_typo_through_configure_is_the_same_error():
+    try:
+        with pytest.raises(ConfigurationError, match="deny names unknown backend 'tritn'"):
+            kernelmux.configure(deny=["tritn"], from_env=False)
+        with pytest.raises(ConfigurationError, match="prefer names unknown backend 'no_such_backend'"):
+            kernelmux.configure(prefer={"grouped_topk": ["no_such_backend"]}, from_env=False)
+    finally:
+        kernelmux.reset()
+
+
+@pytest.mark.parametrize("variable", ["KERNELMUX_STRICT", "KERNELMUX_CHECK"])
+def test_boolean_variables_accept_words_and_refuse_typos(variable):
+    field = variable.removeprefix("KERNELMUX_").lower()
+    assert getattr(Settings.from_env({variable: "on"}), field) is True
+    assert getattr(Settings.from_env({variable: "0"}), field) is False
+    with pytest.raises(ConfigurationError, match=f"{variable}='ture'"):
+        Settings.from_env({variable: "ture"})
+
+
+# ---------------------------------------------------------------------------------------------
+# A fallback is said once (issue 24, item 13)
+
+
+def test_a_fallback_is_printed_once_with_logging_configured(tmp_path):
+    """An integrator's process with logging set up (as servers do): the fallback reaches stderr
+    once, not as a log record and a warning both."""
+    script = textwrap.dedent("""
+        import logging, warnings
+        logging.basicConfig(level=logging.INFO)
+        import kernelmux
+        from kernelmux.ops.specs.grouped_topk import SPEC
+        kernelmux.configure(allow_plugins=["reference"], from_env=False)  # nothing but the fallback
+        kernelmux.ops.grouped_topk(**SPEC.case("small_softmax").build())
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KERNELMUX_")}
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("fell back to the reference") == 1, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulated platforms answer as the real ones (issue 24, item 12)
+
+
+def test_simulated_hopper_takes_the_fp8_decode_on_cuda():
+    """Inputs built on this CPU, asked for a simulated sm_90: the cuda backend's fp8 decode
+    kernel accepts, as it does on an H100 (it used to decline: 'tensors are on meta')."""
+    engine = Engine(ALL_SPECS, Settings(platform="sm_90"))
+    case = "llama3_8b_fp8_decode_b8_ctx4096"
+    kwargs = ALL_OPS_SPECS["paged_attention"].case(case).build("cpu")
+    answers = {impl.backend: reason for impl, reason in engine.explain("paged_attention", kwargs)}
+    if "cuda" in {impl.backend for impl, _ in engine.tables["paged_attention"].rejected}:
+        pytest.skip("the cuda backend is not viable here (no NVRTC): the test extra installs it")
+    assert answers["cuda"] is None and answers["triton"] is None
+
+
+@pytest.mark.parametrize("arch", ["sm_100", "sm_120"])
+def test_the_hopper_only_mla_kernel_is_not_viable_on_blackwell(arch):
+    engine = Engine(ALL_SPECS, Settings(platform=arch))
+    (op,) = [o for o in report(engine)["ops"] if o["op"] == "mla_decode"]
+    assert op["chosen"] != "cuda"
+    assert {r["backend"]: r["reason"] for r in op["rejected"]}["cuda"] == f"needs arch in {{sm_90}}, this is {arch}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compares a simulated platform "
+                    "with the real one it simulates; runs in the GPU suite")
+def test_explain_on_the_simulated_platform_equals_the_real_machine():
+    """For every op and every case: `explain --platform <this GPU's arch>` (inputs on the CPU)
+    gives the same answers as plain `explain` (inputs on the GPU)."""
+    real = Engine(ALL_SPECS, Settings())
+    simulated = Engine(ALL_SPECS, Settings(platform=real.platform.arch))
+    differences = []
+    for spec in ALL_SPECS:
+        for case in spec.cases:
+            on_cpu = case.build("cpu", seed=0)
+            on_gpu = {k: v.to(real.platform.device) if isinstance(v, torch.Tensor) else v for k, v in on_cpu.items()}
+            dry = [(impl.backend, reason) for impl, reason in simulated.explain(spec.name, on_cpu)]
+            wet = [(impl.backend, reason) for impl, reason in real.explain(spec.name, on_gpu)]
+            if dry != wet:
+                differences.append((spec.name, case.name, dry, wet))
+            del on_cpu, on_gpu
+        torch.cuda.empty_cache()
+    assert differences == []

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._key import Layout
 from kernelmux.ops.specs import fp4_mm as spec_module
 from kernelmux.ops.specs.fp4_mm import SPEC
 from kernelmux.ops.specs.quantize_mxfp4 import quantize_mxfp4
@@ -341,10 +342,38 @@ def test_bad_input_names_the_argument(fmt, mode, changes, argument, fragment):
 @pytest.mark.parametrize("mode", ["w4a16", "w4a4"])
 def test_good_input_passes_and_key_reflects_dispatch_properties(fmt, mode):
     key = SPEC.validate(**_good(fmt, mode))
-    assert key[:2] == (mode, fmt)
+    assert isinstance(key, spec_module.Key)
+    assert (key.device, key.mode, key.fmt, key.n, key.k) == (torch.device("cpu"), mode, fmt, 40, 64)
+    assert key.a_dtype == (U8 if mode == "w4a4" else torch.bfloat16)
+    assert (key.a_scale_layout is not None) == (mode == "w4a4")
+    assert (key.b_global_scale_layout is not None) == (fmt == "nvfp4")
+    assert (key.a_global_scale_layout is not None) == (fmt == "nvfp4" and mode == "w4a4")
     assert key != SPEC.validate(**_good(fmt, mode, out_dtype="float32"))
-    # M is not in the key.
-    kwargs = _good(fmt, mode)
-    kwargs["a"], kwargs["a_scale"] = kwargs["a"][:1], (
-        kwargs["a_scale"][:1] if kwargs["a_scale"] is not None else None)
-    assert key == SPEC.validate(**kwargs)
+    # M changes per batch: the key holds its class only (M = 4 and 6: class 7; 12: class 15).
+    assert key.m_class == 7
+
+    def rows(times, extra):
+        kwargs = _good(fmt, mode)
+        for name in ("a", "a_scale"):
+            if kwargs[name] is not None:
+                kwargs[name] = torch.cat([kwargs[name]] * times + [kwargs[name][:extra]])
+        return kwargs
+
+    assert key == SPEC.validate(**rows(1, 2))
+    assert SPEC.validate(**rows(3, 0)) == key._replace(m_class=15)
+    hash(key)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_a_misaligned_or_strided_view_changes_only_its_layout_field(fmt):
+    kwargs = _good(fmt, "w4a16")
+    key = SPEC.validate(**kwargs)
+    assert key.a_layout == Layout(unit_stride=True, alignment=16)
+    # a one element into a wider buffer: rows 65 elements (130 bytes) apart.
+    shifted = SPEC.validate(**{**kwargs, "a": torch.zeros(4, 65, dtype=torch.bfloat16)[:, 1:]})
+    assert shifted.a_layout == Layout(unit_stride=True, alignment=2)
+    assert shifted._replace(a_layout=key.a_layout) == key
+    # a column-major view: K is not the contiguous dim.
+    strided = SPEC.validate(**{**kwargs, "a": kwargs["a"].T.contiguous().T})
+    assert not strided.a_layout.unit_stride
+    assert strided._replace(a_layout=key.a_layout) == key

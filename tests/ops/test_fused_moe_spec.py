@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernelmux.errors import InvalidArgumentError
+from kernelmux.errors import DeviceDataError, InvalidArgumentError
+from kernelmux.ops._key import Layout
 from kernelmux.ops.specs import fused_moe as spec_module
 from kernelmux.ops.specs.fused_moe import SPEC
 from kernelmux.ops.specs.quantize_fp8 import quantize_fp8
@@ -310,14 +311,89 @@ def test_bad_input_names_the_argument(mode, changes, argument, fragment):
     assert "got" in str(info.value)
 
 
+def _tokens(t):
+    return dict(hidden=torch.zeros(t, 256, dtype=BF16), topk_weights=torch.ones(t, 2),
+                topk_ids=torch.zeros(t, 2, dtype=torch.int32))
+
+
 def test_good_input_passes_and_key_reflects_dispatch_properties():
     key = SPEC.validate(**_good())
-    assert key == SPEC.validate(**_good(hidden=torch.zeros(9, 256, dtype=BF16),
-                                        topk_weights=torch.ones(9, 2),
-                                        topk_ids=torch.zeros(9, 2, dtype=torch.int32)))  # T not in key
-    assert key != SPEC.validate(**_good(activation="gelu"))
-    assert key != SPEC.validate(**_good(expert_map=torch.zeros(8, dtype=torch.int32)))
-    assert SPEC.validate(**_good("fp8_block")) != SPEC.validate(**_good("fp8_per_tensor"))
+    assert isinstance(key, spec_module.Key)
+    assert (key.device, key.hidden_dtype, key.weight_dtype, key.quantization, key.activation) == (
+        torch.device("cpu"), BF16, BF16, "none", "silu")
+    assert (key.num_experts, key.num_global_experts, key.hidden_size, key.intermediate_size,
+            key.topk) == (3, 3, 256, 128, 2)
+    assert (key.expert_map_layout, key.w1_scale_layout, key.w2_scale_layout) == (None, None, None)
+    # T changes per batch: the key holds its class only (T = 4 and 7: class 7; 9: class 15).
+    assert key.num_tokens_class == 7
+    assert key == SPEC.validate(**_good(**_tokens(7)))
+    assert SPEC.validate(**_good(**_tokens(9))) == key._replace(num_tokens_class=15)
+    assert SPEC.validate(**_good(activation="gelu")) == key._replace(activation="gelu")
+    mapped = SPEC.validate(**_good(expert_map=torch.zeros(8, dtype=torch.int32)))
+    assert mapped.num_global_experts == 8 and mapped.expert_map_layout is not None
+    assert mapped._replace(num_global_experts=3, expert_map_layout=None) == key
+    block, per_tensor = SPEC.validate(**_good("fp8_block")), SPEC.validate(**_good("fp8_per_tensor"))
+    assert (block.quantization, per_tensor.quantization) == ("fp8_block", "fp8_per_tensor")
+    assert block.weight_dtype == torch.float8_e4m3fn and block.w1_scale_layout is not None
+    assert block != per_tensor
+    hash(key)
     # top-1 with the weight on the input is accepted
     SPEC.validate(**_good(topk_weights=torch.ones(4, 1), topk_ids=torch.zeros(4, 1, dtype=torch.int32),
                           apply_router_weight_on_input=True))
+
+
+def test_a_misaligned_or_strided_view_changes_only_its_layout_field():
+    key = SPEC.validate(**_good())
+    assert key.hidden_layout == Layout(unit_stride=True, alignment=16)
+    # hidden one element into a wider buffer: rows 257 bf16 (514 bytes) apart.
+    shifted = SPEC.validate(**_good(hidden=torch.zeros(4, 257, dtype=BF16)[:, 1:]))
+    assert shifted.hidden_layout == Layout(unit_stride=True, alignment=2)
+    assert shifted._replace(hidden_layout=key.hidden_layout) == key
+    # topk_ids column-major: the k ids of a token are not contiguous.
+    strided = SPEC.validate(**_good(topk_ids=torch.zeros(2, 4, dtype=torch.int32).T))
+    assert not strided.topk_ids_layout.unit_stride
+    assert strided._replace(topk_ids_layout=key.topk_ids_layout) == key
+
+
+@pytest.mark.parametrize("case", SPEC.cases, ids=lambda c: c.name)
+def test_check_data_passes_on_every_case(case):
+    SPEC.check_data(**case.build())
+
+
+def _check_data_error(kwargs):
+    with pytest.raises(DeviceDataError) as info:
+        SPEC.check_data(**kwargs)
+    assert info.value.op == "fused_moe"
+    return info.value
+
+
+@pytest.mark.parametrize("case, bad", [
+    ("small_silu", 8),  # no map: E_global = E = w1.shape[0] = 8
+    ("expert_map_with_holes", 12),  # expert_map.shape[0] = 12 global experts, 7 local
+    ("small_silu", -1),  # -1 is the map's marker, never a routed id
+])
+def test_check_data_rejects_a_routed_id_out_of_range(case, bad):
+    kwargs = SPEC.case(case).build()
+    kwargs["topk_ids"][2, 1] = bad
+    error = _check_data_error(kwargs)
+    assert error.argument == "topk_ids"
+    assert f"topk_ids[2, 1] = {bad}" in str(error), str(error)
+    assert str(kwargs["w1"].shape[0] if kwargs["expert_map"] is None else 12) in error.expected
+
+
+def test_check_data_rejects_a_token_routed_twice_to_one_expert():
+    kwargs = SPEC.case("small_gelu_fp16").build()  # k = 3
+    kwargs["topk_ids"][4, 2] = kwargs["topk_ids"][4, 0]
+    error = _check_data_error(kwargs)
+    assert error.argument == "topk_ids" and "distinct" in error.expected
+    assert f"topk_ids[4, 0] = topk_ids[4, 2] = {int(kwargs['topk_ids'][4, 0])}" in str(error)
+
+
+@pytest.mark.parametrize("bad", [7, -2])  # E_local = 7; -1 is the only negative allowed
+def test_check_data_rejects_an_expert_map_entry_out_of_range(bad):
+    kwargs = SPEC.case("expert_map_with_holes").build()
+    assert kwargs["w1"].shape[0] == 7 and bool((kwargs["expert_map"] == -1).any())
+    kwargs["expert_map"][3] = bad
+    error = _check_data_error(kwargs)
+    assert error.argument == "expert_map" and "[-1, 7)" in error.expected
+    assert f"expert_map[3] = {bad}" in str(error), str(error)

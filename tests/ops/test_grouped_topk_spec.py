@@ -173,7 +173,11 @@ def test_bad_input_names_the_argument(changes, argument, fragment):
 def test_good_input_passes_and_key_reflects_dispatch_properties():
     key = SPEC.validate(**_good())
     assert key != SPEC.validate(**_good(gating_output=torch.randn(4, 16, dtype=torch.bfloat16)))
-    assert key == SPEC.validate(**_good(gating_output=torch.randn(9, 16)))  # T is not in the key
+    # T enters as its power-of-two class: 4 and 7 share a key, 8 does not.
+    assert key == SPEC.validate(**_good(gating_output=torch.randn(7, 16)))
+    assert key != SPEC.validate(**_good(gating_output=torch.randn(8, 16)))
+    column_major = SPEC.validate(**_good(gating_output=torch.randn(16, 4).t()))
+    assert not column_major.gating_output_layout.unit_stride and key.gating_output_layout.unit_stride
 
 
 def test_check_close_names_rows_that_choose_other_experts():

@@ -288,9 +288,14 @@ def test_bad_input_names_the_argument(changes, argument, fragment):
 
 def test_good_input_passes_and_key_reflects_dispatch_properties():
     key = SPEC.validate(**_good())
-    assert key == SPEC.validate(**_good(key=torch.randn(9, 2, 8, dtype=torch.bfloat16),
-                                        value=torch.randn(9, 2, 8, dtype=torch.bfloat16),
-                                        slot_mapping=torch.arange(9)))  # T is not in the key
+    # T enters as its power-of-two class: 4 and 7 share a key, 8 does not.
+    assert key == SPEC.validate(**_good(key=torch.randn(7, 2, 8, dtype=torch.bfloat16),
+                                        value=torch.randn(7, 2, 8, dtype=torch.bfloat16),
+                                        slot_mapping=torch.arange(7)))
+    assert key != SPEC.validate(**_good(key=torch.randn(8, 2, 8, dtype=torch.bfloat16),
+                                        value=torch.randn(8, 2, 8, dtype=torch.bfloat16),
+                                        slot_mapping=torch.arange(8)))
+    assert not SPEC.validate(**_good(slot_mapping=torch.arange(8)[::2])).slot_mapping_layout.unit_stride
     bf16 = dict(k_cache=torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16),
                 v_cache=torch.zeros(3, 4, 2, 8, dtype=torch.bfloat16), k_scale=None, v_scale=None)
     assert key != SPEC.validate(**_good(**bf16))

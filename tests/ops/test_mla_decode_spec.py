@@ -335,5 +335,5 @@ def test_key_reflects_dispatch_properties():
     assert key != SPEC.validate(**_good(kv_scale=None))
     assert key != SPEC.validate(**_good(max_query_len=3))
     uniform = SPEC.case("deepseek_v3_h128_mtp4_b8_ctx512").build()
-    assert SPEC.validate(**uniform)[-3] is True
-    assert SPEC.validate(**SPEC.case("deepseek_v3_h16_mtp_mixed").build())[-3] is False
+    assert SPEC.validate(**uniform).uniform_queries is True
+    assert SPEC.validate(**SPEC.case("deepseek_v3_h16_mtp_mixed").build()).uniform_queries is False

@@ -298,7 +298,9 @@ _I32 = dict(dtype=torch.int32)
         ({"sliding_window": None}, "sliding_window", "a Python int"),
         ({"sliding_window": 4, "causal": False}, "sliding_window", "causal=False"),
         ({"logits_soft_cap": -1.0}, "logits_soft_cap", ">= 0"),
-        ({"logits_soft_cap": None}, "logits_soft_cap", ">= 0"),
+        ({"logits_soft_cap": None}, "logits_soft_cap", "a Python float"),
+        ({"logits_soft_cap": float("nan")}, "logits_soft_cap", "a finite float >= 0"),
+        ({"scale": float("inf")}, "scale", "a finite float"),
         ({"sinks": torch.zeros(2)}, "sinks", "shape (4,)"),
         ({"sinks": torch.zeros(4, dtype=torch.bfloat16)}, "sinks", "dtype in"),
         ({"sinks": torch.zeros(4, device="meta")}, "sinks", "on cpu"),
@@ -324,10 +326,36 @@ def test_scales_are_rejected_for_bf16_caches():
 
 
 def test_good_input_passes_and_key_reflects_dispatch_properties():
-    key = SPEC.validate(**_good())
-    assert key == SPEC.validate(**_good(query=torch.randn(3, 4, 16, dtype=torch.bfloat16),
-                                        max_seq_len=4000))  # T and lengths are not in the key
+    key = SPEC.validate(**_good())  # T = 8, B = 3, max_query_len = 5
+    # Sizes that change per batch enter as power-of-two classes (T 8 and 14 share one), lengths
+    # not at all: a handful of keys serve every batch.
+    assert key == SPEC.validate(**_good(query=torch.randn(14, 4, 16, dtype=torch.bfloat16),
+                                        max_seq_len=4000))
+    assert key.num_tokens_class == 15 and key.num_seqs_class == 3 and key.max_query_len_class == 7
+    assert key != SPEC.validate(**_good(query=torch.randn(16, 4, 16, dtype=torch.bfloat16)))
     assert key != SPEC.validate(**_good(max_query_len=1))  # decode vs prefill is
+    assert SPEC.validate(**_good(max_query_len=1)).decode and not key.decode
     assert key != SPEC.validate(**_good(sinks=None))
     assert key != SPEC.validate(**_good(sliding_window=7))
     assert key != SPEC.validate(**_good(logits_soft_cap=30.0))
+
+
+def test_key_holds_every_tensors_layout():
+    """What kernels' address arithmetic depends on is in the key, so a decision cached for one
+    layout is never reused for another: a block table read column-major (equal values), a query
+    view 4 bytes off its allocation, non-unit-stride sinks and sequence lengths."""
+    good = _good()
+    key = SPEC.validate(**good)
+    assert all(getattr(key, f"{name}_layout").unit_stride
+               for name in ("query", "k_cache", "v_cache", "cu_seqlens_q", "block_table", "seq_lens", "sinks"))
+    table = good["block_table"]
+    column_major = table.t().contiguous().t()
+    assert torch.equal(column_major, table)
+    assert not SPEC.validate(**_good(block_table=column_major)).block_table_layout.unit_stride
+    wide = torch.zeros(8, 4, 18, dtype=torch.bfloat16)
+    shifted = SPEC.validate(**_good(query=wide[..., 2:]))
+    assert shifted.query_layout.unit_stride and shifted.query_layout.alignment == 4
+    assert not shifted.query_layout.dense_rows and key.query_layout.dense_rows
+    assert not SPEC.validate(**_good(sinks=torch.randn(8)[::2])).sinks_layout.unit_stride
+    assert not SPEC.validate(**_good(seq_lens=good["seq_lens"].repeat_interleave(2)[::2])).seq_lens_layout.unit_stride
+    assert SPEC.validate(**_good(sinks=None)).sinks_layout is None

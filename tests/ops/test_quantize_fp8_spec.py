@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._key import Layout
 from kernelmux.ops.specs import quantize_fp8 as spec_module
 from kernelmux.ops.specs.quantize_fp8 import SPEC
 
@@ -339,10 +340,32 @@ def test_bad_input_names_the_argument(changes, argument, fragment):
 
 def test_good_input_passes_and_key_reflects_dispatch_properties():
     key = SPEC.validate(**_good())
+    assert isinstance(key, spec_module.Key)
+    assert (key.device, key.x_dtype, key.granularity, key.group_size, key.k) == (
+        torch.device("cpu"), torch.float32, "per_group", 128, 256)
     assert key != SPEC.validate(**_good(x=torch.randn(4, 256, dtype=torch.bfloat16)))
-    assert key != SPEC.validate(**_good(ue8m0=True))
-    assert key != SPEC.validate(**_good(group_size=64))
-    assert key == SPEC.validate(**_good(x=torch.randn(9, 256)))  # M is not in the key
+    assert SPEC.validate(**_good(ue8m0=True)) == key._replace(ue8m0=True)
+    assert SPEC.validate(**_good(group_size=64)) == key._replace(group_size=64)
+    assert SPEC.validate(**_good(fp8_dtype="e4m3fnuz")) == key._replace(fp8_dtype="e4m3fnuz")
+    # M changes per batch: the key holds its class only (M = 4 and 7: class 7; 9: class 15).
+    assert key.m_class == 7
+    assert key == SPEC.validate(**_good(x=torch.randn(7, 256)))
+    assert SPEC.validate(**_good(x=torch.randn(9, 256))) == key._replace(m_class=15)
     # group_size does not matter (and is not in the key) for the other granularities.
+    assert SPEC.validate(**_good(granularity="per_token")).group_size is None
     assert SPEC.validate(**_good(granularity="per_token")) == SPEC.validate(
         **_good(granularity="per_token", group_size=64))
+    hash(key)
+
+
+def test_a_misaligned_or_strided_view_changes_only_the_layout_field():
+    key = SPEC.validate(**_good())
+    assert key.x_layout == Layout(unit_stride=True, alignment=16)
+    # x one element into a wider buffer: rows 257 fp32 (1028 bytes) apart.
+    shifted = SPEC.validate(**_good(x=torch.randn(4, 257)[:, 1:]))
+    assert shifted.x_layout == Layout(unit_stride=True, alignment=4)
+    assert shifted._replace(x_layout=key.x_layout) == key
+    # a column-major view: K is not the contiguous dim.
+    strided = SPEC.validate(**_good(x=torch.randn(256, 4).T))
+    assert not strided.x_layout.unit_stride
+    assert strided._replace(x_layout=key.x_layout) == key

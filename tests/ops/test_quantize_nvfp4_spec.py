@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._key import Layout
 from kernelmux.ops.specs import quantize_nvfp4 as spec_module
 from kernelmux.ops.specs.quantize_nvfp4 import SPEC
 
@@ -324,7 +325,29 @@ def test_bad_input_names_the_argument(changes, argument, fragment):
 
 def test_good_input_passes_and_key_reflects_dispatch_properties():
     key = SPEC.validate(**_good())
-    assert key == SPEC.validate(**_good(x=torch.randn(9, 64)))  # M is not in the key
+    assert isinstance(key, spec_module.Key)
+    assert (key.device, key.x_dtype, key.k, key.global_scale_layout) == (
+        torch.device("cpu"), torch.float32, 64, None)
+    # M changes per batch: the key holds its class only (M = 4 and 7: class 7; 9: class 15).
+    assert key.m_class == 7
+    assert key == SPEC.validate(**_good(x=torch.randn(7, 64)))
+    assert SPEC.validate(**_good(x=torch.randn(9, 64))) == key._replace(m_class=15)
     assert key != SPEC.validate(**_good(x=torch.randn(4, 64, dtype=torch.bfloat16)))
-    assert key != SPEC.validate(**_good(global_scale=torch.tensor([1.0])))
-    assert key != SPEC.validate(**_good(x=torch.randn(4, 128)))
+    static = SPEC.validate(**_good(global_scale=torch.tensor([1.0])))
+    assert static.global_scale_layout is not None
+    assert static._replace(global_scale_layout=None) == key
+    assert SPEC.validate(**_good(x=torch.randn(4, 128))) == key._replace(k=128)
+    hash(key)
+
+
+def test_a_misaligned_or_strided_view_changes_only_the_layout_field():
+    key = SPEC.validate(**_good())
+    assert key.x_layout == Layout(unit_stride=True, alignment=16)
+    # x one element into a wider buffer: rows 65 fp32 (260 bytes) apart.
+    shifted = SPEC.validate(**_good(x=torch.randn(4, 65)[:, 1:]))
+    assert shifted.x_layout == Layout(unit_stride=True, alignment=4)
+    assert shifted._replace(x_layout=key.x_layout) == key
+    # a column-major view: K is not the contiguous dim.
+    strided = SPEC.validate(**_good(x=torch.randn(64, 4).T))
+    assert not strided.x_layout.unit_stride
+    assert strided._replace(x_layout=key.x_layout) == key

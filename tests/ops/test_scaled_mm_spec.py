@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.ops._key import Layout
 from kernelmux.ops.specs import scaled_mm as spec_module
 from kernelmux.ops.specs.quantize_fp8 import quantize_fp8
 from kernelmux.ops.specs.scaled_mm import SPEC
@@ -249,8 +250,31 @@ def test_layouts_are_identified_from_the_shapes():
 
 def test_good_input_passes_and_key_reflects_dispatch_properties():
     key = SPEC.validate(**_good())
-    assert key[2] == "block"
+    assert isinstance(key, spec_module.Key)
+    assert (key.device, key.fp8_dtype, key.scaling, key.n, key.k) == (
+        torch.device("cpu"), E4, "block", 200, 256)
+    assert (key.out_dtype, key.bias_dtype, key.bias_layout) == ("bfloat16", None, None)
     assert key != SPEC.validate(**_good(out_dtype="float32"))
-    assert key != SPEC.validate(**_good(bias=torch.zeros(200, dtype=torch.bfloat16)))
+    with_bias = SPEC.validate(**_good(bias=torch.zeros(200, dtype=torch.bfloat16)))
+    assert with_bias.bias_dtype == torch.bfloat16 and with_bias.bias_layout is not None
+    # M changes per batch: the key holds its class only (M = 4 and 7: class 7; 9: class 15).
+    assert key.m_class == 7
+    a, scale_a = quantize_fp8(torch.randn(7, 256), "per_group")
+    assert key == SPEC.validate(**_good(a=a, scale_a=scale_a))
     a, scale_a = quantize_fp8(torch.randn(9, 256), "per_group")
-    assert key == SPEC.validate(**_good(a=a, scale_a=scale_a))  # M is not in the key
+    assert SPEC.validate(**_good(a=a, scale_a=scale_a)) == key._replace(m_class=15)
+    hash(key)
+
+
+def test_a_misaligned_or_strided_view_changes_only_its_layout_field():
+    kwargs = _good()
+    key = SPEC.validate(**kwargs)
+    assert key.a_layout == key.b_layout == Layout(unit_stride=True, alignment=16)
+    # a one byte into a wider buffer: rows start 257 bytes apart, so nothing is aligned.
+    shifted = SPEC.validate(**{**kwargs, "a": torch.zeros(4, 257, dtype=E4)[:, 1:]})
+    assert shifted.a_layout == Layout(unit_stride=True, alignment=1)
+    assert shifted._replace(a_layout=key.a_layout) == key
+    # b stored column-major (a transposed weight): K is not the contiguous dim.
+    strided = SPEC.validate(**{**kwargs, "b": kwargs["b"].T.contiguous().T})
+    assert not strided.b_layout.unit_stride
+    assert strided._replace(b_layout=key.b_layout) == key

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernelmux.errors import InvalidArgumentError
+from kernelmux.errors import DeviceDataError, InvalidArgumentError
+from kernelmux.ops._key import Layout
 from kernelmux.ops.specs import selective_state_update as spec_module
 from kernelmux.ops.specs import ssd_scan as ssd_module
 from kernelmux.ops.specs.selective_state_update import SPEC
@@ -128,6 +129,30 @@ def test_permuted_slots_follow_their_requests():
     y_flipped = reference(**flipped)
     assert torch.equal(y_flipped.flip(0), y)
     assert torch.equal(_bits(flipped["state"]), _bits(kwargs["state"]))
+
+
+@pytest.mark.parametrize("case", ["small_permuted", "small_padded_bf16", "small_fp16_params", "no_indices"])
+def test_a_request_gets_the_same_bits_alone_as_in_its_batch(case):
+    # The property the permutation test relies on, request by request: y's row and the new state
+    # of a request depend on its own inputs only, not on which requests share the batch or where
+    # it sits (a batch of one puts every element in other positions of each tensor).
+    kwargs = SPEC.case(case).build(seed=5)
+    before = kwargs["state"].clone()
+    y = reference(**kwargs)
+    indices = kwargs["state_batch_indices"]
+    for request in range(y.shape[0]):
+        slot = request if indices is None else int(indices[request])
+        if slot < 0:
+            continue
+        alone = {k: (v[request:request + 1] if k in ("x", "dt", "B", "C", "z", "state_batch_indices")
+                     and v is not None else v) for k, v in kwargs.items()}
+        alone["state"] = before.clone()
+        if indices is None:  # a batch of one addresses a cache of one slot
+            alone["state"] = before[request:request + 1].clone()
+        y_alone = reference(**alone)
+        assert torch.equal(_bits(y_alone[0]), _bits(y[request])), f"request {request}: y differs"
+        state_alone = alone["state"][0 if indices is None else slot]
+        assert torch.equal(_bits(state_alone), _bits(kwargs["state"][slot])), f"request {request}: state"
 
 
 def test_padding_requests_do_not_read_their_slot():
@@ -287,11 +312,73 @@ def test_bad_input_names_the_argument(changes, argument, fragment):
 
 def test_good_input_passes_and_key_reflects_dispatch_properties():
     key = SPEC.validate(**_good())
+    assert isinstance(key, spec_module.Key)
+    assert (key.device, key.state_dtype, key.x_dtype, key.dt_dtype) == (
+        torch.device("cpu"), torch.float32, torch.float32, torch.float32)
+    assert (key.num_heads, key.head_dim, key.num_groups, key.state_dim) == (4, 2, 2, 5)
+    assert (key.D_dtype, key.dt_bias_dtype, key.dt_softplus) == (torch.float32, torch.float32, True)
+    assert key.state_batch_indices_layout is not None and key.z_layout is not None
+    # Bs and S are classes (Bs = 3: class 3; S = 6: class 7); padding is data, not in the key.
+    assert (key.num_requests_class, key.num_slots_class) == (3, 7)
+    same_classes = spec_module._maker(2, 4, 2, 2, 5, torch.float32, slots=5, padding=1)(
+        torch.device("cpu"), torch.Generator().manual_seed(1))
+    assert key == SPEC.validate(**same_classes)
     more = spec_module._maker(5, 4, 2, 2, 5, torch.float32, slots=40, padding=2)(
         torch.device("cpu"), torch.Generator().manual_seed(1))
-    assert key == SPEC.validate(**more)  # batch size, cache size and padding are not in the key
+    assert SPEC.validate(**more) == key._replace(num_requests_class=7, num_slots_class=63)
     assert key != SPEC.validate(**_good(state=torch.zeros(6, 4, 2, 5, dtype=torch.bfloat16)))
-    assert key != SPEC.validate(**_good(z=None))
-    assert key != SPEC.validate(**_good(dt_softplus=False))
+    assert SPEC.validate(**_good(z=None)) == key._replace(z_layout=None)
+    assert SPEC.validate(**_good(dt_softplus=False)) == key._replace(dt_softplus=False)
+    assert SPEC.validate(**_good(D=None)) == key._replace(D_dtype=None, D_layout=None)
+    no_indices = spec_module._maker(3, 4, 2, 2, 5, torch.float32)(
+        torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert SPEC.validate(**no_indices).state_batch_indices_layout is None
     SPEC.validate(**_good(A=torch.ones(4)))  # A < 0 is a precondition: no value check (sync)
     hash(key)
+
+
+def test_a_misaligned_or_strided_view_changes_only_its_layout_field():
+    kwargs = _good()
+    key = SPEC.validate(**kwargs)
+    assert key.x_layout == Layout(unit_stride=True, alignment=8)  # rows of P = 2 fp32
+    # x one element into a wider buffer: P is no longer contiguous with the next head.
+    shifted = SPEC.validate(**{**kwargs, "x": torch.zeros(3, 4, 3)[:, :, 1:]})
+    assert shifted.x_layout == Layout(unit_stride=True, alignment=4)
+    assert shifted._replace(x_layout=key.x_layout) == key
+    # the state cache with P and N swapped in memory: N is not the contiguous dim.
+    state = kwargs["state"].transpose(2, 3).contiguous().transpose(2, 3)
+    strided = SPEC.validate(**{**kwargs, "state": state})
+    assert not strided.state_layout.unit_stride
+    assert strided._replace(state_layout=key.state_layout) == key
+
+
+@pytest.mark.parametrize("case", SPEC.cases, ids=lambda c: c.name)
+def test_check_data_passes_on_every_case(case):
+    SPEC.check_data(**case.build())
+
+
+def _check_data_error(kwargs):
+    with pytest.raises(DeviceDataError) as info:
+        SPEC.check_data(**kwargs)
+    assert info.value.op == "selective_state_update"
+    assert info.value.argument == "state_batch_indices"
+    return info.value
+
+
+def test_check_data_rejects_a_slot_outside_the_cache():
+    kwargs = SPEC.case("small_permuted").build()  # S = 9
+    kwargs["state_batch_indices"][3] = 9
+    error = _check_data_error(kwargs)
+    assert "< 9" in error.expected and "state_batch_indices[3] = 9" in str(error), str(error)
+    kwargs["state_batch_indices"][3] = -7  # any negative index is padding
+    SPEC.check_data(**kwargs)
+
+
+def test_check_data_rejects_a_slot_shared_by_two_live_requests():
+    kwargs = SPEC.case("small_padded_bf16").build()  # two padding requests: -1 may repeat
+    indices = kwargs["state_batch_indices"]
+    live = (indices >= 0).nonzero().flatten().tolist()
+    indices[live[2]] = indices[live[0]]
+    error = _check_data_error(kwargs)
+    assert "distinct" in error.expected
+    assert f"state_batch_indices[{live[0]}] = state_batch_indices[{live[2]}]" in str(error)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernelmux.errors import InvalidArgumentError
+from kernelmux.errors import DeviceDataError, InvalidArgumentError
+from kernelmux.ops._key import Layout
 from kernelmux.ops.specs import ssd_scan as spec_module
 from kernelmux.ops.specs.ssd_scan import NO_UPPER_DT_LIMIT, SPEC
 
@@ -330,6 +331,7 @@ def _good(**changes):
         ({"dt_min": -0.1}, "dt_min", "0 <= dt_min <= dt_max"),
         ({"dt_min": 0.2, "dt_max": 0.1}, "dt_max", "0 <= dt_min <= dt_max"),
         ({"dt_max": math.nan}, "dt_max", "0 <= dt_min <= dt_max"),
+        ({"dt_min": math.nan}, "dt_min", "0 <= dt_min <= dt_max"),  # a NaN key never hits
         ({"initial_states": torch.zeros(2, 4, 2, 3, dtype=torch.bfloat16)}, "initial_states",
          "dtype in {float32}"),
         ({"initial_states": torch.zeros(2, 4, 2, 4)}, "initial_states", "shape (2, 4, 2, 3)"),
@@ -354,14 +356,65 @@ def test_positive_A_is_not_checked():
 
 def test_good_input_passes_and_key_reflects_dispatch_properties():
     key = SPEC.validate(**_good())
-    # Per-batch data (T, the sequence lengths, the values) is not in the key.
+    assert isinstance(key, spec_module.Key)
+    assert (key.device, key.x_dtype, key.dt_dtype) == (torch.device("cpu"), torch.float32,
+                                                       torch.float32)
+    assert (key.num_heads, key.head_dim, key.num_groups, key.state_dim, key.chunk_size) == (
+        4, 2, 2, 3, 4)
+    assert (key.D_dtype, key.dt_bias_dtype, key.dt_softplus) == (torch.float32, torch.float32, True)
+    # No upper limit is inf in the key, whichever way it was said; the limits are host floats.
+    assert (key.dt_min, key.dt_max, key.has_dt_limit) == (0.0, math.inf, False)
+    assert key == SPEC.validate(**_good(dt_max=math.inf))
+    # T and Bs are classes (T = 8: class 15, Bs = 2: class 3); lengths and values are data.
+    assert (key.num_tokens_class, key.num_seqs_class) == (15, 3)
+    same_classes = _small((4, 4, 7), 4, heads=4, head_dim=2, groups=2, state_dim=3)(
+        torch.device("cpu"), torch.Generator().manual_seed(5))
+    assert key == SPEC.validate(**same_classes)
     longer = _small((9, 1, 20), 4, heads=4, head_dim=2, groups=2, state_dim=3)(
         torch.device("cpu"), torch.Generator().manual_seed(5))
-    assert key == SPEC.validate(**longer)
-    assert key == SPEC.validate(**_good(dt_max=math.inf))
-    assert key != SPEC.validate(**_good(chunk_size=8))
-    assert key != SPEC.validate(**_good(z=None))
-    assert key != SPEC.validate(**_good(initial_states=None))
-    assert key != SPEC.validate(**_good(dt_min=0.001))
+    assert SPEC.validate(**longer) == key._replace(num_tokens_class=31)
+    assert SPEC.validate(**_good(chunk_size=8)) == key._replace(chunk_size=8)
+    assert SPEC.validate(**_good(z=None)) == key._replace(z_layout=None)
+    assert SPEC.validate(**_good(initial_states=None)) == key._replace(initial_states_layout=None)
+    limited = SPEC.validate(**_good(dt_min=0.001))
+    assert limited == key._replace(dt_min=0.001) and limited.has_dt_limit
+    assert SPEC.validate(**_good(dt_max=0.5)).dt_max == 0.5
     assert key != SPEC.validate(**_good(dt_bias=torch.zeros(4, dtype=torch.bfloat16)))
     hash(key)
+
+
+def test_a_misaligned_or_strided_view_changes_only_its_layout_field():
+    kwargs = _good()
+    key = SPEC.validate(**kwargs)
+    assert key.B_layout == Layout(unit_stride=True, alignment=4)  # rows of N = 3 fp32
+    assert key.x_layout == Layout(unit_stride=True, alignment=8)  # rows of P = 2 fp32
+    # x one element into a wider buffer: P no longer a whole number of 8-byte words apart.
+    shifted = SPEC.validate(**{**kwargs, "x": torch.zeros(8, 4, 3)[:, :, 1:]})
+    assert shifted.x_layout == Layout(unit_stride=True, alignment=4)
+    assert shifted._replace(x_layout=key.x_layout) == key
+    # B with tokens as the contiguous dim (a transposed projection output).
+    B = kwargs["B"].permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    strided = SPEC.validate(**{**kwargs, "B": B})
+    assert not strided.B_layout.unit_stride
+    assert strided._replace(B_layout=key.B_layout) == key
+
+
+@pytest.mark.parametrize("case", SPEC.cases, ids=lambda c: c.name)
+def test_check_data_passes_on_every_case(case):
+    SPEC.check_data(**case.build())
+
+
+@pytest.mark.parametrize("index, value, expected, actual", [
+    (-1, 46, "cu_seqlens[-1] = T (x.shape[0]) = 45", "cu_seqlens[4] = 46"),  # T + 1
+    (-1, 44, "cu_seqlens[-1] = T (x.shape[0]) = 45", "cu_seqlens[4] = 44"),  # T - 1
+    (2, 3, "nondecreasing", "cu_seqlens[2] = 3 < cu_seqlens[1] = 5"),
+    (0, 1, "cu_seqlens[0] = 0", "cu_seqlens[0] = 1"),
+])
+def test_check_data_rejects_offsets_that_do_not_partition_the_tokens(index, value, expected, actual):
+    kwargs = SPEC.case("small_varlen").build()  # lengths (5, 16, 1, 23): cu_seqlens ends at 45
+    assert kwargs["cu_seqlens"].tolist() == [0, 5, 21, 22, 45]
+    kwargs["cu_seqlens"][index] = value
+    with pytest.raises(DeviceDataError) as info:
+        SPEC.check_data(**kwargs)
+    assert (info.value.op, info.value.argument) == ("ssd_scan", "cu_seqlens")
+    assert expected in info.value.expected and actual in str(info.value), str(info.value)

@@ -12,7 +12,10 @@ import torch
 from conftest import DEVICE
 from cuda_kernels import needs_hopper, needs_nvrtc, poison_allocator
 from graph_replay import build, capture, replay_on_new_inputs
+from fakes import ask
 from kernelmux.backends.cuda import _nvrtc, attention, mla
+from kernelmux.engine import Engine, Settings
+from kernelmux.ops.specs import ALL_SPECS
 from kernelmux.ops.specs import mla_decode as mla_spec
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
@@ -101,7 +104,7 @@ def test_sm90_without_the_arch_suffix_is_refused_by_ptxas():
 # The kernel (sm_90 GPU)
 
 def _check(kwargs, seed):
-    assert mla.mla_decode_supports(**kwargs) is None
+    assert ask(mla.mla_decode_supports, mla_spec.SPEC, kwargs) is None
     expected = mla_spec.SPEC.reference(**kwargs)
     q = kwargs["q"]
     poison_allocator(q.shape[0] * q.shape[1] * mla.RANK * 4 * 8)
@@ -218,10 +221,14 @@ def test_misaligned_q_view_is_refused_by_name():
     kwargs = build(mla_spec._maker((1,), (40,), 128), 1, DEVICE)
     wide = torch.zeros(kwargs["q"].shape[:-1] + (584,), dtype=BF16, device=DEVICE)
     kwargs["q"] = wide[..., 4:580]
-    reason = mla.mla_decode_supports(**kwargs)
-    assert reason is not None and reason.startswith("q needs 16-byte aligned data and row strides")
-    with pytest.raises(ValueError, match="q needs 16-byte aligned"):
-        mla.mla_decode(**kwargs)
+    reason = ask(mla.mla_decode_supports, mla_spec.SPEC, kwargs)
+    assert reason is not None and reason.startswith("q needs a unit stride along the row and 16-byte aligned")
+    # Dispatch decides per key, which holds the layout: the call goes elsewhere, and is right.
+    expected = mla_spec.SPEC.reference(**kwargs)
+    engine = Engine(ALL_SPECS, Settings())
+    mla_spec.SPEC.check_close(engine.dispatchers["mla_decode"](**kwargs), expected, kwargs)
+    (decision,) = engine.dispatchers["mla_decode"].decisions.values()
+    assert decision.backend != "cuda" and dict(decision.answers)["cuda"] == reason
 
 
 @needs_hopper

@@ -16,9 +16,12 @@ import torch
 from conftest import DEVICE
 from cuda_kernels import check_paged_attention, needs_gpu, needs_nvrtc
 from graph_replay import build, capture, replay_on_new_inputs
+from fakes import ask
 from kernelmux.backends.cuda import _nvrtc, attention
-from kernelmux.engine import probes
+from kernelmux.engine import Engine, Settings, probes, simulate
+from kernelmux.ops.specs import ALL_SPECS
 from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.registry import Registry
 
 FP8 = torch.float8_e4m3fn
 
@@ -287,10 +290,14 @@ def test_misaligned_cache_view_is_refused_by_name():
     kwargs = _build(pa_spec._maker((1,), (40,), 8, 1, 128, cache_dtype=FP8), 1)
     wide = torch.zeros(kwargs["k_cache"].shape[:-1] + (136,), dtype=FP8, device=DEVICE)
     kwargs["k_cache"] = wide[..., 8:]
-    reason = attention.paged_attention_supports(**kwargs)
-    assert reason is not None and reason.startswith("k_cache needs 16-byte aligned data and row strides")
-    with pytest.raises(ValueError, match="k_cache needs 16-byte aligned"):
-        attention.paged_attention(**kwargs)
+    reason = ask(attention.paged_attention_supports, pa_spec.SPEC, kwargs)
+    assert reason is not None and reason.startswith("k_cache needs a unit stride along the head dim and 16-byte")
+    # Dispatch decides per key, which holds the layout: the call goes elsewhere, and is right.
+    expected = pa_spec.SPEC.reference(**kwargs)
+    engine = Engine(ALL_SPECS, Settings())
+    pa_spec.SPEC.check_close(engine.dispatchers["paged_attention"](**kwargs), expected, kwargs)
+    (decision,) = engine.dispatchers["paged_attention"].decisions.values()
+    assert decision.backend != "cuda" and dict(decision.answers)["cuda"] == reason
 
 
 @needs_gpu
@@ -424,21 +431,25 @@ def test_loaded_kernels_build_once_per_device_and_key(monkeypatch):
     assert cache.loaded() == []
 
 
-@pytest.mark.parametrize("rocm, capability, nvrtc, reason", [
-    (True, (9, 0), True, "needs an NVIDIA GPU, the tensors are on cuda"),
-    (False, (8, 0), True, "needs sm_89 or newer (e4m3 conversions), this GPU is sm_80"),
-    (False, (9, 0), False, "NVRTC not found (pip install nvidia-cuda-nvrtc, which torch's CUDA wheels bring, "
-                           "or a CUDA toolkit)"),
-    (False, (9, 0), True, None),
+@pytest.mark.parametrize("platform, nvrtc, op, reason", [
+    ("gfx942", True, "paged_attention", "needs a cuda platform, this is rocm"),
+    ("sm_86", True, "paged_attention", "needs capability >= 8.9, this has 8.6"),
+    ("sm_90", False, "paged_attention", "NVRTC not found (pip install nvidia-cuda-nvrtc, which torch's CUDA "
+                                        "wheels bring, or a CUDA toolkit)"),
+    ("sm_90", True, "paged_attention", None),
+    ("sm_100", True, "paged_attention", None),  # the fp8 decode kernel; prefill declines per call
+    ("sm_100", True, "mla_decode", "needs arch in {sm_90}, this is sm_100"),  # sm_90a cubins
+    ("sm_120", True, "mla_decode", "needs arch in {sm_90}, this is sm_120"),
+    ("sm_90", True, "mla_decode", None),
 ])
-def test_device_problem_names_what_the_device_lacks(monkeypatch, rocm, capability, nvrtc, reason):
-    # The three cuda kernels' supports checks share it; on a CPU machine a cuda device object
-    # (never allocated on) and faked probes stand in for the GPUs it answers about.
-    monkeypatch.setattr(probes, "is_rocm", lambda: rocm)
-    monkeypatch.setattr(probes, "device_capability", lambda device: capability)
+def test_platform_problem_names_what_the_platform_lacks(monkeypatch, platform, nvrtc, op, reason):
+    # The requirement and the NVRTC check are static: asked once per platform (at startup, or
+    # for a device whose platform differs), never per call; simulated platforms answer as the
+    # real ones would.
     monkeypatch.setattr(_nvrtc, "find_nvrtc", lambda: object() if nvrtc else None)
-    answer = _nvrtc.device_problem(torch.device("cuda"), lambda c: c >= (8, 9),
-                                   "needs sm_89 or newer (e4m3 conversions)")
-    assert answer == reason
-    assert _nvrtc.device_problem(torch.device("cpu"), lambda c: True, "") == \
-        "needs an NVIDIA GPU, the tensors are on cpu"
+    registry = Registry({spec.name: spec for spec in ALL_SPECS})
+    registry.load_entry_points(["cuda"])
+    impl = registry.implementations[(op, "cuda")]
+    assert impl.platform_problem(simulate(platform)) == reason
+
+

@@ -16,8 +16,13 @@ import torch
 from conftest import DEVICE
 from cuda_kernels import check_paged_attention, needs_cuobjdump, needs_hopper, needs_nvrtc, sass
 from graph_replay import build, capture, replay_on_new_inputs
+from fakes import ask
 from kernelmux.backends.cuda import _nvrtc, attention, prefill
+from kernelmux.engine import Engine, Settings, simulate
+from kernelmux.ops.specs import ALL_SPECS
 from kernelmux.ops.specs import paged_attention as pa_spec
+
+SM90 = simulate("sm_90")
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 # Every plan the kernel is instantiated for: stages x (serial, overlap, overlap with ping-pong).
@@ -52,20 +57,24 @@ def test_shape_reason_takes_prefill_shapes(dtype, block_size):
 def test_paged_attention_routes_by_max_query_len():
     # The host int max_query_len picks the kernel: > 1 asks the prefill kernel (here it declines
     # the fp8 cache by its own reason), <= 1 the decode kernel (which declines the bf16 cache).
+    # Inputs on the CPU, answered for an H100 and an sm_100 GPU.
     fp8 = build(pa_spec._maker((5, 1), (9, 20), 8, 1, 128, cache_dtype=FP8), 0, "cpu")
-    assert "caches of the query's dtype" in attention.paged_attention_supports(**fp8)
+    assert "caches of the query's dtype" in ask(attention.paged_attention_supports, pa_spec.SPEC, fp8, SM90)
     same = build(pa_spec._maker((1, 1), (9, 20), 8, 1, 128), 0, "cpu")
-    assert "fp8 e4m3 caches only" in attention.paged_attention_supports(**same)
+    assert "fp8 e4m3 caches only" in ask(attention.paged_attention_supports, pa_spec.SPEC, same, SM90)
     prefill_call = build(pa_spec._maker((5, 1), (9, 20), 8, 1, 128), 0, "cpu")
-    assert "needs an NVIDIA GPU" in attention.paged_attention_supports(**prefill_call)
+    assert ask(attention.paged_attention_supports, pa_spec.SPEC, prefill_call, SM90) is None
+    assert "prefill needs sm_90" in ask(attention.paged_attention_supports, pa_spec.SPEC, prefill_call,
+                                        simulate("sm_100"))
 
 
-@pytest.mark.parametrize("scale", [0.0, -0.125, float("inf"), float("nan")])
+@pytest.mark.parametrize("scale", [0.0, -0.125])
 def test_prefill_declines_scales_it_cannot_fold(scale):
-    # The kernel scales each row's raw maximum once, which needs a finite positive scale.
+    # The kernel scales each row's raw maximum once, which needs a positive scale (the spec
+    # refuses non-finite ones).
     call = build(pa_spec._maker((5, 1), (9, 20), 8, 1, 128), 0, "cpu")
     call["scale"] = scale
-    reason = attention.paged_attention_supports(**call)
+    reason = ask(attention.paged_attention_supports, pa_spec.SPEC, call, SM90)
     assert reason == f"prefill: scale must be finite and > 0, got {scale}"
 
 
@@ -228,10 +237,14 @@ def test_misaligned_query_view_is_refused_by_name():
     kwargs = build(pa_spec._maker((40,), (40,), 8, 1, 128), 1, DEVICE)
     wide = torch.zeros(kwargs["query"].shape[:-1] + (136,), dtype=BF16, device=DEVICE)
     kwargs["query"] = wide[..., 4:132]
-    reason = attention.paged_attention_supports(**kwargs)
-    assert reason is not None and reason.startswith("query needs 16-byte aligned data and row strides")
-    with pytest.raises(ValueError, match="query needs 16-byte aligned"):
-        attention.paged_attention(**kwargs)
+    reason = ask(attention.paged_attention_supports, pa_spec.SPEC, kwargs)
+    assert reason is not None and reason.startswith("query needs a unit stride along the head dim and 16-byte")
+    # Dispatch decides per key, which holds the layout: the call goes elsewhere, and is right.
+    expected = pa_spec.SPEC.reference(**kwargs)
+    engine = Engine(ALL_SPECS, Settings())
+    pa_spec.SPEC.check_close(engine.dispatchers["paged_attention"](**kwargs), expected, kwargs)
+    (decision,) = engine.dispatchers["paged_attention"].decisions.values()
+    assert decision.backend != "cuda" and dict(decision.answers)["cuda"] == reason
 
 
 @needs_hopper

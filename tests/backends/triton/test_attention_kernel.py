@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import DEVICE
+from fakes import ask
 from graph_replay import build, capture, replay_on_new_inputs
 from kernelmux.backends.triton import attention
+from kernelmux.engine import simulate
 from kernelmux.ops.specs import mla_decode as mla_spec
 from kernelmux.ops.specs import paged_attention as pa_spec
 from kernelmux.ops.specs.kv_cache_write import FP8
@@ -108,13 +110,15 @@ def test_plan_table_follows_shared_memory(monkeypatch, capability, table):
 @pytest.mark.parametrize("capability, refused", [
     ((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False),
 ])
-def test_fp8_caches_need_sm89(monkeypatch, capability, refused):
-    monkeypatch.setattr(attention, "_capability", lambda device: capability)
-    reason = attention._launch_limit("decode_fp8", torch.device("cuda"), FP8, 8, 1, 1, 1)
+def test_fp8_caches_need_sm89(capability, refused):
+    platform = simulate(f"sm_{capability[0]}{capability[1]}")
+    fp8 = pa_spec.SPEC.case("small_fp8").build()
+    reason = ask(attention.paged_attention_supports, pa_spec.SPEC, fp8, platform)
     assert (reason is not None) == refused
     if refused:
         assert f"this GPU is sm_{capability[0]}{capability[1]}" in reason
-    assert attention._launch_limit("decode", torch.device("cuda"), torch.bfloat16, 8, 1, 1, 1) is None
+    bf16 = pa_spec.SPEC.case("small_mixed_batch").build()
+    assert ask(attention.paged_attention_supports, pa_spec.SPEC, bf16, platform) is None
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 16, 32, 64, 128])
@@ -285,24 +289,32 @@ def test_plans_that_do_not_fit_step_down(monkeypatch):
 
 def test_supports_names_what_it_refuses():
     kwargs = pa_spec.SPEC.case("single_token").build(DEVICE)
-    assert attention.paged_attention_supports(**kwargs) is None
-    wide = dict(kwargs, query=torch.zeros(1, 4, 512, dtype=torch.bfloat16, device=DEVICE))
-    assert "head dim 512" in attention.paged_attention_supports(**wide)
+    supports, spec = attention.paged_attention_supports, pa_spec.SPEC
+    assert ask(supports, spec, kwargs) is None
+    wide = dict(kwargs, query=torch.zeros(1, 4, 512, dtype=torch.bfloat16, device=DEVICE),
+                k_cache=torch.zeros(*kwargs["k_cache"].shape[:3], 512, dtype=torch.bfloat16, device=DEVICE))
+    wide["v_cache"] = wide["k_cache"]
+    assert "head dim 512" in ask(supports, spec, wide)
     strided = dict(kwargs, query=kwargs["query"].repeat(1, 1, 2)[..., ::2])
-    assert "non-unit stride" in attention.paged_attention_supports(**strided)
+    assert "non-unit stride" in ask(supports, spec, strided)
+    # The index tensors may have any strides: the kernel reads them (test_index_strides).
+    columns = dict(kwargs, block_table=kwargs["block_table"].t().contiguous().t())
+    assert ask(supports, spec, columns) is None
 
 
 @pytest.mark.parametrize("num_seqs, refused", [(65535, False), (65536, True)])
 def test_supports_refuses_grids_past_cudas_axis_limit(num_seqs, refused):
-    # supports reads shapes only: meta tensors stand in for a 65536-sequence MLA decode batch.
+    # supports reads the key only: meta tensors stand in for a 65536-sequence MLA decode batch
+    # on an H100 (one query per sequence: one tile each).
     def meta(*shape, dtype=torch.bfloat16):
         return torch.empty(shape, dtype=dtype, device="meta")
-    reason = attention.mla_decode_supports(
-        meta(num_seqs, 16, 576), meta(8, 64, 576), meta(num_seqs + 1, dtype=torch.int32),
-        meta(num_seqs, 1, dtype=torch.int32), meta(num_seqs, dtype=torch.int32), 1, 64, 0.1)
+    kwargs = dict(q=meta(num_seqs, 16, 576), kv_cache=meta(8, 64, 576),
+                  cu_seqlens_q=meta(num_seqs + 1, dtype=torch.int32), block_table=meta(num_seqs, 1, dtype=torch.int32),
+                  seq_lens=meta(num_seqs, dtype=torch.int32), max_query_len=1, max_seq_len=64, scale=0.1)
+    reason = ask(attention.mla_decode_supports, mla_spec.SPEC, kwargs, simulate("sm_90"))
     assert (reason is not None) == refused
     if refused:
-        assert "65536 query tiles > 65535" in reason
+        assert "up to 131071 query tiles (this batch's size class) > 65535" in reason
 
 
 # ---------------------------------------------------------------------------------------------

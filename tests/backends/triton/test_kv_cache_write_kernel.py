@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 pytest.importorskip("triton", reason="needs triton (pip install kernelmux[test] on Linux x86_64)")
 
 from conftest import DEVICE  # noqa: E402
+from fakes import ask  # noqa: E402
 from kernelmux.backends.triton import kv_cache_write as host  # noqa: E402
+from kernelmux.engine import simulate  # noqa: E402
 from kernelmux.backends.triton.kv_cache_write import (  # noqa: E402
     MAX_PADDED_HEAD_DIM,
     MAX_TILE,
@@ -82,7 +84,7 @@ def _clone(kwargs: dict) -> dict:
 def _check(kwargs: dict, seed: int = 0) -> None:
     """Run the kernel on ``kwargs`` and the reference on a copy; both whole caches compared as
     bytes (written slots and untouched ones)."""
-    assert supports(**kwargs) is None
+    assert ask(supports, SPEC, kwargs) is None
     expected = _clone(kwargs)
     SPEC.reference(**expected)
     _run(kwargs)
@@ -114,19 +116,23 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def test_signatures_match_the_spec() -> None:
     assert inspect.signature(kv_cache_write) == SPEC.signature
-    assert inspect.signature(supports).parameters == SPEC.signature.parameters
+    assert list(inspect.signature(supports).parameters) == ["key", "platform"]
 
 
 def test_supports_limits() -> None:
     kwargs = SPEC.case("small_fp16_padding").build("cpu", 0)
-    assert supports(**kwargs) is None
+    assert ask(supports, SPEC, kwargs) is None
     # Only the shapes matter: meta tensors stand for a head dim too wide for one tile.
-    wide = torch.empty(1, 1, MAX_PADDED_HEAD_DIM + 1, device="meta")
-    cache = torch.empty(2, 4, 1, MAX_PADDED_HEAD_DIM + 1, device="meta")
-    reason = supports(wide, wide, cache, cache, torch.empty(1, dtype=torch.int64, device="meta"))
-    assert reason is not None and str(MAX_PADDED_HEAD_DIM + 1) in reason
-    edge = torch.empty(1, 1, MAX_PADDED_HEAD_DIM, device="meta")
-    assert supports(edge, edge, cache, cache, torch.empty(1, dtype=torch.int64, device="meta")) is None
+    platform = simulate("sm_90")
+    for head_dim, refused in ((MAX_PADDED_HEAD_DIM + 1, True), (MAX_PADDED_HEAD_DIM, False)):
+        rows = torch.empty(1, 1, head_dim, dtype=torch.bfloat16, device="meta")
+        cache = torch.empty(2, 4, 1, head_dim, dtype=torch.bfloat16, device="meta")
+        slots = torch.empty(1, dtype=torch.int64, device="meta")
+        reason = ask(supports, SPEC, dict(key=rows, value=rows, k_cache=cache, v_cache=cache, slot_mapping=slots),
+                     platform)
+        assert (reason is not None) == refused
+        if refused:
+            assert str(MAX_PADDED_HEAD_DIM + 1) in reason
 
 
 def test_tile_shape() -> None:

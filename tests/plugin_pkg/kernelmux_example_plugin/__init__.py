@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from kernelmux import Implementation, hookimpl
+from kernelmux import Implementation, Platform, hookimpl
 from kernelmux.ops.specs import grouped_topk as grouped_topk_spec
 
 # No `from __future__ import annotations`: the signature must equal the spec reference's, and the
@@ -39,20 +39,12 @@ def grouped_topk(
     )
 
 
-def supports(
-    gating_output: torch.Tensor,
-    topk: int,
-    renormalize: bool,
-    num_expert_group: int,
-    topk_group: int,
-    scoring_func: str = "softmax",
-    routed_scaling_factor: float = 1.0,
-    e_score_correction_bias: Optional[torch.Tensor] = None,
-) -> Optional[str]:
-    """Decline all but fp32 logits (an arbitrary limit, so tests see a decline). It decides on the
-    logits' dtype, which the spec's dispatch key captures, as the supports() contract requires."""
-    if gating_output.dtype != torch.float32:
-        return f"example plugin takes fp32 logits only, got {gating_output.dtype}"
+def supports(key: grouped_topk_spec.Key, platform: Platform) -> Optional[str]:
+    """Decline all but fp32 logits (an arbitrary limit, so tests see a decline). Like every
+    supports(), it decides from the call's dispatch key (the spec's Key: dtypes, dims, options,
+    layouts) and the platform alone, so its answer holds for every call with that key."""
+    if key.logits_dtype != torch.float32:
+        return f"example plugin takes fp32 logits only, got {key.logits_dtype}"
     return None
 
 
