@@ -82,6 +82,9 @@ USAGE_ERRORS = {
     "bench_platform_from_env": (["bench", "grouped_topk"], {"KERNELMUX_PLATFORM": "sm_9"},
                                 "'sm_9' is not a CUDA arch"),
     "bench_bad_setting": (["bench", "grouped_topk"], {"KERNELMUX_PREFER": "junk"}, "KERNELMUX_PREFER"),
+    "bench_unknown_backend": (["bench", "grouped_topk", "--backend", "tritn"], {},
+                              "--backend names unknown backend(s) ['tritn']"),
+    "bench_load_missing": (["bench", "--load", "no_such_run.json"], {}, "cannot read the bench run no_such_run.json"),
     "unknown_command": (["frobnicate"], {}, "invalid choice: 'frobnicate'"),
 }
 
@@ -100,6 +103,7 @@ def test_usage_errors_exit_2_with_one_line(capsys, monkeypatch, name):
         raise AssertionError("the benchmark started instead of refusing its arguments")
 
     monkeypatch.setattr(ceilings, "measure", started)
+    monkeypatch.setattr(ceilings, "measure_run", started)
     try:
         code = main(argv)
     except SystemExit as exit_:  # argparse's own errors exit here

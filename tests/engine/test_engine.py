@@ -411,12 +411,16 @@ def test_the_hopper_only_mla_kernel_is_not_viable_on_blackwell(arch):
                     "with the real one it simulates; runs in the GPU suite")
 def test_explain_on_the_simulated_platform_equals_the_real_machine():
     """For every op and every case: `explain --platform <this GPU's arch>` (inputs on the CPU)
-    gives the same answers as plain `explain` (inputs on the GPU)."""
+    gives the same answers as plain `explain` (inputs on the GPU). The gpu-tagged cases (GB-sized
+    inputs, drawn on the CPU: 230 s on the H100's host at cf8f4a1, where they passed too) come
+    from the same makers as the model cases and are left out of the suite."""
     real = Engine(ALL_SPECS, Settings())
     simulated = Engine(ALL_SPECS, Settings(platform=real.platform.arch))
     differences = []
     for spec in ALL_SPECS:
         for case in spec.cases:
+            if "gpu" in case.tags:
+                continue
             on_cpu = case.build("cpu", seed=0)
             on_gpu = {k: v.to(real.platform.device) if isinstance(v, torch.Tensor) else v for k, v in on_cpu.items()}
             dry = [(impl.backend, reason) for impl, reason in simulated.explain(spec.name, on_cpu)]
