@@ -221,22 +221,14 @@ class CheckedDispatcher(Dispatcher):
     __slots__ = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key = self._validate(*args, **kwargs)
+        key = self._validate(*args, **kwargs)  # bad metadata is reported before the data is read
         spec = self.table.spec
         if spec.check_data is not None:
             spec.check_data(*args, **kwargs)
-        choice = self._cache.get(key)
-        if choice is None:
-            choice = self._select(key)
-        try:
-            result = choice.fn(*args, **kwargs)
-        except Exception as error:
-            failure = self._failure(choice, error)
-            if failure is error:
-                raise
-            raise failure from error
+        result = super().__call__(*args, **kwargs)  # validates again: noise beside the sync
         problem = output_problem(result, spec.fake(*args, **kwargs))
         if problem is not None:
+            choice = self._cache[key]
             raise ImplementationError(spec.name, choice.backend, choice.plugin,
                                       self._engine.distribution(choice.plugin), problem)
         return result

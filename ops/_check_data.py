@@ -52,10 +52,10 @@ def index_rule(argument: str, indices: torch.Tensor, bound: int, what: str, *,
                negative_skips: bool) -> Rule:
     """Every index of ``indices`` in ``[0, bound)`` (``what`` names the indexed range); with
     ``negative_skips``, negative entries are padding and pass."""
-    low = "" if negative_skips else " and >= 0"
-    broken = indices >= bound if negative_skips else (indices < 0) | (indices >= bound)
-    expected = f"entries < {bound} ({what}){low}" + (" (negative = padding)" if negative_skips else "")
-    return Rule(argument, expected, broken, _at(indices, argument))
+    if not negative_skips:
+        return range_rule(argument, indices, 0, bound, what)
+    return Rule(argument, f"entries < {bound} ({what}; negative = padding)", indices >= bound,
+                _at(indices, argument))
 
 
 def range_rule(argument: str, values: torch.Tensor, low: int, high: int, what: str) -> Rule:
