@@ -407,7 +407,8 @@ def _read_entry(directory: int, entry: str, key: str, material: dict) -> tuple[O
         return None, (f"the cubin does not match the hash recorded at compile time ({len(cubin)} bytes, "
                       f"{manifest.get('cubin_bytes')} recorded): truncated or altered")
     lowered = manifest.get("names")
-    if (not isinstance(lowered, dict) or list(lowered) != material["names"]
+    # As a set: the manifest is written with sorted keys, the names are asked in any order.
+    if (not isinstance(lowered, dict) or set(lowered) != set(material["names"])
             or not all(isinstance(v, str) for v in lowered.values())):
         return None, "its lowered kernel names do not match the kernels asked for"
     return CompiledModule(cubin=cubin, names=lowered, log=""), ""
