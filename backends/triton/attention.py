@@ -197,7 +197,7 @@ def _base_plan(kind: str, device: torch.device) -> AttentionPlan:
 
 def _table_for(device: torch.device) -> dict:
     """The plan table for launches on ``device``."""
-    if device.type in ("cpu", "meta"):
+    if device.type == "cpu":
         return _TABLE  # the interpreter's
     rocm = probes.is_rocm()
     return _table_for_gpu(device.type == "cuda" and not rocm, None if rocm else _capability(device))
