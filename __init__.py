@@ -5,17 +5,14 @@ Call ``kernelmux.ops.<op>(...)``; see ``kernelmux.report()`` for what was chosen
 
 from kernelmux import errors
 from kernelmux.engine import (
-    Feature,
-    Platform,
-    PlatformKind,
     Settings,
     configure,
     current,
     report,
     reset,
     resolve,
-    simulate,
 )
+from kernelmux.platforms import Feature, Platform, PlatformKind, simulate
 from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
 from kernelmux import ops
 

@@ -14,7 +14,7 @@ __all__ = ["main"]
 def _engine(platform: str | None):
     """The current engine, or a separate one for a simulated platform (the current stays)."""
     from kernelmux import engine
-    from kernelmux.ops.specs import ALL_SPECS
+    from kernelmux.specs import ALL_SPECS
 
     if platform:
         return engine.Engine(ALL_SPECS, engine.Settings.from_env().with_changes(platform=platform))
@@ -72,7 +72,7 @@ def _explain(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     """perf/bench.py's main, once the cases named exist (it would skip unknown ones and time
     nothing); it reports unknown ops itself (UnknownOpError)."""
-    from kernelmux.ops.specs import ALL_SPECS
+    from kernelmux.specs import ALL_SPECS
     from kernelmux.perf import bench as bench_module
 
     specs = {spec.name: spec for spec in ALL_SPECS}

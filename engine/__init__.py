@@ -1,4 +1,4 @@
-"""The engine: platform model, startup selection, per-call dispatch, overrides and the report.
+"""The engine: settings, startup selection, per-call dispatch, overrides and the report.
 
 The process has one current engine, built on first use from the environment (``Settings``) and
 replaced as a whole by ``configure``; nothing rebinds at import time.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Iterable, Mapping
 
-from kernelmux.engine.platform import Feature, Platform, PlatformKind, detect, simulate
+from kernelmux.platforms import Platform
 from kernelmux.engine.settings import ENV_VARS, Settings
 from kernelmux.engine._engine import (
     CheckedDispatcher,
@@ -20,6 +20,7 @@ from kernelmux.engine._engine import (
     OpTable,
 )
 from kernelmux.engine.report import report as _report_data
+from kernelmux.specs import ALL_SPECS
 
 __all__ = [
     "ENV_VARS",
@@ -28,28 +29,17 @@ __all__ = [
     "Dispatcher",
     "Engine",
     "FallbackWarning",
-    "Feature",
     "OpTable",
-    "Platform",
-    "PlatformKind",
     "Settings",
     "configure",
     "current",
-    "detect",
     "report",
     "reset",
     "resolve",
-    "simulate",
 ]
 
 _lock = threading.Lock()
 _engine: Engine | None = None
-
-
-def _all_specs():
-    from kernelmux.ops.specs import ALL_SPECS
-
-    return ALL_SPECS
 
 
 def current() -> Engine:
@@ -59,7 +49,7 @@ def current() -> Engine:
         with _lock:
             engine = _engine
             if engine is None:
-                engine = _install(Engine(_all_specs()))
+                engine = _install(Engine(ALL_SPECS))
     return engine
 
 
@@ -91,7 +81,7 @@ def configure(
         prefer=prefer, deny=deny, allow_plugins=allow_plugins, strict=strict, check=check, platform=simulated
     )
     engine = Engine(
-        _all_specs(),
+        ALL_SPECS,
         settings,
         platform=platform if isinstance(platform, Platform) else None,
         plugins=plugins,

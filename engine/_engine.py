@@ -9,10 +9,10 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple
 
 import torch
 
-from kernelmux.engine.platform import Platform, detect, simulate
+from kernelmux.platforms import Platform, detect, simulate
 from kernelmux.engine.settings import Settings
 from kernelmux.errors import ConfigurationError, ImplementationError, NoImplementationError, UnknownOpError
-from kernelmux.ops._spec import OpSpec
+from kernelmux.specs._spec import OpSpec
 from kernelmux.registry import Backend, Implementation, Registry
 
 __all__ = [

@@ -1,7 +1,9 @@
-"""User overrides of selection: preferences, deny list, plugin allow-list, strict mode, simulation.
+"""Every ``KERNELMUX_*`` environment variable, declared once (``ENV_VARS``), and the user's overrides
+of selection: preferences, deny list, plugin allow-list, strict mode, checked mode, simulation.
 
-Read from environment variables or given through the Python API (``kernelmux.configure``); one
-frozen ``Settings`` value is what the engine is built from.
+Those are read from the environment or given through the Python API (``kernelmux.configure``); one
+frozen ``Settings`` value is what the engine is built from. The rest (a backend's cache folder, a
+record's commit) are read where they are used, through ``env_value``, so every name is declared here.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any, Mapping
 
 from kernelmux.errors import ConfigurationError
 
-__all__ = ["ENV_VARS", "Settings"]
+__all__ = ["ENV_VARS", "Settings", "env_value"]
 
 # The environment variables kernelmux reads, with what each holds (documented in README.md).
 ENV_VARS: Mapping[str, str] = {
@@ -23,7 +25,16 @@ ENV_VARS: Mapping[str, str] = {
     "KERNELMUX_CHECK": "1: checked mode, for debugging an integration: index tensors' contents are "
     "validated before each call (one device pass and a host sync) and outputs checked against the spec",
     "KERNELMUX_PLATFORM": "simulate a platform: sm_90, sm_100, gfx942, aarch64, s390x, ...",
+    "KERNELMUX_CACHE_DIR": "where compiled kernels are kept between processes (default ~/.cache/kernelmux)",
+    "KERNELMUX_COMMIT": "the commit a perf record names, where the tree has no .git (the GPU machines)",
 }
+
+
+def env_value(name: str) -> str:
+    """The current value of the declared variable ``name`` ("" when unset), stripped."""
+    if name not in ENV_VARS:
+        raise ConfigurationError(f"{name} is not a kernelmux setting; declared: {', '.join(ENV_VARS)}")
+    return os.environ.get(name, "").strip()
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}

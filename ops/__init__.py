@@ -1,21 +1,15 @@
 """The ops: ``kernelmux.ops.<name>(...)`` dispatches to the best implementation for the call.
 
-Each op's spec lives in ``kernelmux.ops.specs.<name>`` (a subpackage rather than ``ops/<name>.py``
-because the public callable takes the name ``kernelmux.ops.<name>``), and is reachable as
-``kernelmux.ops.<name>.spec``. Every op is also the torch custom op ``torch.ops.kernelmux.<name>``.
+Each op's spec lives in ``kernelmux.specs.<name>`` and is reachable as ``kernelmux.ops.<name>.spec``.
+Every op is also the torch custom op ``torch.ops.kernelmux.<name>``.
 """
 
 from kernelmux.ops._op import Op
-from kernelmux.ops._spec import Case, Cost, OpSpec, Tolerance
-from kernelmux.ops.specs import ALL_SPECS
+from kernelmux.specs import ALL_SPECS
 
 __all__ = [
     "ALL_OPS",
-    "Case",
-    "Cost",
     "Op",
-    "OpSpec",
-    "Tolerance",
     "fp4_mm",
     "fused_moe",
     "grouped_topk",

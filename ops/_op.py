@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernelmux.ops._spec import OpSpec
+from kernelmux.specs._spec import OpSpec
 
 __all__ = ["Op"]
 

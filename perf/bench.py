@@ -20,7 +20,7 @@ import torch
 from kernelmux.engine import Engine, Settings
 from kernelmux.engine.report import distribution_version
 from kernelmux.errors import ConfigurationError, UnknownOpError
-from kernelmux.ops.specs import ALL_SPECS
+from kernelmux.specs import ALL_SPECS
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
 from kernelmux.perf.timing import Method, default_budget_s, rotated_inputs, time_calls

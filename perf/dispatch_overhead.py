@@ -21,8 +21,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-import kernelmux
-from kernelmux.ops.specs.grouped_topk import SPEC
+from kernelmux import ops
+from kernelmux.engine import configure, current, reset, resolve
+from kernelmux.specs.grouped_topk import SPEC
 from kernelmux.registry import Implementation, hookimpl
 
 _OUTPUTS = (torch.empty(1, 8), torch.empty(1, 8, dtype=torch.int32))
@@ -63,18 +64,18 @@ def measure(calls: int, repeats: int) -> dict[str, Any]:
     positional = tuple(args[name] for name in SPEC.signature.parameters)
     results = {}
     for label, plugins in (("noop", {"noop": _NoopPlugin()}), ("chosen", None)):
-        engine = kernelmux.configure(plugins=plugins, from_env=False)
-        resolved = kernelmux.resolve("grouped_topk", *positional)
+        engine = configure(plugins=plugins, from_env=False)
+        resolved = resolve("grouped_topk", *positional)
         # What dispatch chose for these (CPU) tensors: on a GPU host, not the triton backend that
         # startup ranks first.
         (decision,) = engine.dispatchers["grouped_topk"].decisions.values()
         impl = engine.registry.implementations[("grouped_topk", decision.backend)]
-        op = kernelmux.ops.grouped_topk
+        op = ops.grouped_topk
         variants = {
             "kernelmux.ops": lambda: op(*positional),
             "direct": lambda: impl.fn(*positional),
             "resolved": lambda: resolved(*positional),
-            "resolve() itself": lambda: kernelmux.resolve("grouped_topk", *positional),
+            "resolve() itself": lambda: resolve("grouped_topk", *positional),
         }
         # Interleave the variants, rotating which goes first, so drift in machine load and
         # whatever the first block of a round pays (seen: ~10 us a call) hit all of them alike.
@@ -92,7 +93,7 @@ def measure(calls: int, repeats: int) -> dict[str, Any]:
             "added_us_ops_vs_direct": medians["kernelmux.ops"] - medians["direct"],
             "added_us_resolved_vs_direct": medians["resolved"] - medians["direct"],
         }
-    kernelmux.reset()
+    reset()
     return results
 
 
@@ -105,13 +106,13 @@ def measure_checked(calls: int, repeats: int) -> dict[str, Any]:
     """paged_attention on the machine's device with checked mode off and on: median time per
     call, each call followed by a device synchronization (checked mode syncs inside every call;
     without the trailing one, the unchecked calls would only be queued)."""
-    from kernelmux.ops.specs import paged_attention as paged_spec
+    from kernelmux.specs import paged_attention as paged_spec
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kwargs = paged_spec.SPEC.case(CHECKED_CASE).build(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     samples: dict[str, list[float]] = {"unchecked": [], "checked": []}
-    engines = {name: kernelmux.configure(check=name == "checked", from_env=False) for name in samples}
+    engines = {name: configure(check=name == "checked", from_env=False) for name in samples}
     for name, engine in engines.items():
         engine.dispatchers["paged_attention"](**kwargs)  # compile and select outside the timing
     sync()
@@ -124,7 +125,7 @@ def measure_checked(calls: int, repeats: int) -> dict[str, Any]:
                 sync()
 
             samples[name] += _per_call_ns(call, calls, 1)
-    kernelmux.reset()
+    reset()
     medians = {name: statistics.median(s) / 1e3 for name, s in samples.items()}
     backend = engines["unchecked"].dispatchers["paged_attention"].decisions.popitem()[1].backend
     return {"device": device, "case": CHECKED_CASE, "backend": backend, "median_us": medians,
@@ -140,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     results = measure(args.calls, args.repeats)
     results["checked"] = measure_checked(max(args.calls // 20, 10), args.repeats)
     results["environment"] = {"python": sys.version.split()[0], "torch": torch.__version__,
-                              "machine": platform.machine(), "cpu": kernelmux.current().platform.device_name}
-    kernelmux.reset()
+                              "machine": platform.machine(), "cpu": current().platform.device_name}
+    reset()
     for label in ("noop", "chosen"):
         r = results[label]
         times = ", ".join(f"{k} {v:.2f} us" for k, v in r["median_us"].items())

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from kernelmux.backends.triton import grouped_topk as triton_module
-    from kernelmux.ops.specs.grouped_topk import SPEC
+    from kernelmux.specs.grouped_topk import SPEC
 
     env = _environment()
     bandwidth = ceilings.measure("cuda", only=("memory_gbps",))["memory_gbps"]

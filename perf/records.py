@@ -12,13 +12,14 @@ from typing import Any, Optional
 import torch
 
 from kernelmux.engine.report import distribution_version
+from kernelmux.engine.settings import env_value
 
 
 def commit() -> str:
     """$KERNELMUX_COMMIT when set (the device machines get the tree without .git), else the
     checkout's short HEAD, else "unknown"."""
-    if os.environ.get("KERNELMUX_COMMIT"):
-        return os.environ["KERNELMUX_COMMIT"]
+    if env_value("KERNELMUX_COMMIT"):
+        return env_value("KERNELMUX_COMMIT")
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
-    from kernelmux.engine.platform import Feature, Platform, PlatformKind
+    from kernelmux.platforms import Feature, Platform, PlatformKind
 
 __all__ = ["Backend", "Implementation", "PlatformRequirement", "StaticCheckFn", "SupportsFn"]
 

@@ -17,7 +17,7 @@ import torch
 from conftest import DEVICE
 from fakes import ask
 from kernelmux.backends.cuda import _nvrtc, attention
-from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.specs import paged_attention as pa_spec
 
 HOPPER = (9, 0)
 

@@ -7,8 +7,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from kernelmux.engine import Platform, detect
-from kernelmux.ops.specs.grouped_topk import SPEC
+from kernelmux.platforms import Platform, detect
+from kernelmux.specs.grouped_topk import SPEC
 from kernelmux.registry import Implementation, PlatformRequirement, hookimpl
 
 

@@ -41,7 +41,7 @@ import warnings
 import torch
 import kernelmux
 import kernelmux_example_plugin as plugin
-from kernelmux.ops.specs.grouped_topk import SPEC
+from kernelmux.specs.grouped_topk import SPEC
 
 kwargs = SPEC.case("deepseek_v3_t64").build("cpu", seed=0)
 actual = kernelmux.ops.grouped_topk(**kwargs)
@@ -98,7 +98,7 @@ RECORDS = """
 import sys
 
 from kernelmux import Implementation, hookimpl
-from kernelmux.ops.specs import ALL_SPECS
+from kernelmux.specs import ALL_SPECS
 
 
 def records(backend, specs=ALL_SPECS[:1], priority=0):

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from kernelmux.ops.specs import grouped_topk as grouped_topk_spec
-from kernelmux.ops.specs import mla_decode as mla_decode_spec
-from kernelmux.ops.specs import paged_attention as paged_attention_spec
+from kernelmux.specs import grouped_topk as grouped_topk_spec
+from kernelmux.specs import mla_decode as mla_decode_spec
+from kernelmux.specs import paged_attention as paged_attention_spec
 from kernelmux.registry import Backend, Implementation, hookimpl
 
 

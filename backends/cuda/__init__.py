@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kernelmux.engine.platform import Platform, PlatformKind
-from kernelmux.ops.specs import mla_decode as mla_decode_spec
-from kernelmux.ops.specs import paged_attention as paged_attention_spec
+from kernelmux.platforms import Platform, PlatformKind
+from kernelmux.specs import mla_decode as mla_decode_spec
+from kernelmux.specs import paged_attention as paged_attention_spec
 from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
 
 

@@ -1,6 +1,6 @@
 """What the cuda backend's kernels require of a cache's shape, checked on the host: power-of-two
 blocks (their position -> block shifts). Their tensors' layouts are in the dispatch key
-(ops/_key.py's Layout), decided by each kernel's supports()."""
+(specs/_key.py's Layout), decided by each kernel's supports()."""
 
 from __future__ import annotations
 

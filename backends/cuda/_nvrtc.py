@@ -271,8 +271,9 @@ def cache_dir() -> str:
     """Where compiled cubins are kept between processes: $KERNELMUX_CACHE_DIR/cuda, else
     ~/.cache/kernelmux/cuda. Created owner-only (0700); not used when another user owns it or it
     is group- or world-writable."""
-    root = os.environ.get("KERNELMUX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                 "kernelmux")
+    from kernelmux.engine.settings import env_value
+
+    root = env_value("KERNELMUX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kernelmux")
     return os.path.join(root, "cuda")
 
 

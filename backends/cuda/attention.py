@@ -42,9 +42,8 @@ import torch
 from kernelmux.backends._scoped import PlanSetting
 from kernelmux.backends.cuda import _nvrtc, prefill
 from kernelmux.backends.cuda._layout import page_shift
-from kernelmux.engine import probes
-from kernelmux.engine.platform import Platform
-from kernelmux.ops.specs import paged_attention as paged_spec
+from kernelmux.platforms import Platform, probes
+from kernelmux.specs import paged_attention as paged_spec
 
 __all__ = ["DecodePlan", "HEAD_DIM", "MAX_GROUP", "layout_reason", "override_plan", "paged_attention",
            "paged_attention_supports", "split_count", "wide_split_count"]
@@ -66,7 +65,7 @@ _SOURCE = pathlib.Path(__file__).with_name("paged_decode_fp8.cu")
 # The kernels' arguments (see the .cu file): p pointer, i int32, q int64, f float32.
 _DECODE_SIGNATURE = "pppppppppppp" + "iiiiii" + "iii" + "ff" + "qqqq" + "qqq" + "qqq" + "q"
 _MERGE_SIGNATURE = "pppp" + "iiii" + "qq"
-# Macros defined for the compilation (perf/diag/cuda_decode_trace.py sets KERNELMUX_TRACE).
+# Macros defined for the compilation (perf/diag/cuda_decode_trace.py sets KERNELMUX_DIAG_TRACE).
 _DEFINES: tuple[str, ...] = ()
 
 

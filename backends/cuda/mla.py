@@ -30,9 +30,8 @@ import torch
 from kernelmux.backends._scoped import PlanSetting
 from kernelmux.backends.cuda import _nvrtc
 from kernelmux.backends.cuda.attention import split_count
-from kernelmux.engine import probes
-from kernelmux.engine.platform import Platform
-from kernelmux.ops.specs import mla_decode as mla_spec
+from kernelmux.platforms import Platform, probes
+from kernelmux.specs import mla_decode as mla_spec
 
 __all__ = ["ARCH", "CAPABILITY", "MlaPlan", "mla_decode", "mla_decode_supports", "override_plan", "shape_reason"]
 

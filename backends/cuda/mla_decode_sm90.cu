@@ -32,7 +32,7 @@
 // traded every step): 187 us against 138 at DeepSeek-V3 B64 x 4096 (perf/notes/attention.md).
 //
 // Compiled at runtime by NVRTC for sm_90a (wgmma is an arch-specific feature); see mla.py.
-// perf/diag/cuda_mla_ablation.py builds it with KERNELMUX_SKIP_{SCORES,VALUES,LOADS,CONVERT} defined,
+// perf/diag/cuda_mla_ablation.py builds it with KERNELMUX_DIAG_SKIP_{SCORES,VALUES,LOADS,CONVERT} defined,
 // each leaving one part out (the results are then wrong), to time what it costs.
 
 #include "sm90_common.cuh"
@@ -67,7 +67,7 @@ __device__ __forceinline__ float log2_approx(float x) {
 // instruction. (Into bf16 it took three more a pair, the f16 bits re-based, and the call 18% longer
 // at DeepSeek-V3 B64 x 4096: perf/notes/attention.md round 12. So fp8 caches run fp16 MMAs.)
 __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
-#ifdef KERNELMUX_SKIP_CONVERT
+#ifdef KERNELMUX_DIAG_SKIP_CONVERT
     return two;
 #else
     u32 h;
@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
 #pragma unroll
             for (int k = 0; k < 32; ++k) s[k] = 0.0f;
             wgmma_fence();
-#ifndef KERNELMUX_SKIP_SCORES
+#ifndef KERNELMUX_DIAG_SKIP_SCORES
             full_score_mmas<kMmaBf16>(s, base + kQ, tile);
 #endif
             wgmma_commit();
@@ -439,7 +439,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
                 o[4 * j + 3] *= alpha[1];
             }
             wgmma_fence();
-#ifndef KERNELMUX_SKIP_VALUES
+#ifndef KERNELMUX_DIAG_SKIP_VALUES
             value_mmas<kMmaBf16>(o, base + kP, tile, 0);
 #endif
             wgmma_commit();
@@ -520,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             const u32 tile = base + kKV + t * kTile;
             const int block_after = block_of(step + 3);  // used one iteration later
             Bytes16 raw[CACHE_FP8 ? 18 : 1];
-#ifndef KERNELMUX_SKIP_LOADS
+#ifndef KERNELMUX_DIAG_SKIP_LOADS
             if constexpr (CACHE_FP8) {
                 if (i + 2 < count) fetch_step(step + 2, block_next, raw);
             }
@@ -535,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
                 o[4 * j + 3] *= alpha1;
             }
             wgmma_fence();
-#ifndef KERNELMUX_SKIP_VALUES
+#ifndef KERNELMUX_DIAG_SKIP_VALUES
             value_mmas<kMmaBf16>(o, base + kP, tile, 1);
 #endif
             wgmma_commit();
@@ -550,14 +550,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             bar_sync<kThreads>(kEmpty + t);  // warpgroup 0 is done with this tile too
             if constexpr (CACHE_FP8) {
                 if (i + 2 < count) {
-#ifndef KERNELMUX_SKIP_LOADS
+#ifndef KERNELMUX_DIAG_SKIP_LOADS
                     store_fp8_tile(tile, raw, loader);
 #endif
                     fence_async_proxy();
                     bar_arrive<kThreads>(kFull + t);  // step i + 2's tile (SKIP_LOADS: still announced)
                 }
             } else {
-#ifndef KERNELMUX_SKIP_LOADS
+#ifndef KERNELMUX_DIAG_SKIP_LOADS
                 if (i + 2 < count) load_step(step + 2, block_next, tile);
 #endif
             }

@@ -116,7 +116,7 @@ __device__ __forceinline__ float finite_abs(float x) {
 
 }  // namespace
 
-// Diagnostics only: perf/diag/cuda_decode_trace.py compiles this file with KERNELMUX_TRACE
+// Diagnostics only: perf/diag/cuda_decode_trace.py compiles this file with KERNELMUX_DIAG_TRACE
 // defined to read, per CTA, the %globaltimer at the marks below and the SM it ran on. A mark
 // waits for `after` (a value the mark must follow, e.g. a load's result: the comparison with an
 // arbitrary constant makes the timer read depend on it), so it times arrivals. Thread 0 keeps its
@@ -124,7 +124,7 @@ __device__ __forceinline__ float finite_abs(float x) {
 // stores while it runs. While the other CTAs still stream, a timer read itself seems to wait:
 // two marks with nothing but an add between them read 0.2-2.3 us apart at the end of a CTA's
 // stream (perf/notes/attention.md round 15), so marks there bound durations from above.
-#ifdef KERNELMUX_TRACE
+#ifdef KERNELMUX_DIAG_TRACE
 constexpr int kTraceCtas = 1 << 16;
 extern "C" __device__ unsigned long long kernelmux_trace[kTraceCtas][8];
 __device__ __forceinline__ void trace_mark(unsigned long long* marks, int slot, u32 after) {
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(
     };
     int step = first + warp * kStep;
     look_up(step);
-#ifdef KERNELMUX_TRACE
+#ifdef KERNELMUX_DIAG_TRACE
     // The first K row's arrival, timed by a load of its own (the loop's then hits in L2).
     if (PAGE_SHIFT >= 4 && step < hi) {
         const unsigned char* row = k_row(ahead_block[0], step) + 16 * t;

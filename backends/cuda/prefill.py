@@ -30,9 +30,8 @@ import torch
 from kernelmux.backends._scoped import PlanSetting
 from kernelmux.backends.cuda import _nvrtc
 from kernelmux.backends.cuda._layout import page_shift
-from kernelmux.engine import probes
-from kernelmux.engine.platform import Platform
-from kernelmux.ops.specs import paged_attention as paged_spec
+from kernelmux.platforms import Platform, probes
+from kernelmux.specs import paged_attention as paged_spec
 
 __all__ = ["CAPABILITY", "HEAD_DIM", "PrefillPlan", "override_plan", "paged_prefill", "prefill_supports",
            "kernel_name", "shape_reason", "shared_bytes"]

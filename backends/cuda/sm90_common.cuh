@@ -61,7 +61,7 @@ __device__ __forceinline__ void mbarrier_arrive_if(u32 barrier, int arrive) {
     asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %1, 0;\n\t@p mbarrier.arrive.shared::cta.b64 _, [%0];\n\t}"
                  ::"r"(barrier), "r"(arrive) : "memory");
 }
-#ifdef KERNELMUX_WATCHDOG
+#ifdef KERNELMUX_DIAG_WATCHDOG
 // Diagnostic builds: a wait still incomplete after 2 s names its barrier and traps (a protocol
 // mismatch otherwise hangs the GPU until the process is killed, and says nothing).
 __device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernelmux.ops.specs import ALL_SPECS
+from kernelmux.specs import ALL_SPECS
 from kernelmux.registry import Backend, Implementation, hookimpl
 
 

@@ -4,11 +4,11 @@ TRITON_INTERPRET=1, as a correctness tool ranked below the cpu backend)."""
 from __future__ import annotations
 
 from kernelmux.backends.triton._host import INTERPRETED as _INTERPRETED
-from kernelmux.engine.platform import PlatformKind
-from kernelmux.ops.specs import grouped_topk as grouped_topk_spec
-from kernelmux.ops.specs import kv_cache_write as kv_cache_write_spec
-from kernelmux.ops.specs import mla_decode as mla_decode_spec
-from kernelmux.ops.specs import paged_attention as paged_attention_spec
+from kernelmux.platforms import PlatformKind
+from kernelmux.specs import grouped_topk as grouped_topk_spec
+from kernelmux.specs import kv_cache_write as kv_cache_write_spec
+from kernelmux.specs import mla_decode as mla_decode_spec
+from kernelmux.specs import paged_attention as paged_attention_spec
 from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
 
 # Under TRITON_INTERPRET=1 the interpreter runs kernels on CPU tensors, far slower than the cpu

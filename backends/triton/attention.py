@@ -28,10 +28,9 @@ import torch
 
 from kernelmux.backends._scoped import ScopedSetting
 from kernelmux.backends.triton._host import INTERPRETED, next_pow2
-from kernelmux.engine import probes
-from kernelmux.engine.platform import Platform, PlatformKind
-from kernelmux.ops.specs import mla_decode as mla_spec
-from kernelmux.ops.specs import paged_attention as paged_spec
+from kernelmux.platforms import Platform, PlatformKind, probes
+from kernelmux.specs import mla_decode as mla_spec
+from kernelmux.specs import paged_attention as paged_spec
 
 __all__ = [
     "AttentionPlan",

@@ -13,8 +13,8 @@ import torch
 
 from kernelmux.backends._scoped import ScopedSetting
 from kernelmux.backends.triton._host import next_pow2
-from kernelmux.engine.platform import Platform
-from kernelmux.ops.specs import grouped_topk as grouped_topk_spec
+from kernelmux.platforms import Platform
+from kernelmux.specs import grouped_topk as grouped_topk_spec
 
 __all__ = [
     "LaunchConfig",

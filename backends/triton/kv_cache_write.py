@@ -13,9 +13,8 @@ import torch
 
 from kernelmux.backends._scoped import ScopedSetting
 from kernelmux.backends.triton._host import INTERPRETED, next_pow2
-from kernelmux.engine import probes
-from kernelmux.engine.platform import Platform
-from kernelmux.ops.specs import kv_cache_write as kv_cache_write_spec
+from kernelmux.platforms import Platform, probes
+from kernelmux.specs import kv_cache_write as kv_cache_write_spec
 
 __all__ = [
     "LaunchConfig",

@@ -17,8 +17,8 @@ import torch
 from attention_sweep import parse_plan  # this folder: on sys.path when run as a script
 
 from kernelmux.backends.triton import attention
-from kernelmux.ops.specs import mla_decode as mla_spec
-from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.specs import mla_decode as mla_spec
+from kernelmux.specs import paged_attention as pa_spec
 
 DEFAULT_CASES = [
     "llama3_8b_decode_b64_ctx4096", "llama3_70b_tp8_fp8_decode_b64_ctx4096", "llama3_8b_prefill_t8192",

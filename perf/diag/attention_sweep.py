@@ -22,8 +22,8 @@ import time
 import torch
 
 from kernelmux.backends.triton import attention
-from kernelmux.ops.specs import mla_decode as mla_spec
-from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.specs import mla_decode as mla_spec
+from kernelmux.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
 from kernelmux.perf.timing import graph_replay_time

@@ -21,7 +21,7 @@ import time
 import torch
 
 from kernelmux.engine import Engine, Settings
-from kernelmux.ops.specs import ALL_SPECS
+from kernelmux.specs import ALL_SPECS
 from kernelmux.perf import bench, ceilings
 from kernelmux.registry import Registry
 

@@ -29,8 +29,8 @@ import torch
 
 from kernelmux.backends.cuda import attention as cuda_attention
 from kernelmux.backends.triton import attention as triton_attention
-from kernelmux.ops._spec import Case
-from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.specs._spec import Case
+from kernelmux.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
 from kernelmux.perf.timing import checked_replay_time, rotated_inputs

@@ -1,6 +1,6 @@
 """Where the cuda backend's fp8 decode kernel spends a call: per CTA, %globaltimer at its entry,
 when its sequence length arrives, when its first K row arrives, when warp 0 finishes streaming,
-when every warp has, and when its stores are issued (the kernel compiled with KERNELMUX_TRACE,
+when every warp has, and when its stores are issued (the kernel compiled with KERNELMUX_DIAG_TRACE,
 which adds the marks and nothing else; see paged_decode_fp8.cu). Prints, per case, each mark's
 spread over the CTAs relative to the first entry, the stage durations and the number of CTAs
 running in each microsecond, against the time the spec's bytes take at the copy bandwidth
@@ -21,7 +21,7 @@ import torch
 
 from kernelmux.backends.cuda import _nvrtc
 from kernelmux.backends.cuda import attention as cuda_attention
-from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
 
@@ -85,7 +85,7 @@ def main() -> None:
                         help="more macros to compile the kernel with (experiments guarded in the .cu file)")
     args = parser.parse_args()
     copy = ceilings_module.measure("cuda", only=("memory_gbps",))["memory_gbps"]
-    cuda_attention._DEFINES = ("KERNELMUX_TRACE", *args.defines)
+    cuda_attention._DEFINES = ("KERNELMUX_DIAG_TRACE", *args.defines)
     record = {**records.header(),
               "copy_gbps": copy, "cases": {}}
     lines = [f"copy bandwidth {copy:.1f} GB/s"]

@@ -1,5 +1,5 @@
 """What each part of the cuda backend's Hopper MLA kernel costs: the kernel timed as built, then
-rebuilt with one part left out at a time (KERNELMUX_SKIP_* in mla_decode_sm90.cu: the score
+rebuilt with one part left out at a time (KERNELMUX_DIAG_SKIP_* in mla_decode_sm90.cu: the score
 MMAs, the value MMAs, the cache loads after the first two tiles). The left-out builds compute
 wrong results; only their times mean anything. Times are CUDA-graph replays; percentages are of
 the copy bandwidth measured in the same run.
@@ -15,8 +15,8 @@ import os
 import time
 
 from kernelmux.backends.cuda import mla
-from kernelmux.ops._spec import Case
-from kernelmux.ops.specs import mla_decode as mla_spec
+from kernelmux.specs._spec import Case
+from kernelmux.specs import mla_decode as mla_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
 from kernelmux.perf.timing import graph_replay_time
@@ -25,11 +25,11 @@ CASES = ["deepseek_v3_h128_decode_b64_ctx4096", "deepseek_v3_h128_decode_b128_ct
          "deepseek_v3_h128_fp8_decode_b64_ctx4096"]
 VARIANTS = {
     "as built": (),
-    "no score MMAs": ("KERNELMUX_SKIP_SCORES",),
-    "no value MMAs": ("KERNELMUX_SKIP_VALUES",),
-    "no MMAs": ("KERNELMUX_SKIP_SCORES", "KERNELMUX_SKIP_VALUES"),
-    "no loads after two tiles": ("KERNELMUX_SKIP_LOADS",),
-    "no fp8 conversion": ("KERNELMUX_SKIP_CONVERT",),  # the tiles stored as fetched
+    "no score MMAs": ("KERNELMUX_DIAG_SKIP_SCORES",),
+    "no value MMAs": ("KERNELMUX_DIAG_SKIP_VALUES",),
+    "no MMAs": ("KERNELMUX_DIAG_SKIP_SCORES", "KERNELMUX_DIAG_SKIP_VALUES"),
+    "no loads after two tiles": ("KERNELMUX_DIAG_SKIP_LOADS",),
+    "no fp8 conversion": ("KERNELMUX_DIAG_SKIP_CONVERT",),  # the tiles stored as fetched
 }
 FP8_ONLY = {"no fp8 conversion"}
 # Beyond the spec's cases: 64 heads (one CTA a sequence, so no second CTA reading the same tiles).

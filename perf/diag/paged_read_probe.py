@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernelmux.backends.cuda import attention as cuda_attention
-from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
 from kernelmux.perf.timing import checked_replay_time, graph_replay_time, rotation_count

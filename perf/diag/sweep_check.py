@@ -13,7 +13,7 @@ def worker(start: int) -> None:
     import torch
 
     from kernelmux.backends.triton import grouped_topk as tm
-    from kernelmux.ops.specs.grouped_topk import SPEC
+    from kernelmux.specs.grouped_topk import SPEC
 
     cache = {}
     for index in range(start, len(CONFIGS)):

@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 import kernelmux
 from conftest import DEVICE
-from kernelmux.engine import Engine, Settings, detect
-from kernelmux.ops.specs import ALL_SPECS
-from kernelmux.ops.specs import grouped_topk as grouped_topk_module
+from kernelmux.engine import Engine, Settings
+from kernelmux.platforms import detect
+from kernelmux.specs import ALL_SPECS
+from kernelmux.specs import grouped_topk as grouped_topk_module
 from kernelmux.registry import Registry
 
 SPECS = {spec.name: spec for spec in ALL_SPECS}

@@ -11,13 +11,14 @@ import torch
 import kernelmux
 from conftest import DEVICE
 from fakes import Counter, FakePlugin, fake_impl
-from kernelmux.engine import CheckedDispatcher, Dispatcher, Engine, Settings, simulate
+from kernelmux.engine import CheckedDispatcher, Dispatcher, Engine, Settings
+from kernelmux.platforms import simulate
 from kernelmux.errors import DeviceDataError, ImplementationError
-from kernelmux.ops.specs import ALL_SPECS
-from kernelmux.ops.specs import grouped_topk as grouped_topk_spec
-from kernelmux.ops.specs import kv_cache_write as kv_spec
-from kernelmux.ops.specs import mla_decode as mla_spec
-from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.specs import ALL_SPECS
+from kernelmux.specs import grouped_topk as grouped_topk_spec
+from kernelmux.specs import kv_cache_write as kv_spec
+from kernelmux.specs import mla_decode as mla_spec
+from kernelmux.specs import paged_attention as pa_spec
 from kernelmux.registry import Implementation, Registry
 
 CHECKED = Settings(check=True)

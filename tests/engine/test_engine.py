@@ -15,12 +15,13 @@ import torch
 
 import kernelmux
 from fakes import Counter, FakePlugin, fake_impl
-from kernelmux.engine import Engine, FallbackWarning, PlatformKind, Settings, simulate
+from kernelmux.engine import Engine, FallbackWarning, Settings
+from kernelmux.platforms import PlatformKind, simulate
 from kernelmux.engine.report import report
 from kernelmux.errors import (ConfigurationError, ImplementationError, KernelmuxError, NoImplementationError,
                               UnknownOpError)
-from kernelmux.ops.specs import ALL_SPECS
-from kernelmux.ops.specs.grouped_topk import SPEC
+from kernelmux.specs import ALL_SPECS
+from kernelmux.specs.grouped_topk import SPEC
 from kernelmux.registry import PlatformRequirement, Registry
 
 CPU = simulate("x86_64")
@@ -372,7 +373,7 @@ def test_a_fallback_is_printed_once_with_logging_configured(tmp_path):
         import logging, warnings
         logging.basicConfig(level=logging.INFO)
         import kernelmux
-        from kernelmux.ops.specs.grouped_topk import SPEC
+        from kernelmux.specs.grouped_topk import SPEC
         kernelmux.configure(allow_plugins=["reference"], from_env=False)  # nothing but the fallback
         kernelmux.ops.grouped_topk(**SPEC.case("small_softmax").build())
     """)
@@ -430,3 +431,11 @@ def test_explain_on_the_simulated_platform_equals_the_real_machine():
             del on_cpu, on_gpu
         torch.cuda.empty_cache()
     assert differences == []
+
+
+def test_the_simulation_variable_is_read_once_by_the_engine(monkeypatch):
+    monkeypatch.setenv("KERNELMUX_PLATFORM", "gfx950")
+    engine = Engine(ALL_SPECS, plugins={})
+    monkeypatch.setenv("KERNELMUX_PLATFORM", "sm_100")
+    assert (engine.platform.arch, engine.platform.simulated) == ("gfx950", True)
+    assert engine.platform_for(torch.device("cpu")).arch == "gfx950"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kernelmux
-from kernelmux.ops.specs.grouped_topk import SPEC
+from kernelmux.specs.grouped_topk import SPEC
 
 # Cases whose inputs numpy can carry across the process boundary (no bf16), of three dispatch keys.
 CASES = ("deepseek_v3_t64", "small_sigmoid_bias", "small_softmax")

@@ -17,8 +17,8 @@ import torch
 from kernelmux import cli
 from kernelmux.engine import Engine, Settings
 from kernelmux.errors import ConfigurationError
-from kernelmux.ops.specs import ALL_SPECS
-from kernelmux.ops.specs import grouped_topk as grouped_topk_spec
+from kernelmux.specs import ALL_SPECS
+from kernelmux.specs import grouped_topk as grouped_topk_spec
 from kernelmux.perf import bench, ceilings, timing
 from kernelmux.registry import Implementation, hookimpl
 

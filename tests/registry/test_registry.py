@@ -16,8 +16,8 @@ import kernelmux.errors as errors
 from fakes import Counter, FakePlugin, RaisingPlugin, fake_impl
 from kernelmux.engine import Engine, Settings
 from kernelmux.errors import PluginLoadError, RegistrationError
-from kernelmux.ops.specs import ALL_SPECS
-from kernelmux.ops.specs.grouped_topk import SPEC
+from kernelmux.specs import ALL_SPECS
+from kernelmux.specs.grouped_topk import SPEC
 from kernelmux.registry import (
     ENTRY_POINT_GROUP,
     Backend,

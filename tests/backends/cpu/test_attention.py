@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import kernelmux
 from kernelmux.backends.cpu import _fp8, attention
-from kernelmux.ops.specs import mla_decode as mla_spec
-from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.specs import mla_decode as mla_spec
+from kernelmux.specs import paged_attention as pa_spec
 
 FP8 = torch.float8_e4m3fn
 ALL_CODES = torch.arange(256, dtype=torch.uint8).view(FP8)

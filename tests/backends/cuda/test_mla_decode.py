@@ -15,8 +15,8 @@ from graph_replay import build, capture, replay_on_new_inputs
 from fakes import ask
 from kernelmux.backends.cuda import _nvrtc, attention, mla
 from kernelmux.engine import Engine, Settings
-from kernelmux.ops.specs import ALL_SPECS
-from kernelmux.ops.specs import mla_decode as mla_spec
+from kernelmux.specs import ALL_SPECS
+from kernelmux.specs import mla_decode as mla_spec
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 NAMES = ([f"mla_decode_sm90<{q}, {fp8}>" for q in ("true", "false") for fp8 in ("true", "false")]

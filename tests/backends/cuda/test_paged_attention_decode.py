@@ -18,9 +18,10 @@ from cuda_kernels import check_paged_attention, needs_gpu, needs_nvrtc
 from graph_replay import build, capture, replay_on_new_inputs
 from fakes import ask
 from kernelmux.backends.cuda import _nvrtc, attention
-from kernelmux.engine import Engine, Settings, probes, simulate
-from kernelmux.ops.specs import ALL_SPECS
-from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.engine import Engine, Settings
+from kernelmux.platforms import probes, simulate
+from kernelmux.specs import ALL_SPECS
+from kernelmux.specs import paged_attention as pa_spec
 from kernelmux.registry import Registry
 
 FP8 = torch.float8_e4m3fn
@@ -196,11 +197,11 @@ def test_hopper_kernels_hold_their_occupancy_without_spills():
 def test_traced_build_compiles_without_spills(tmp_path, monkeypatch):
     # perf/diag/cuda_decode_trace.py's build: the marks must not change what they time by spilling.
     monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
-    module, decode, _ = attention._compiled((9, 0), ("KERNELMUX_TRACE",), 1, True, 4, False, True, False, 4)
+    module, decode, _ = attention._compiled((9, 0), ("KERNELMUX_DIAG_TRACE",), 1, True, 4, False, True, False, 4)
     assert b"kernelmux_trace" in module.cubin
     plain, _, _ = attention._compiled((9, 0), (), 1, True, 4, False, True, False, 4)
     assert b"kernelmux_trace" not in plain.cubin
-    traced = _nvrtc.compile_module("#define KERNELMUX_TRACE 1\n" + attention._SOURCE.read_text(), [decode],
+    traced = _nvrtc.compile_module("#define KERNELMUX_DIAG_TRACE 1\n" + attention._SOURCE.read_text(), [decode],
                                    (9, 0), verbose=True)
     assert traced.spill_bytes(decode) == 0
 

@@ -18,9 +18,10 @@ from cuda_kernels import check_paged_attention, needs_cuobjdump, needs_hopper, n
 from graph_replay import build, capture, replay_on_new_inputs
 from fakes import ask
 from kernelmux.backends.cuda import _nvrtc, attention, prefill
-from kernelmux.engine import Engine, Settings, simulate
-from kernelmux.ops.specs import ALL_SPECS
-from kernelmux.ops.specs import paged_attention as pa_spec
+from kernelmux.engine import Engine, Settings
+from kernelmux.platforms import simulate
+from kernelmux.specs import ALL_SPECS
+from kernelmux.specs import paged_attention as pa_spec
 
 SM90 = simulate("sm_90")
 
@@ -128,12 +129,12 @@ def test_kernels_compile_for_sm90a_without_spills(sm90a_module):
 
 @needs_nvrtc
 def test_watchdog_build_compiles():
-    # KERNELMUX_WATCHDOG (sm90_common.cuh) makes an mbarrier wait stuck for 2 s print and trap:
+    # KERNELMUX_DIAG_WATCHDOG (sm90_common.cuh) makes an mbarrier wait stuck for 2 s print and trap:
     # the diagnostic build for a changed barrier protocol on the GPU must keep compiling (it may
     # spill and serialize wgmmas: it is for finding hangs, not for timing).
     name = prefill.kernel_name(True, False, prefill.DEFAULT_PLAN)
     watched = _nvrtc.compile_module(prefill._SOURCE.read_text(), [name], (9, 0), arch_specific=True,
-                                    defines=("KERNELMUX_WATCHDOG",))
+                                    defines=("KERNELMUX_DIAG_WATCHDOG",))
     plain = _nvrtc.compile_module(prefill._SOURCE.read_text(), [name], (9, 0), arch_specific=True)
     assert "vprintf" in watched.cubin.decode("latin-1")  # the watchdog's report is compiled in
     assert "vprintf" not in plain.cubin.decode("latin-1")

@@ -17,10 +17,10 @@ from conftest import DEVICE
 from fakes import ask
 from graph_replay import build, capture, replay_on_new_inputs
 from kernelmux.backends.triton import attention
-from kernelmux.engine import simulate
-from kernelmux.ops.specs import mla_decode as mla_spec
-from kernelmux.ops.specs import paged_attention as pa_spec
-from kernelmux.ops.specs.kv_cache_write import FP8
+from kernelmux.platforms import simulate
+from kernelmux.specs import mla_decode as mla_spec
+from kernelmux.specs import paged_attention as pa_spec
+from kernelmux.specs.kv_cache_write import FP8
 
 pytest.importorskip("triton")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and DEVICE == "cpu"

@@ -32,8 +32,8 @@ from kernelmux.backends.triton.grouped_topk import (  # noqa: E402
     supports,
     use_kernel,
 )
-from kernelmux.ops.specs import grouped_topk as spec_module  # noqa: E402
-from kernelmux.ops.specs.grouped_topk import SPEC  # noqa: E402
+from kernelmux.specs import grouped_topk as spec_module  # noqa: E402
+from kernelmux.specs.grouped_topk import SPEC  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -20,7 +20,7 @@ pytest.importorskip("triton", reason="needs triton (pip install kernelmux[test] 
 from conftest import DEVICE  # noqa: E402
 from fakes import ask  # noqa: E402
 from kernelmux.backends.triton import kv_cache_write as host  # noqa: E402
-from kernelmux.engine import simulate  # noqa: E402
+from kernelmux.platforms import simulate  # noqa: E402
 from kernelmux.backends.triton.kv_cache_write import (  # noqa: E402
     MAX_PADDED_HEAD_DIM,
     MAX_TILE,
@@ -33,8 +33,8 @@ from kernelmux.backends.triton.kv_cache_write import (  # noqa: E402
     supports,
     tile_shape,
 )
-from kernelmux.ops.specs import kv_cache_write as spec_module  # noqa: E402
-from kernelmux.ops.specs.kv_cache_write import SPEC, quantize_to_cache_fp8  # noqa: E402
+from kernelmux.specs import kv_cache_write as spec_module  # noqa: E402
+from kernelmux.specs.kv_cache_write import SPEC, quantize_to_cache_fp8  # noqa: E402
 
 ON_GPU = DEVICE == "cuda"
 FP8 = torch.float8_e4m3fn

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from kernelmux import Implementation, Platform, hookimpl
-from kernelmux.ops.specs import grouped_topk as grouped_topk_spec
+from kernelmux.specs import grouped_topk as grouped_topk_spec
 
 # No `from __future__ import annotations`: the signature must equal the spec reference's, and the
 # registry compares annotations as objects.
