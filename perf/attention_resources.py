@@ -1,15 +1,11 @@
 """Compile the triton backend's attention plans for an NVIDIA target without a GPU and read what
-they take: shared memory, registers and spills (``ptxas -v``), and the software pipeline's KV
-buffers in shared memory (the leading dim of the multi-buffered allocations in the TTGIR; 1 means
-a tile is loaded and waited for in the same step). Triton's compiler and its bundled ptxas run on
-any Linux x86_64 host.
+they take: shared memory, registers, spills and pipelined KV buffers (perf/diag/attention_compile_cost.py
+and tests/backends/triton/test_attention_plan_resources.py use it)."""
 
-Pointer and stride arguments are marked 16-divisible, as Triton's launcher specializes them on
-the GPU: without that the loads are not vectorized and Triton does not pipeline them.
-
-Used by perf/diag/attention_compile_cost.py (first-call cost and resources per plan) and by the
-test that every plan table fits the shared memory of the GPUs it is chosen for.
-"""
+# Triton's compiler and its bundled ptxas run on any Linux x86_64 host. The KV buffers are the
+# leading dim of the multi-buffered allocations in the TTGIR (1: a tile is loaded and waited for
+# in the same step). Pointer and stride arguments are marked 16-divisible, as Triton's launcher
+# specializes them on the GPU: without that the loads are not vectorized and not pipelined.
 
 from __future__ import annotations
 
@@ -24,8 +20,8 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas  # the ptxas Triton itself uses for the arch
 from triton.compiler import ASTSource
 
+from kernelmux.backends.triton import _attention
 from kernelmux.backends.triton import _attention_kernel as K
-from kernelmux.backends.triton import attention
 
 FN = K.paged_attention_kernel
 
@@ -52,15 +48,13 @@ _POINTERS = {"q_ptr": "q", "k_ptr": "kv", "v_ptr": "kv", "out_ptr": "q", "lse_pt
              "seq_lens_ptr": "i32", "sinks_ptr": "fp32", "k_scale_ptr": "fp32", "v_scale_ptr": "fp32"}
 
 
-def compile_plan(kind: str, plan: attention.AttentionPlan, arch: int):
+def compile_plan(kind: str, plan: _attention.AttentionPlan, arch: int):
     """(seconds, compiled kernel) for ``plan`` on ``kind``'s shape (SHAPES), for sm_<arch>."""
     q_dtype, kv_dtype, extra = SHAPES[kind]
     consts = dict(_COMMON, **extra)
     heads_per_tile = min(consts["GROUP"], plan.block_m)
     consts.update(HEADS_PER_TILE=heads_per_tile, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
                   PREFETCH_PAGES=plan.prefetch_pages)
-    if kv_dtype.startswith("fp8") and not plan.fp16_dots_for_fp8:
-        consts["DOT_FP16"] = False
     signature, attrs = {}, {}
     for index, name in enumerate(FN.arg_names):
         if name in consts:
@@ -100,8 +94,6 @@ def resources(kernel, arch: int) -> dict:
                 spill_bytes=int(spills[0]) if spills else 0, kv_buffers=max(buffers, default=0))
 
 
-
-
 # Per SM: 64K 32-bit registers (allocated per warp in units of 256) and this much shared memory
 # (KB; each program also takes 1 KB that the driver reserves).
 _REGISTERS_PER_SM = 65536
@@ -123,7 +115,7 @@ def table_report(targets: list[tuple[int, str]]) -> list[dict]:
     and without the table prefetch."""
     rows = []
     for arch, table in targets:
-        for kind, plan in getattr(attention, table).items():
+        for kind, plan in getattr(_attention, table).items():
             if arch < 89 and kind.endswith("fp8"):
                 continue
             _, kernel = compile_plan(kind, plan, arch)
@@ -131,7 +123,7 @@ def table_report(targets: list[tuple[int, str]]) -> list[dict]:
             row["fits_per_sm"] = programs_per_sm(row["registers"], row["shared_kb"], plan.num_warps, arch)
             rows.append(dict(row, programs_per_sm=plan.programs_per_sm))
     for prefetch in (True, False):
-        plan = attention.AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=3,
+        plan = _attention.AttentionPlan(block_m=64, block_n=64, num_warps=4, num_stages=3,
                                        prefetch_pages=prefetch)
         _, kernel = compile_plan("prefill", plan, 90)
         rows.append(dict(arch=90, table=f"prefill 64x64x4x3 prefetch={prefetch}", kind="prefill",

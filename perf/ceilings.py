@@ -117,8 +117,8 @@ def measure_run(method: Method,
     if method.device == "cuda":
         # Timed as the rows are (graph replay) so both see the same load. That matters for compute:
         # about a second of full tensor load takes an H100 to its 700 W limit and its clock from
-        # 1980 to 1575-1740 MHz (perf/notes/attention.md, round 10), so a matmul timed one call at
-        # a time runs faster than any long compute-bound row can. Those one-call rates are kept as
+        # 1980 to 1575-1740 MHz (perf/decisions/paged_attention.md, goals; e5bf3ce), so a matmul
+        # timed one call at a time runs faster than any long compute-bound row can. Those one-call rates are kept as
         # ``<name>_burst``: a compute-bound row much shorter than the ceiling's matmuls runs
         # cooler than they did, which they show.
         probes = _cuda_probes(method.quick, names)

@@ -1,13 +1,10 @@
 """grouped_topk on the GPU at DeepSeek-V3 routing: the Triton kernel against the torch reference,
-eager and compiled, by CUDA-graph replay, with the copy-bandwidth roofline from the same run.
+eager and compiled, by CUDA-graph replay, with the copy-bandwidth roofline from the same run; with
+--sweep, every launch configuration of a grid per T (the data behind the backend's launch table)."""
 
-    python -m kernelmux.perf.grouped_topk_gpu --out perf/results [--sweep]
-
-The "triton" rows time the backend's default kernel ("packed") at its table's launch config.
-``--sweep`` also times both Triton kernels ("packed" and "baseline", via use_kernel) over every
-launch configuration of a grid per T (the data behind the Triton backend's launch table); each
-sweep row records its kernel. Writes grouped_topk_gpu.json and .md into --out.
-"""
+# python -m kernelmux.perf.grouped_topk_gpu --out DIR [--sweep]
+# The "triton" rows time the kernel at its table's launch config. Writes grouped_topk_gpu.json and
+# .md into --out.
 
 from __future__ import annotations
 
@@ -77,34 +74,28 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(_row(name, tokens, graph_replay_time(fn, inputs), nbytes, bandwidth))
             print(f"T={tokens:6d} {name:14s} {rows[-1]['median_us']:8.2f} us", flush=True)
         if args.sweep:
-            for kernel in triton_module.KERNELS:
-                with triton_module.use_kernel(kernel):
-                    for kwargs in inputs[:2]:  # each kernel is checked before it is timed
-                        SPEC.check_close(triton_module.grouped_topk(**kwargs),
-                                         SPEC.reference(**kwargs), kwargs)
-                    for block_t in SWEEP_BLOCK_T:
-                        for warps in SWEEP_WARPS:
-                            config = triton_module.LaunchConfig(block_t=block_t, num_warps=warps)
-                            row = {"tokens": tokens, "kernel": kernel, "block_t": block_t,
-                                   "num_warps": warps, "median_us": None}
-                            sweep.append(row)
-                            try:
-                                with triton_module.override_launch_config(config):
-                                    # Every configuration is checked before it is timed.
-                                    timing = checked_replay_time(
-                                        triton_module.grouped_topk, inputs, SPEC.reference(**inputs[0]),
-                                        SPEC.check_close, trials=15)
-                            except ValueError as refused:  # a known-bad configuration
-                                row["status"] = f"refused: {refused}"
-                                continue
-                            except AssertionError as wrong:
-                                row["status"] = f"WRONG: {str(wrong)[:200]}"
-                                print(f"T={tokens} {kernel} {config}: WRONG", flush=True)
-                                continue
-                            row.update(status="ok", median_us=timing.median_us)
-                best = min((s for s in sweep if s["tokens"] == tokens and s["kernel"] == kernel
-                            and s["median_us"] is not None), key=lambda s: s["median_us"])
-                print(f"T={tokens:6d} sweep best ({kernel}): {best}", flush=True)
+            for block_t in SWEEP_BLOCK_T:
+                for warps in SWEEP_WARPS:
+                    config = triton_module.LaunchConfig(block_t=block_t, num_warps=warps)
+                    row = {"tokens": tokens, "block_t": block_t, "num_warps": warps, "median_us": None}
+                    sweep.append(row)
+                    try:
+                        with triton_module.override_launch_config(config):
+                            # Every configuration is checked before it is timed.
+                            timing = checked_replay_time(
+                                triton_module.grouped_topk, inputs, SPEC.reference(**inputs[0]),
+                                SPEC.check_close, trials=15)
+                    except ValueError as refused:  # a known-bad configuration
+                        row["status"] = f"refused: {refused}"
+                        continue
+                    except AssertionError as wrong:
+                        row["status"] = f"WRONG: {str(wrong)[:200]}"
+                        print(f"T={tokens} {config}: WRONG", flush=True)
+                        continue
+                    row.update(status="ok", median_us=timing.median_us)
+            best = min((s for s in sweep if s["tokens"] == tokens and s["median_us"] is not None),
+                       key=lambda s: s["median_us"])
+            print(f"T={tokens:6d} sweep best: {best}", flush=True)
 
     result = {"op": "grouped_topk", "case": "DeepSeek-V3 routing (E 256, G 8, topk_group 4, top 8, "
               "sigmoid + bias, fp32 logits)", "method": "CUDA-graph replay of 32 calls, inputs rotated "
@@ -127,16 +118,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{e['median_us'] / t['median_us']:.1f}x | {c['median_us'] / t['median_us']:.1f}x | "
                      f"{t['pct_of_roofline']:.0f}% |")
     if sweep:
-        lines += ["", "Sweep: best launch config per T and kernel.", "",
-                  "| T | kernel | block_t | num_warps | us |", "|---|---|---|---|---|"]
+        lines += ["", "Sweep: best launch config per T.", "",
+                  "| T | block_t | num_warps | us |", "|---|---|---|---|"]
         for tokens in TOKENS:
-            for kernel in triton_module.KERNELS:
-                mine = [s for s in sweep if s["tokens"] == tokens and s["kernel"] == kernel
-                        and s["median_us"] is not None]
-                if mine:
-                    b = min(mine, key=lambda s: s["median_us"])
-                    lines.append(f"| {tokens} | {kernel} | {b['block_t']} | {b['num_warps']} | "
-                                 f"{b['median_us']:.2f} |")
+            mine = [s for s in sweep if s["tokens"] == tokens and s["median_us"] is not None]
+            if mine:
+                b = min(mine, key=lambda s: s["median_us"])
+                lines.append(f"| {tokens} | {b['block_t']} | {b['num_warps']} | {b['median_us']:.2f} |")
     (args.out / "grouped_topk_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

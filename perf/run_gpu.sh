@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The GPU suite, for one device call per group of steps. Installs kernelmux
+# The GPU suite, for one device call per group of steps. Installs kernelmux from a copy of the tree
 # into the machine's python (no network: no build isolation, no dependency resolution), then runs
-# the named steps, writing to $OUT (or ./perf-out):
-#   tests-core   pytest on everything but the two slow files below   -> pytest_core.txt
-#   tests-slow   opcheck/compile tests and Triton launch configs      -> pytest_slow.txt
+# the named steps, writing to $OUT (default: a new folder under /tmp) and nothing into the tree.
+# Record a bench here afterwards: kernelmux bench --load $OUT/bench.json --record (perf/README.md).
+#   tests-core   pytest on everything but the slow tests below         -> pytest_core.txt
+#   tests-slow   opcheck/compile tests and Triton launch configs
+#                (tests/test_torch_integration.py, tests/backends/triton) -> pytest_slow.txt
 #   bench        kernelmux bench over every op's model cases          -> bench.json, bench.md, bench.log
 #   bench-attention  the same for paged_attention, mla_decode and kv_cache_write only (0.25 s
 #                budget per row)                                     -> bench.json, bench.md, bench.log
 #   compare      perf/diag/compare_demo.py on triton grouped_topk     -> compare.txt, compare_demo_*.json
 #   sweep        grouped_topk launch-configuration sweep              -> grouped_topk_gpu.{json,md}
-#   tests-attention  the attention and kv_cache_write kernel tests (triton and cuda backends), and
-#                conformance for those ops
+#   tests-attention  the triton and cuda backends' tests and conformance for paged_attention,
+#                mla_decode and kv_cache_write (selected by -k, so renamed files stay in)
 #                                                                     -> pytest_attention.txt
 #   profile-attention  Nsight Compute over one call per case of perf/diag/attention_profile.py
 #                ($PROFILE_CASES, default its list): speed of light, occupancy, warp states,
@@ -38,11 +40,15 @@
 # another. Set KERNELMUX_COMMIT (the tree travels without .git).
 #   bash perf/run_gpu.sh tests-core bench
 set -uo pipefail
-out=${OUT:-perf-out}
+out=${OUT:-$(mktemp -d /tmp/kernelmux-perf.XXXXXX)}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+echo "outputs in $out"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 repo=$(pwd)
-python3 -m pip install -q --no-deps --no-build-isolation --no-index . 2>&1 | tail -3
+# pip builds in the source folder (build/, *.egg-info): build from a copy so the tree stays as it came.
+src=$(mktemp -d /tmp/kernelmux-src.XXXXXX)
+cp -a "$repo/." "$src/"
+python3 -m pip install -q --no-deps --no-build-isolation --no-index "$src" 2>&1 | tail -3
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 slow=(tests/test_torch_integration.py tests/backends/triton)
 for step in "$@"; do
@@ -72,8 +78,7 @@ for step in "$@"; do
         # Eight workers: the time goes to Triton compilations (one per constexpr set), on the CPU;
         # the GB-sized conformance cases run in one of them (their xdist group), one at a time.
         # -v names every test as it finishes, so a run cut off by the timeout still says which failed.
-        (cd /tmp && timeout 400 python3 -m pytest "$repo/tests/backends/triton/test_attention_kernel.py" \
-            "$repo/tests/backends/triton/test_kv_cache_write_kernel.py" "$repo/tests/backends/cuda" \
+        (cd /tmp && timeout 400 python3 -m pytest "$repo/tests/backends/triton" "$repo/tests/backends/cuda" \
             "$repo/tests/backends/test_conformance.py" \
             -k "attention or mla or kv_cache" -n 8 --dist loadgroup -v -p no:cacheprovider -rfE --durations=10 2>&1) \
             > "$out/pytest_attention.txt"; grep -E "FAILED|ERROR|passed|failed" "$out/pytest_attention.txt" | tail -40 ;;

@@ -1,7 +1,13 @@
 """The plugin registry: hook specs, the implementation record, and entry-point loading with quarantine."""
 
 from kernelmux.registry._hookspecs import hookimpl, hookspec
-from kernelmux.registry._implementation import Backend, Implementation, PlatformRequirement
+from kernelmux.registry._implementation import (
+    Backend,
+    Implementation,
+    PlatformRequirement,
+    StaticCheckFn,
+    SupportsFn,
+)
 from kernelmux.registry._registry import (
     ENTRY_POINT_GROUP,
     PluginInfo,
@@ -23,6 +29,8 @@ __all__ = [
     "RESERVED_NAMES",
     "Registry",
     "Rejection",
+    "StaticCheckFn",
+    "SupportsFn",
     "builtin_module",
     "hookimpl",
     "hookspec",

@@ -6,7 +6,17 @@ import torch
 
 from kernelmux.specs._spec import Tolerance
 
-__all__ = ["assert_close", "assert_close_to_magnitude", "error_stats"]
+__all__ = ["assert_close", "assert_close_to_magnitude", "assert_same_kind", "error_stats"]
+
+
+def assert_same_kind(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """Raise AssertionError naming ``what`` unless shape, dtype and device match."""
+    if (actual.shape != expected.shape or actual.dtype != expected.dtype
+            or actual.device != expected.device):
+        raise AssertionError(
+            f"{what}: got {tuple(actual.shape)} {actual.dtype} on {actual.device}, expected "
+            f"{tuple(expected.shape)} {expected.dtype} on {expected.device}"
+        )
 
 
 def error_stats(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, float]:

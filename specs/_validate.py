@@ -22,18 +22,25 @@ def check_tensor(
     value: Any,
     *,
     dtypes: Collection[torch.dtype],
-    rank: int,
+    rank: int | None = None,
     device: torch.device | None = None,
+    shape: tuple[int, ...] | None = None,
+    meaning: str = "",
 ) -> None:
-    """``value`` is a tensor of one of ``dtypes`` with ``rank`` dims (on ``device`` if given)."""
+    """``value`` is a tensor of one of ``dtypes`` with ``rank`` dims, or of exactly ``shape``
+    (``meaning`` says where that shape comes from), on ``device`` if given."""
     if not isinstance(value, torch.Tensor):
         raise InvalidArgumentError(op, name, "a torch.Tensor", type(value).__name__)
     if value.dtype not in dtypes:
         raise InvalidArgumentError(op, name, f"dtype in {dtype_names(dtypes)}", value.dtype)
+    rank = len(shape) if shape is not None else rank
     if value.dim() != rank:
         raise InvalidArgumentError(
             op, name, f"a {rank}-d tensor", f"{value.dim()}-d tensor of shape {tuple(value.shape)}"
         )
+    if shape is not None and tuple(value.shape) != shape:
+        expected = f"shape {shape} ({meaning})" if meaning else f"shape {shape}"
+        raise InvalidArgumentError(op, name, expected, f"shape {tuple(value.shape)}")
     if device is not None and value.device != device:
         raise InvalidArgumentError(
             op, name, f"a tensor on {device} (the device of the first input)", value.device

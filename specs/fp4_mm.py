@@ -6,9 +6,10 @@ from typing import Any, Mapping, NamedTuple, Optional
 import torch
 
 from kernelmux.errors import InvalidArgumentError
-from kernelmux.specs._compare import assert_close_to_magnitude
+from kernelmux.specs._compare import assert_close_to_magnitude, assert_same_kind
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance
+from kernelmux.specs._spec import Case, Cost, OpSpec
+from kernelmux.specs._tolerance import GEMM_OUTPUT
 from kernelmux.specs._validate import check_choice, check_tensor
 from kernelmux.specs.quantize_mxfp4 import e8m0_to_float, quantize_mxfp4
 from kernelmux.specs.quantize_nvfp4 import E2M1_VALUES, quantize_nvfp4
@@ -242,37 +243,14 @@ def fake(
     return a.new_empty((a.shape[0], b.shape[0]), dtype=OUT_DTYPES[out_dtype])
 
 
-# Closeness: |actual - expected| <= atol * mag + rtol * |expected|, where
-# mag[m, n] = sum_k |A_mk| * |B_nk| is the accumulation's own scale, so ``atol`` is relative to
-# mag and one number holds for every K and magnitude.
-# - atol 2^-14 (every dtype): the dequantized operands are exact or nearly so in every sane
-#   kernel (e2m1 * e4m3 has 6 significant bits and e2m1 * 2^e 2: exact in bf16/fp16/fp32; a
-#   W4A16 dequant kernel feeds them to bf16/fp16 MMAs exactly and applies 1/gs in the epilogue,
-#   a W4A4 kernel applies 1/(gs_a * gs_b) as alpha: ~2^-23 relative apart from the reference's
-#   per-element division). What differs is the summation: another order, split-K, and
-#   tensor-core accumulators that keep fewer than 24 bits (as for FP8 on Hopper, ~14 bits, and
-#   Blackwell's block-scaled MMAs between scale blocks). 2^-14 * mag covers that; for random data
-#   mag/|out| ~ 0.6 sqrt(K), so at K = 7168 it is ~0.3% of a typical output, below a bf16 ulp and
-#   far below a wrong scale (an e8m0 code off by one doubles a block) or a swapped nibble.
-# - rtol: the single output rounding: values that differ by the accumulation error may round one
-#   output ulp apart: bf16 1 ulp <= 2^-7 |x|, take 1e-2; fp16 <= 2^-10 |x|, take 2e-3; fp32
-#   output rounding is negligible beside the accumulation term, take 1e-6.
-TOLERANCE = {
-    torch.bfloat16: Tolerance(atol=2.0**-14, rtol=1e-2),
-    torch.float16: Tolerance(atol=2.0**-14, rtol=2e-3),
-    torch.float32: Tolerance(atol=2.0**-14, rtol=1e-6),
-}
+# Closeness against the accumulation's magnitude, justified in specs/_tolerance.py.
+TOLERANCE = GEMM_OUTPUT
 
 
 def check_close(actual: Any, expected: Any, kwargs: Mapping[str, Any]) -> None:
     """Elementwise within TOLERANCE[out dtype], the absolute part scaled by sum_k |A||B|; NaN
     and Inf must match exactly."""
-    if (actual.shape != expected.shape or actual.dtype != expected.dtype
-            or actual.device != expected.device):
-        raise AssertionError(
-            f"{NAME}: got {tuple(actual.shape)} {actual.dtype} on {actual.device}, expected "
-            f"{tuple(expected.shape)} {expected.dtype} on {expected.device}"
-        )
+    assert_same_kind(actual, expected, NAME)
     tolerance = TOLERANCE[expected.dtype]
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     deq_a, deq_b = dequantize_operands(

@@ -8,7 +8,7 @@ import torch
 
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._check_data import distinct_rule, enforce, index_rule, range_rule
-from kernelmux.specs._compare import assert_close_to_magnitude
+from kernelmux.specs._compare import assert_close_to_magnitude, assert_same_kind
 from kernelmux.specs._key import Layout, layout, size_class
 from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance
 from kernelmux.specs._validate import check_choice, check_tensor
@@ -90,44 +90,47 @@ def fused_moe(
     Returns:
         ``[T, H]`` in the dtype of ``hidden``.
     """
-    num_tokens, hidden_size = hidden.shape
+    weights, pairs, inter, _ = _route_and_activate(
+        hidden, w1, topk_weights, topk_ids, activation, expert_map, apply_router_weight_on_input,
+        quantization, w1_scale)
+    out = hidden.new_zeros(hidden.shape, dtype=torch.float32)
+    for e, (tokens, slots) in pairs.items():
+        down = inter[tokens, slots] @ _dequantize_weight(w2, w2_scale, e, quantization).T
+        out.index_add_(0, tokens, down * weights[tokens, slots].unsqueeze(1))
+    return out.to(hidden.dtype)
+
+
+def _route_and_activate(hidden, w1, topk_weights, topk_ids, activation, expert_map,
+                        apply_router_weight_on_input, quantization, w1_scale):
+    """The reference up to the down projection: fp32 router weights [T, k] (ones when applied on
+    the input), {local expert: (tokens, slots) routed to it}, the intermediate [T, k, I] as the
+    down projection sees it (rounded to the hidden dtype, then fp8-quantized in fp8 modes), and
+    |gate * up| / 4 [T, k] (check_close's floor of the intermediate's size)."""
+    num_tokens = hidden.shape[0]
     inter_size = w1.shape[1] // 2
-    topk = topk_ids.shape[1]
     dtype = hidden.dtype
     fp8_name = FP8_NAMES.get(w1.dtype, "e4m3fn")
-
     x = hidden.float()
     weights = topk_weights.float()
     if apply_router_weight_on_input:
         x = x * weights  # [T, 1] (k == 1)
         weights = torch.ones_like(weights)
     x = _quantize_activations(x, quantization, fp8_name)
-
     ids = topk_ids.long()
     if expert_map is not None:
         ids = expert_map.long()[ids]  # -1: not on this rank
-    experts = [int(e) for e in ids.unique().tolist() if e >= 0]
-
-    inter = x.new_zeros((num_tokens, topk, inter_size))
+    inter = x.new_zeros((num_tokens, ids.shape[1], inter_size))
+    floor = torch.zeros_like(inter)
     pairs = {}
-    for e in experts:
-        tokens, slots = (ids == e).nonzero(as_tuple=True)
-        pairs[e] = (tokens, slots)
-        gate_up = (x[tokens] @ _dequantize_weight(w1, w1_scale, e, quantization).T)
-        gate_up = gate_up.to(dtype).float()
+    for e in (int(e) for e in ids.unique().tolist() if e >= 0):
+        tokens, slots = pairs[e] = (ids == e).nonzero(as_tuple=True)
+        gate_up = (x[tokens] @ _dequantize_weight(w1, w1_scale, e, quantization).T).to(dtype).float()
         gate, up = gate_up[:, :inter_size], gate_up[:, inter_size:]
         act = torch.nn.functional.silu(gate) if activation == "silu" else torch.nn.functional.gelu(gate)
         inter[tokens, slots] = (act * up).to(dtype).float()
-    inter = _quantize_activations(
-        inter.view(num_tokens * topk, inter_size), quantization, fp8_name
-    ).view(num_tokens, topk, inter_size)
-
-    out = x.new_zeros((num_tokens, hidden_size))
-    for e in experts:
-        tokens, slots = pairs[e]
-        down = inter[tokens, slots] @ _dequantize_weight(w2, w2_scale, e, quantization).T
-        out.index_add_(0, tokens, down * weights[tokens, slots].unsqueeze(1))
-    return out.to(dtype)
+        floor[tokens, slots] = 0.25 * (gate * up).abs()
+    inter = _quantize_activations(inter.view(-1, inter_size), quantization, fp8_name).view(inter.shape)
+    return weights, pairs, inter, floor
 
 
 def _quantize_activations(x: torch.Tensor, quantization: str, fp8_name: str) -> torch.Tensor:
@@ -163,9 +166,7 @@ def _block_scale_shape(experts: int, rows: int, cols: int) -> tuple[int, int, in
 def _check_scale(name: str, value: Any, shape: tuple, device: torch.device, what: str) -> None:
     if value is None:
         raise InvalidArgumentError(NAME, name, f"an fp32 tensor of shape {shape} ({what})", None)
-    check_tensor(NAME, name, value, dtypes=(torch.float32,), rank=len(shape), device=device)
-    if tuple(value.shape) != shape:
-        raise InvalidArgumentError(NAME, name, f"shape {shape} ({what})", tuple(value.shape))
+    check_tensor(NAME, name, value, dtypes=(torch.float32,), shape=shape, device=device, meaning=what)
 
 
 class Key(NamedTuple):
@@ -227,12 +228,8 @@ def validate(
             f"shape {tuple(w1.shape)}",
         )
     inter_size = two_inter // 2
-    check_tensor(NAME, "w2", w2, dtypes=(w1.dtype,), rank=3, device=device)
-    if tuple(w2.shape) != (experts, hidden_size, inter_size):
-        raise InvalidArgumentError(
-            NAME, "w2", f"shape {(experts, hidden_size, inter_size)} (E, H, I from w1 and hidden)",
-            f"shape {tuple(w2.shape)}",
-        )
+    check_tensor(NAME, "w2", w2, dtypes=(w1.dtype,), shape=(experts, hidden_size, inter_size), device=device,
+                 meaning="E, H, I from w1 and hidden")
     check_tensor(NAME, "topk_weights", topk_weights, dtypes=(torch.float32,), rank=2, device=device)
     topk = topk_weights.shape[1]
     if topk_weights.shape[0] != num_tokens or topk < 1:
@@ -370,51 +367,21 @@ FP8_TOLERANCE = {
 def magnitude(kwargs: Mapping[str, Any]) -> torch.Tensor:
     """mag [T, H] fp64 (see TOLERANCE), from the reference's own intermediate (with its floor)."""
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    hidden, w1, w2 = cpu["hidden"], cpu["w1"], cpu["w2"]
-    quantization = cpu["quantization"]
-    num_tokens, hidden_size = hidden.shape
-    inter_size = w1.shape[1] // 2
-    fp8_name = FP8_NAMES.get(w1.dtype, "e4m3fn")
-    x = hidden.float()
-    weights = cpu["topk_weights"].float()
-    if cpu["apply_router_weight_on_input"]:
-        x = x * weights
-        weights = torch.ones_like(weights)
-    x = _quantize_activations(x, quantization, fp8_name)
-    ids = cpu["topk_ids"].long()
-    if cpu["expert_map"] is not None:
-        ids = cpu["expert_map"].long()[ids]
-    square = torch.zeros(num_tokens, hidden_size, dtype=torch.float64)
-    inter = x.new_zeros((num_tokens, ids.shape[1], inter_size))
-    floor = torch.zeros_like(inter)
-    experts = [int(e) for e in ids.unique().tolist() if e >= 0]
-    for e in experts:
-        tokens, slots = (ids == e).nonzero(as_tuple=True)
-        gate_up = (x[tokens] @ _dequantize_weight(w1, cpu["w1_scale"], e, quantization).T)
-        gate_up = gate_up.to(hidden.dtype).float()
-        gate, up = gate_up[:, :inter_size], gate_up[:, inter_size:]
-        act = torch.nn.functional.silu(gate) if cpu["activation"] == "silu" else torch.nn.functional.gelu(gate)
-        inter[tokens, slots] = (act * up).to(hidden.dtype).float()
-        floor[tokens, slots] = 0.25 * (gate * up).abs()
-    inter = _quantize_activations(
-        inter.view(-1, inter_size), quantization, fp8_name).view(num_tokens, -1, inter_size)
+    weights, pairs, inter, floor = _route_and_activate(
+        cpu["hidden"], cpu["w1"], cpu["topk_weights"], cpu["topk_ids"], cpu["activation"], cpu["expert_map"],
+        cpu["apply_router_weight_on_input"], cpu["quantization"], cpu["w1_scale"])
     inter = torch.maximum(inter.abs(), floor)
-    for e in experts:
-        tokens, slots = (ids == e).nonzero(as_tuple=True)
+    square = torch.zeros(cpu["hidden"].shape, dtype=torch.float64)
+    for e, (tokens, slots) in pairs.items():
         a = inter[tokens, slots] * weights[tokens, slots].unsqueeze(1)
-        w = _dequantize_weight(w2, cpu["w2_scale"], e, quantization)
+        w = _dequantize_weight(cpu["w2"], cpu["w2_scale"], e, cpu["quantization"])
         square.index_add_(0, tokens, (a.square() @ w.square().T).double())  # fp32 is plenty
     return square.sqrt()
 
 
 def check_close(actual: Any, expected: Any, kwargs: Mapping[str, Any]) -> None:
     """Elementwise within the tolerance of the hidden dtype and quantization, scaled by mag."""
-    if (actual.shape != expected.shape or actual.dtype != expected.dtype
-            or actual.device != expected.device):
-        raise AssertionError(
-            f"{NAME}: got {tuple(actual.shape)} {actual.dtype} on {actual.device}, expected "
-            f"{tuple(expected.shape)} {expected.dtype} on {expected.device}"
-        )
+    assert_same_kind(actual, expected, NAME)
     table = TOLERANCE if kwargs["quantization"] == "none" else FP8_TOLERANCE
     tolerance = table[expected.dtype]
     if expected.numel() == 0:

@@ -6,9 +6,10 @@ from typing import Any, Mapping, NamedTuple, Optional
 import torch
 
 from kernelmux.errors import InvalidArgumentError
-from kernelmux.specs._compare import assert_close_to_magnitude
+from kernelmux.specs._compare import assert_close_to_magnitude, assert_same_kind
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance
+from kernelmux.specs._spec import Case, Cost, OpSpec
+from kernelmux.specs._tolerance import GEMM_OUTPUT
 from kernelmux.specs._validate import check_choice, check_tensor
 from kernelmux.specs.quantize_fp8 import quantize_fp8
 
@@ -206,33 +207,13 @@ def fake(
     return a.new_empty((a.shape[0], b.shape[0]), dtype=OUT_DTYPES[out_dtype])
 
 
-# Closeness: |actual - expected| <= atol * mag + rtol * |expected|, where
-# mag[m, n] = sum_k |a_mk * sa| * |b_nk * sb| (+ |bias_n|) is the accumulation's own scale; so
-# ``atol`` here is relative to mag, which lets one number hold for every K and magnitude.
-# - atol 2^-14 (every dtype): the fp8 products are exact in fp32, only the summation order
-#   differs. Hopper's FP8 tensor cores keep ~14 bits in their internal accumulator (DeepSeek-V3
-#   report, 3.3.2); kernels that promote to fp32 every 128 K (DeepGEMM, CUTLASS without
-#   FastAccum) stay well inside 2^-14 * mag. For random data mag/|out| ~ 0.6 sqrt(K), so at
-#   K = 7168 this is ~0.3% of a typical output: well below a bf16 ulp, far below any indexing bug.
-# - rtol: the single output rounding. Reference and kernel round fp32 values that differ by the
-#   accumulation error, so they may land one output ulp apart: bf16 1 ulp <= 2^-7 |x| (7.8e-3),
-#   take 1e-2; fp16 1 ulp <= 2^-10 |x| (9.8e-4), take 2e-3; fp32 output rounding (2^-23) is
-#   negligible beside the accumulation term, take 1e-6.
-TOLERANCE = {
-    torch.bfloat16: Tolerance(atol=2.0**-14, rtol=1e-2),
-    torch.float16: Tolerance(atol=2.0**-14, rtol=2e-3),
-    torch.float32: Tolerance(atol=2.0**-14, rtol=1e-6),
-}
+# Closeness against the accumulation's magnitude, justified in specs/_tolerance.py.
+TOLERANCE = GEMM_OUTPUT
 
 
 def check_close(actual: Any, expected: Any, kwargs: Mapping[str, Any]) -> None:
     """Elementwise within TOLERANCE[out dtype], the absolute part scaled by sum_k |a||b|."""
-    if (actual.shape != expected.shape or actual.dtype != expected.dtype
-            or actual.device != expected.device):
-        raise AssertionError(
-            f"{NAME}: got {tuple(actual.shape)} {actual.dtype} on {actual.device}, expected "
-            f"{tuple(expected.shape)} {expected.dtype} on {expected.device}"
-        )
+    assert_same_kind(actual, expected, NAME)
     tolerance = TOLERANCE[expected.dtype]
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     deq_a, deq_b = dequantize_operands(cpu["a"], cpu["b"], cpu["scale_a"], cpu["scale_b"])

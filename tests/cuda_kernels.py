@@ -16,7 +16,8 @@ import torch
 
 from conftest import DEVICE
 from fakes import ask
-from kernelmux.backends.cuda import _nvrtc, attention
+from kernelmux.backends.cuda import _toolchain
+from kernelmux.backends.cuda import paged_attention as cuda_paged_attention
 from kernelmux.specs import paged_attention as pa_spec
 
 HOPPER = (9, 0)
@@ -60,7 +61,7 @@ def sass(cubin: bytes) -> dict[str, list[str]]:
     return kernels
 
 
-needs_nvrtc = pytest.mark.skipif(_nvrtc.find_nvrtc() is None,
+needs_nvrtc = pytest.mark.skipif(_toolchain.find_nvrtc() is None,
                                  reason="NVRTC not installed (pip install nvidia-cuda-nvrtc; the test extra "
                                         "has it)")
 
@@ -76,11 +77,11 @@ def check_paged_attention(kwargs: dict, seed: int, poison: bool = False) -> None
     """The cuda backend takes the call and matches the spec's reference; ``poison`` fills fresh
     allocator blocks with NaN first, so output the kernel never writes fails. ``seed`` names the
     inputs in the failure."""
-    assert ask(attention.paged_attention_supports, pa_spec.SPEC, kwargs) is None
+    assert ask(cuda_paged_attention.supports, pa_spec.SPEC, kwargs) is None
     expected = pa_spec.SPEC.reference(**kwargs)
     if poison:
         poison_allocator(kwargs["query"].numel() * 2)
-    actual = attention.paged_attention(**kwargs)
+    actual = cuda_paged_attention.paged_attention(**kwargs)
     try:
         pa_spec.SPEC.check_close(actual, expected, kwargs)
     except AssertionError as error:

@@ -1,16 +1,16 @@
-"""Fast exact float8_e4m3fn -> fp16/bf16 conversion for CPU tensors.
+"""Fast exact float8_e4m3fn -> fp16/bf16 conversion for CPU tensors, shared by the cpu backend's
+paged_attention and mla_decode."""
 
-torch converts e4m3fn on the CPU one element at a time (~2.4 ns per element on the 2-core
-AVX-512 machine of perf/results/, against ~0.4 ns for the route below). The route uses integer
-ops, which are vectorized: an e4m3fn byte ``s eeee mmm`` moved to bits 15 and 13..7 of an int16
-is the fp16 number ``s 0eeee mmm0000000``, whose value is the fp8 value times ``2^-8`` for every
-code, subnormals included (both formats' subnormals have exponent field 0 and the same
-exponent-bias difference, 15 - 7 = 8). Callers fold the ``2^8`` into a scale.
-
-Only the NaN codes (``s 1111 111``) come out wrong, as +-1.875 (fp16) where every finite code
-gives at most 448 * 2^-8 = 1.75 in magnitude, so one min/max pass detects them and only then a
-mask pass restores NaN.
-"""
+# torch converts e4m3fn on the CPU one element at a time: ~2.4 ns per element against ~0.4 ns for
+# the route below on a 2-core AVX-512 VM, perf/decisions/paged_attention.md. The route uses integer
+# ops, which are vectorized: an e4m3fn byte ``s eeee mmm`` moved to bits 15 and 13..7 of an int16
+# is the fp16 number ``s 0eeee mmm0000000``, whose value is the fp8 value times ``2^-8`` for every
+# code, subnormals included (both formats' subnormals have exponent field 0 and the same
+# exponent-bias difference, 15 - 7 = 8). Callers fold the ``2^8`` into a scale.
+#
+# Only the NaN codes (``s 1111 111``) come out wrong, as +-1.875 (fp16) where every finite code
+# gives at most 448 * 2^-8 = 1.75 in magnitude, so one min/max pass detects them and only then a
+# mask pass restores NaN.
 
 from __future__ import annotations
 

@@ -1,20 +1,19 @@
-"""grouped_topk on the CPU: the spec's math reordered to do less work than the reference.
+"""The cpu backend's grouped_topk: the spec's math reordered to do less work than the reference
+(selection on logits, top-k over the kept groups only, weights for the chosen experts only)."""
 
-Where the reference scores all E experts, masks the dropped groups and runs top-k over E, this
-selects on the logits when no bias is added (softmax and sigmoid keep each row's order), runs
-top-k only over the kept groups' experts, and computes weights only for the k chosen experts (a
-renormalized softmax needs no full-row sum). On many rows the group top-2 is max + masked max:
-torch.topk(2) over T * G short rows costs ~150 ns a row on CPU (measured at T = 8192, E = 256,
-G = 8: 9.8 ms against 2.8 ms).
-"""
+# Where the reference scores all E experts, masks the dropped groups and runs top-k over E, this
+# selects on the logits when no bias is added (softmax and sigmoid keep each row's order), runs
+# top-k only over the kept groups' experts, and computes weights only for the k chosen experts (a
+# renormalized softmax needs no full-row sum).
 
 import functools
 from typing import Optional
 
 import torch
 
-# Up to this many rows one topk(2) call beats max + scatter + max, whose per-op overhead then
-# dominates (measured: 4.7 us against 11.4 us at T = 1; 1.2 ms against 0.37 ms at T = 1024).
+# The group top-2 is one topk(2) call up to this many rows, max + scatter + max past it (topk(2)
+# costs ~150 ns a short row): 4.7 us against 11.4 us at T = 1, 1.2 ms against 0.37 ms at T = 1024,
+# perf/decisions/grouped_topk.md.
 _TOPK2_MAX_ROWS = 32
 
 

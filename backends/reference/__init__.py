@@ -1,9 +1,11 @@
-"""The reference backend: every spec's pure-torch reference, registered so it can be chosen by name."""
+"""The reference backend: every spec's pure-torch reference, registered so it can be chosen by name.
+Unlike the other backends it has no Entry table and no entry modules: its implementation of an op
+is the spec's own ``reference`` function, so it registers one record per spec in ``ALL_SPECS``."""
 
 from __future__ import annotations
 
-from kernelmux.specs import ALL_SPECS
 from kernelmux.registry import Backend, Implementation, hookimpl
+from kernelmux.specs import ALL_SPECS
 
 
 @hookimpl

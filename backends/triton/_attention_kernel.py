@@ -1,29 +1,28 @@
 """The Triton kernels behind the triton backend's paged_attention and mla_decode (host side:
-attention.py): one tiled flash-attention kernel over a paged KV cache, and the reduction that
-merges its split-KV partial results.
-
-One program computes a tile of ``BLOCK_M`` query rows against one KV head. A row is a (query
-token, query head) pair: the tile holds ``HEADS_PER_TILE`` query heads of one KV head for
-``BLOCK_M // HEADS_PER_TILE`` consecutive tokens of one sequence, so every KV row a program
-loads is used by all the query heads that share it (GQA), and by several tokens in prefill.
-mla_decode is the same kernel with one KV "head" whose rows are the latent cache: keys are the
-whole row (``D_MAIN`` latent dims, then ``D_ROPE`` rope dims) and values its first ``D_MAIN``
-dims, taken from the key tile already in registers (``V_FROM_K``).
-
-Grid: axis 0 = (KV head, head tile), fastest, so the programs that share a KV head's rows (MLA's
-head tiles) run side by side and meet in L2; axis 1 = query tile (in reverse with several queries
-per sequence: the heaviest causal tiles start first); axis 2 = KV split. With
-``SPLIT_KV`` (``num_splits > 1``) each program covers one contiguous share of its tile's KV range
-and writes an unnormalized partial (acc, running max, running sum) that ``merge_splits_kernel``
-combines; with one split the program writes the final output itself. The split count is a runtime argument, so
-batches that split differently share one compiled kernel.
-
-Softmax runs in base 2 (scores pre-multiplied by log2 e, ``exp2``), in fp32. P is rounded to
-the query dtype for ``P @ V``, as FlashAttention does (the specs' tolerances cover it).
-"""
+_attention.py): tiled flash attention over a paged KV cache, and the merge of split-KV partials."""
 
 import triton
 import triton.language as tl
+
+# One program computes a tile of ``BLOCK_M`` query rows against one KV head. A row is a (query
+# token, query head) pair: the tile holds ``HEADS_PER_TILE`` query heads of one KV head for
+# ``BLOCK_M // HEADS_PER_TILE`` consecutive tokens of one sequence, so every KV row a program
+# loads is used by all the query heads that share it (GQA), and by several tokens in prefill.
+# mla_decode is the same kernel with one KV "head" whose rows are the latent cache: keys are the
+# whole row (``D_MAIN`` latent dims, then ``D_ROPE`` rope dims) and values its first ``D_MAIN``
+# dims, taken from the key tile already in registers (``V_FROM_K``).
+#
+# Grid: axis 0 = (KV head, head tile), fastest, so the programs that share a KV head's rows (MLA's
+# head tiles) run side by side and meet in L2; axis 1 = query tile (in reverse with several
+# queries per sequence: the heaviest causal tiles start first); axis 2 = KV split. With
+# ``SPLIT_KV`` (``num_splits > 1``) each program covers one contiguous share of its tile's KV
+# range and writes an unnormalized partial (acc, running max, running sum) that
+# ``merge_splits_kernel`` combines; with one split the program writes the final output itself.
+# The split count is a runtime argument, so batches that split differently share one compiled
+# kernel.
+#
+# Softmax runs in base 2 (scores pre-multiplied by log2 e, ``exp2``), in fp32. P is rounded to
+# the query dtype for ``P @ V``, as FlashAttention does (the specs' tolerances cover it).
 
 # Module constants must be tl.constexpr instances (Triton 3.6 rejects annotated globals).
 LOG2E = tl.constexpr(1.4426950408889634)

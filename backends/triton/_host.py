@@ -1,7 +1,10 @@
-"""Host-side helpers shared by the triton backend's ops (no Triton import: the backend registers
+"""Host-side helpers every op of the triton backend shares (no Triton import: the backend registers
 on machines without it)."""
 
+import contextlib
 import os
+
+import torch
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated (the kernel modules' first import), so
 # the process's value at start-up is the one its kernels run under.
@@ -11,3 +14,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): Triton's block dims must be powers of two."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` current for a launch (Triton launches on the current device); a no-op
+    context when it already is, so the common path pays nothing."""
+    for kind, module in (("cuda", torch.cuda), ("xpu", torch.xpu)):
+        if device.type == kind and device.index != module.current_device():
+            return module.device(device)
+    return contextlib.nullcontext()

@@ -1,8 +1,6 @@
-"""Host side of the triton backend's grouped_topk: what the fused kernel supports, its launch
-configuration (a heuristic table with an override for sweeps) and the single launch.
-
-Triton itself is imported on the first launch, so the backend registers (and reports "missing
-package triton") on machines without it."""
+"""The triton backend's grouped_topk: which calls the fused kernel takes, its launch configuration
+(a measured table, with an override for sweeps and tests) and the one launch (kernel:
+_grouped_topk_kernel.py, imported on the first launch so the backend registers without Triton)."""
 
 import contextlib
 import functools
@@ -12,7 +10,7 @@ from typing import Optional
 import torch
 
 from kernelmux.backends._scoped import ScopedSetting
-from kernelmux.backends.triton._host import next_pow2
+from kernelmux.backends.triton._host import device_guard, next_pow2
 from kernelmux.platforms import Platform
 from kernelmux.specs import grouped_topk as grouped_topk_spec
 
@@ -26,7 +24,6 @@ __all__ = [
     "launch_config",
     "override_launch_config",
     "supports",
-    "use_kernel",
 ]
 
 # One row lives in registers as a next_pow2(G) x next_pow2(E / G) tile, with about five such tiles
@@ -47,8 +44,8 @@ _INT32_LIMIT = 2**31
 def _needs_64bit_offsets(
     gating_output: torch.Tensor, topk: int, bias: Optional[torch.Tensor]
 ) -> bool:
-    """Whether some element offset the packed kernel forms (logits, bias, outputs) can pass
-    int32; the kernel then computes every offset in int64 (the baseline always does for logits)."""
+    """Whether some element offset the kernel forms (logits, bias, outputs) can pass int32; the
+    kernel then computes every offset in int64."""
     num_tokens, num_experts = gating_output.shape
     row_stride, expert_stride = gating_output.stride()
     last_logit = (num_tokens - 1) * row_stride + (num_experts - 1) * expert_stride
@@ -56,10 +53,10 @@ def _needs_64bit_offsets(
     return max(last_logit, last_bias, num_tokens * topk) >= _INT32_LIMIT
 
 
-def _packed_constexprs(
+def _host_constexprs(
     gating_output: torch.Tensor, topk: int, bias: Optional[torch.Tensor]
 ) -> dict:
-    """The packed kernel's host-chosen constexprs beyond the shape ones."""
+    """The kernel's host-chosen constexprs beyond the shape ones."""
     return {
         "OFFSETS_64": _force_64bit_offsets.current or _needs_64bit_offsets(gating_output, topk, bias),
         "FAST_DIV": _fast_div_available(),
@@ -79,40 +76,20 @@ def _fast_div_available() -> bool:
         return False
 
 
-# The two kernels of _grouped_topk_kernel.py, by name: "packed" (one packed-key reduction per
-# pick; the default) and "baseline" (the original max / min-index / masked-sum picks), kept for
-# benchmark comparisons. Same arguments and results.
-KERNELS = ("packed", "baseline")
-
-# The kernel launches use.
-_kernel_name = ScopedSetting(
-    "use_kernel", "packed",
-    lambda name: None if name in KERNELS else f"unknown grouped_topk kernel {name!r}; expected one of {KERNELS}")
-# Whether the packed kernel takes int64 offsets even when int32 ones would do.
+# Whether the kernel takes int64 offsets even when int32 ones would do.
 _force_64bit_offsets = ScopedSetting("force_64bit_offsets", False)
 
 
 @functools.cache
-def _kernel_by_name(name: str):
-    from kernelmux.backends.triton import _grouped_topk_kernel as module
-
-    kernels = {"packed": module.grouped_topk_kernel_packed, "baseline": module.grouped_topk_kernel}
-    return kernels[name]
-
-
 def _kernel():
-    """The kernel the next launch uses (the active use_kernel selection, else "packed")."""
-    return _kernel_by_name(_kernel_name.current)
+    from kernelmux.backends.triton._grouped_topk_kernel import grouped_topk_kernel
 
-
-def use_kernel(name: str) -> contextlib.AbstractContextManager[str]:
-    """Launch kernel ``name`` ("packed" or "baseline") inside the block; restores the previous."""
-    return _kernel_name.override(name)
+    return grouped_topk_kernel
 
 
 def force_64bit_offsets(force: bool = True) -> contextlib.AbstractContextManager[bool]:
-    """Make the packed kernel use int64 offsets inside the block even when int32 ones would do
-    (tests: the 64-bit path otherwise needs a > 8 GiB tensor); restores the previous setting."""
+    """Make the kernel use int64 offsets inside the block even when int32 ones would do (tests:
+    the 64-bit path otherwise needs a > 8 GiB tensor); restores the previous setting."""
     return _force_64bit_offsets.override(force)
 
 
@@ -125,13 +102,10 @@ class LaunchConfig:
 
 
 # Keyed on the token count and on next_pow2(E), a proxy for the padded tile width; the first row
-# that fits wins. The E <= 256 row is measured (H200, Triton 3.6, DeepSeek-V3 routing, sweep of
-# block_t in 1..32 x num_warps in 1..8, perf/results/grouped_topk_h200_8792404_sweep.json): one row per
-# 1-warp program is fastest at every T (2.30 / 2.46 / 2.89 / 8.15 / 13.44 us at T = 1 / 64 / 1024
-# / 8192 / 16384; the runner-up at T = 16384 is (8, 2) at 13.81): each pick's reductions stay
-# inside one warp (single REDUX instructions, no shared memory) and many small programs keep
-# every SM busy. The E <= 64 and E <= 1024 rows are register arithmetic, not measured (no case
-# of those sizes is timed yet); the GPU test suite runs every configuration against the reference.
+# that fits wins. E <= 256, one row per 1-warp program: fastest at every T on an H200 at
+# DeepSeek-V3 routing (13.44 us at T = 16384, runner-up (8, 2) 13.81), perf/decisions/grouped_topk.md;
+# each pick's reductions stay inside one warp (single REDUX, no shared memory). The E <= 64 and
+# E <= 1024 rows are register arithmetic, not measured; the GPU tests run every row's configuration.
 _CONFIG_TABLE: tuple[tuple[float, int, LaunchConfig], ...] = (
     (64, 64, LaunchConfig(block_t=1, num_warps=1)),
     (2048, 64, LaunchConfig(block_t=16, num_warps=2)),
@@ -141,13 +115,13 @@ _CONFIG_TABLE: tuple[tuple[float, int, LaunchConfig], ...] = (
     (float("inf"), MAX_PADDED_EXPERTS, LaunchConfig(block_t=4, num_warps=8)),
 )
 
-# Launch configurations refused because the packed kernel computes wrong ids with them under
-# Triton 3.6 on an H200, while the interpreter and every other (block_t, num_warps) in
-# {1..32} x {1, 2, 4, 8} are right (tests/backends/triton, test_every_launch_config_compiled,
-# and perf/diag/sweep_check.py, 2026-11-22): (2, 1) and (2, 2) at DeepSeek-V3 routing, (2, 4) at
-# DeepSeek-V2's padded groups of 20. (2, 8) was not seen wrong but shares the 2-row tile, so the
-# whole block_t = 2 family is refused until the cause (suspected: the lowering of the run-sort's
-# reshape/split for a 2-row tile) is found. Refused for the baseline kernel too, for simplicity.
+# Launch configurations refused because the kernel computes wrong ids with them under Triton 3.6
+# on an H200, while the interpreter and every other (block_t, num_warps) in {1..32} x {1, 2, 4, 8}
+# are right (test_every_launch_config_compiled, perf/diag/sweep_check.py): (2, 1) and (2, 2) at
+# DeepSeek-V3 routing, (2, 4) at DeepSeek-V2's padded groups of 20, perf/decisions/grouped_topk.md.
+# (2, 8) was not seen wrong but shares the 2-row tile, so the whole block_t = 2 family is refused
+# until the cause (suspected: the lowering of the run-sort's reshape/split for a 2-row tile) is
+# found.
 KNOWN_BAD_CONFIGS = frozenset(LaunchConfig(block_t=2, num_warps=w) for w in (1, 2, 4, 8))
 
 def _config_problem(config: LaunchConfig) -> Optional[str]:
@@ -221,18 +195,8 @@ def grouped_topk(
     bias = e_score_correction_bias
     has_bias = bias is not None
     grid = (-(-num_tokens // config.block_t),)
-    # Triton launches on the current CUDA device; switch only when the tensors live elsewhere so
-    # the common path pays no context-manager cost.
-    guard = (
-        torch.cuda.device(device)
-        if device.type == "cuda" and device.index != torch.cuda.current_device()
-        else contextlib.nullcontext()
-    )
-    kernel = _kernel()
-    # The packed kernel's extra constexprs (the baseline keeps the original argument list).
-    extra = _packed_constexprs(gating_output, topk, bias) if _kernel_name.current == "packed" else {}
-    with guard:
-        kernel[grid](
+    with device_guard(device):
+        _kernel()[grid](
             gating_output,
             bias if has_bias else gating_output,  # never read without a bias
             weights,
@@ -255,6 +219,6 @@ def grouped_topk(
             RENORMALIZE=renormalize,
             BLOCK_T=config.block_t,
             num_warps=config.num_warps,
-            **extra,
+            **_host_constexprs(gating_output, topk, bias),
         )
     return weights, ids

@@ -1,8 +1,6 @@
-"""Host side of the triton backend's kv_cache_write: what the kernel supports, its tile and launch
-configuration (a heuristic with an override for sweeps and tests), the fp8 route and the launch.
-
-Triton itself is imported on the first launch, so the backend registers (and reports "missing
-package triton") on machines without it."""
+"""The triton backend's kv_cache_write: which calls the scatter kernel takes, its tile and launch
+configuration (a heuristic, with an override for sweeps and tests), the fp8 route and the launch
+(kernel: _kv_cache_write_kernel.py, imported on the first launch: no Triton needed to register)."""
 
 import contextlib
 import functools
@@ -12,7 +10,7 @@ from typing import Optional
 import torch
 
 from kernelmux.backends._scoped import ScopedSetting
-from kernelmux.backends.triton._host import INTERPRETED, next_pow2
+from kernelmux.backends.triton._host import INTERPRETED, device_guard, next_pow2
 from kernelmux.platforms import Platform, probes
 from kernelmux.specs import kv_cache_write as kv_cache_write_spec
 
@@ -76,15 +74,15 @@ _force_software_fp8 = ScopedSetting("force_software_fp8", False)
 def launch_config(num_kv_heads: int, head_dim: int, element_size: int) -> LaunchConfig:
     """The launch configuration: the active override if any, else the heuristic below.
 
-    Sized from the access width, not swept: on an H100 it reaches 87% of copy bandwidth at 8192
-    Llama-3-8B tokens and 2-5 us (launch-bound) at 1024 and fewer
-    (perf/results/bench_h100_7843c61_attention.md); no other block_t / warps has been timed. One warp
-    moving one 16-byte vector per thread covers 32 * 16 / element_size elements (256 for
-    bf16/fp16). A program takes enough tokens to fill that warp when rows are small (Hkv * D < 256:
-    e.g. 1 head of 64 -> 4 tokens), and one warp per such 256 elements of its tile, capped at 8:
-    Llama-3-8B's 8 x 128 row is 4 warps of one vector per thread for K and one for V; 32 x 128
-    is 8 warps of two. Small programs (one token each for real rows) keep the scattered slots of a
-    decode batch spread over every SM, and there is no reuse that bigger programs would exploit.
+    Sized from the access width, not swept: 87% of copy on an H100 at 8192 Llama-3-8B tokens, 2-5
+    us (launch-bound) at 1024 and fewer, perf/decisions/kv_cache_write.md; no other block_t / warps
+    has been timed. One warp moving one 16-byte vector per thread covers 32 * 16 / element_size
+    elements (256 for bf16/fp16). A program takes enough tokens to fill that warp when rows are
+    small (Hkv * D < 256: e.g. 1 head of 64 -> 4 tokens), and one warp per such 256 elements of
+    its tile, capped at 8: Llama-3-8B's 8 x 128 row is 4 warps of one vector per thread for K and
+    one for V; 32 x 128 is 8 warps of two. Small programs (one token each for real rows) keep the
+    scattered slots of a decode batch spread over every SM, and there is no reuse that bigger
+    programs would exploit.
     """
     if _override.current is not None:
         return _override.current
@@ -186,14 +184,7 @@ def _launch(
     block_h, block_d = tile_shape(num_kv_heads, head_dim)
     config = launch_config(num_kv_heads, head_dim, key.element_size())
     grid = (-(-num_tokens // config.block_t),)
-    # Triton launches on the current CUDA device; switch only when the tensors live elsewhere so
-    # the common path pays no context-manager cost.
-    guard = (
-        torch.cuda.device(device)
-        if device.type == "cuda" and device.index != torch.cuda.current_device()
-        else contextlib.nullcontext()
-    )
-    with guard:
+    with device_guard(device):
         return _kernel()[grid](
             k_src,
             v_src,

@@ -1,16 +1,12 @@
-"""First-call cost and GPU resources of the triton backend's attention plans, without a GPU.
+"""First-call cost and GPU resources of the triton backend's attention plans, without a GPU: each
+plan of _attention._TABLE (or another table) compiled for an NVIDIA target in a fresh cache, with
+kernelmux.perf.attention_resources' reading (shared memory, registers, spills, KV buffers)."""
 
-Triton compiles paged_attention_kernel once per constexpr set (dtypes, head geometry, cache
-block size, options, plan), then keeps the binary in its on-disk cache (~/.triton/cache) for
-later processes. This compiles each plan of attention._TABLE (or of another table) for an NVIDIA
-target on a shape of its kind, in a fresh cache, and prints per plan the compile time and
-kernelmux.perf.attention_resources' reading: shared memory, registers, spills and the pipeline's
-KV buffers.
-
-    python perf/diag/attention_compile_cost.py [--arch 90] [--table _COMPACT_TABLE] [--kinds prefill_large]
-
-Compile times depend on the host (those recorded were on a 2-core VM); the resources do not.
-"""
+#     python perf/diag/attention_compile_cost.py [--arch 90] [--table _COMPACT_TABLE] [--kinds prefill_large]
+#
+# Triton compiles paged_attention_kernel once per constexpr set (dtypes, head geometry, cache block
+# size, options, plan), then keeps the binary in its on-disk cache (~/.triton/cache) for later
+# processes. Compile times depend on the host; the resources do not.
 
 from __future__ import annotations
 
@@ -23,18 +19,18 @@ os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="attention_compile_cost
 
 import triton  # noqa: E402
 
-from kernelmux.backends.triton import attention  # noqa: E402
+from kernelmux.backends.triton import _attention  # noqa: E402
 from kernelmux.perf.attention_resources import compile_plan, resources  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90, 89, 80")
-    parser.add_argument("--table", default="_TABLE", help="attention._TABLE or _COMPACT_TABLE")
+    parser.add_argument("--table", default="_TABLE", help="_attention._TABLE or _COMPACT_TABLE")
     parser.add_argument("--kinds", nargs="*", default=None, help="default: every kind of the table")
     args = parser.parse_args()
-    table = getattr(attention, args.table)
-    print(f"Triton {triton.__version__}, sm_{args.arch}, attention.{args.table}", flush=True)
+    table = getattr(_attention, args.table)
+    print(f"Triton {triton.__version__}, sm_{args.arch}, _attention.{args.table}", flush=True)
     for kind in args.kinds or list(table):
         plan = table[kind]
         seconds, kernel = compile_plan(kind, plan, args.arch)

@@ -1,22 +1,22 @@
-"""One call of a backend's paged_attention / mla_decode per named case, for Nsight
-Compute: every case is built and run once outside the profiled range (Triton compiles there),
-then run once between cudaProfilerStart and cudaProfilerStop.
+"""One call of a backend's paged_attention / mla_decode per named case for Nsight Compute: each
+case is run once outside the profiled range (Triton compiles there), then once between
+cudaProfilerStart and cudaProfilerStop. Without ncu it only runs the calls."""
 
-    ncu --profile-from-start off --clock-control none --section SpeedOfLight ... \\
-        python perf/diag/attention_profile.py --cases llama3_8b_prefill_t8192 ...
-
-(perf/run_gpu.sh's profile-attention step runs it this way.) Without ncu it only runs the calls.
-"""
+#     ncu --profile-from-start off --clock-control none --section SpeedOfLight ... \
+#         python perf/diag/attention_profile.py --cases llama3_8b_prefill_t8192 ...
+#
+# (perf/run_gpu.sh's profile-attention step runs it this way.)
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 
 import torch
 from attention_sweep import parse_plan  # this folder: on sys.path when run as a script
 
-from kernelmux.backends.triton import attention
+from kernelmux.backends.triton import _attention
 from kernelmux.specs import mla_decode as mla_spec
 from kernelmux.specs import paged_attention as pa_spec
 
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--plan", help="BMxBNxWxS[p][:SPLITS] for every case instead of the table's")
     parser.add_argument("--backend", choices=("triton", "cuda"), default="triton")
     args = parser.parse_args()
-    plan = attention.override_plan(**parse_plan(args.plan)) if args.plan else contextlib.nullcontext()
+    plan = _attention.override_plan(**parse_plan(args.plan)) if args.plan else contextlib.nullcontext()
     with plan:
         _profile(args.cases, args.backend)
 
@@ -40,17 +40,10 @@ def main() -> None:
 def case_call(name: str, device: torch.device, backend: str = "triton"):
     """(the backend's function, its kwargs) for a named paged_attention or mla_decode case (the
     DeepSeek cases are MLA's); ``backend`` "triton" or "cuda" (fp8 paged-attention decode, Hopper
-    MLA decode)."""
-    mla = name.startswith("deepseek")
-    spec = (mla_spec if mla else pa_spec).SPEC
-    if backend == "cuda":
-        from kernelmux.backends.cuda import attention as cuda_attention
-        from kernelmux.backends.cuda import mla as cuda_mla
-
-        fn = cuda_mla.mla_decode if mla else cuda_attention.paged_attention
-    else:
-        fn = attention.mla_decode if mla else attention.paged_attention
-    return fn, spec.case(name).build(device, 0)
+    MLA decode), whose entry for the op is ``backends/<backend>/<op>.py``."""
+    spec = (mla_spec if name.startswith("deepseek") else pa_spec).SPEC
+    entry = importlib.import_module(f"kernelmux.backends.{backend}.{spec.name}")
+    return getattr(entry, spec.name), spec.case(name).build(device, 0)
 
 
 def _profile(cases: list[str], backend: str) -> None:

@@ -1,16 +1,15 @@
 """Launch-plan sweep for the triton backend's paged_attention and mla_decode on the perf goals'
-shapes (the gpu-tagged cases), with dense torch SDPA on the same shapes as a peer.
+shapes (the gpu-tagged cases), with dense torch SDPA as a peer: the data behind _attention.py's
+_TABLE (perf/decisions/paged_attention.md, perf/decisions/mla_decode.md)."""
 
-Every plan is checked against the spec's reference before it is timed (CUDA-graph replay, the
-cache far larger than L2). Bandwidth is the spec's byte count over the median time, as a percent
-of the device-copy bandwidth measured in the same run; prefill is FLOP/s over the measured bf16
-matmul rate. The table in attention.py (_TABLE) is chosen from these numbers.
-
-    python perf/diag/attention_sweep.py --out DIR [--ops paged_attention mla_decode] [--kinds decode]
-        [--cases NAME ...] [--quick] [--budget-s 400] [--plans 16x64x4x3:8 16x64x4x4p:4 ...]
-
-The record is rewritten after every case, so a run cut off by a time limit keeps what it measured.
-"""
+#     python perf/diag/attention_sweep.py --out DIR [--ops paged_attention mla_decode] [--kinds decode]
+#         [--cases NAME ...] [--quick] [--budget-s 400] [--plans 16x64x4x3:8 16x64x4x4p:4 ...]
+#
+# Every plan is checked against the spec's reference before it is timed (CUDA-graph replay, the
+# cache far larger than L2). Bandwidth is the spec's byte count over the median time, as a percent
+# of the device-copy bandwidth measured in the same run; prefill is FLOP/s over the measured bf16
+# matmul rate. The record is rewritten after every case, so a run cut off by a time limit keeps
+# what it measured.
 
 from __future__ import annotations
 
@@ -21,7 +20,9 @@ import time
 
 import torch
 
-from kernelmux.backends.triton import attention
+from kernelmux.backends.triton import _attention
+from kernelmux.backends.triton.mla_decode import mla_decode
+from kernelmux.backends.triton.paged_attention import paged_attention
 from kernelmux.specs import mla_decode as mla_spec
 from kernelmux.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
@@ -40,11 +41,9 @@ MLA_CASES = [
 ]
 # (block_m, block_n, num_warps, num_stages); splits from the heuristic unless a variant names them.
 # The first plan of a list is also run with each forced split count in SPLITS; --quick runs the
-# first three of each list. Round 1 (ec2bf33) swept nine decode plans, round 2 (37dc0a4) the
-# prefill and MLA ones. Round 4: since the kernel loads block-table entries a step ahead, a plan
-# with num_stages = s keeps s - 1 KV tiles in flight (before, the table load took one stage), so
-# deeper pipelines are worth a new look; the shared-memory fits were checked by compiling for
-# sm_90 (Triton 3.6): bf16 MLA with 64 positions takes 2 stages at most, 32 positions 4.
+# first three of each list. With the block table prefetched a plan of s stages keeps s - 1 KV
+# tiles in flight, hence the deep pipelines; bf16 MLA fits 2 stages at 64 positions, 4 at 32
+# (compiled for sm_90, Triton 3.6).
 DECODE_PLANS = [(16, 128, 4, 3), (16, 128, 4, 2), (16, 64, 4, 4), (16, 64, 4, 3), (16, 128, 4, 4),
                 (16, 32, 4, 4)]
 PREFILL_PLANS = [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3),
@@ -110,10 +109,10 @@ def run(out_dir: str, ops: list[str], kinds: list[str], cases: list[str], quick:
     print("ceilings:", {k: round(v, 1) for k, v in ceilings.items() if v}, flush=True)
     groups = []
     if "paged_attention" in ops:
-        groups += [(pa_spec, attention.paged_attention, c, DECODE_PLANS, "decode") for c in DECODE_CASES]
-        groups += [(pa_spec, attention.paged_attention, c, PREFILL_PLANS, "prefill") for c in PREFILL_CASES]
+        groups += [(pa_spec, paged_attention, c, DECODE_PLANS, "decode") for c in DECODE_CASES]
+        groups += [(pa_spec, paged_attention, c, PREFILL_PLANS, "prefill") for c in PREFILL_CASES]
     if "mla_decode" in ops:
-        groups += [(mla_spec, attention.mla_decode, c, MLA_PLANS, "mla") for c in MLA_CASES]
+        groups += [(mla_spec, mla_decode, c, MLA_PLANS, "mla") for c in MLA_CASES]
     groups = [g for g in groups if g[4] in kinds and (not cases or g[2] in cases)]
     rows = []
     record = {
@@ -133,16 +132,14 @@ def run(out_dir: str, ops: list[str], kinds: list[str], cases: list[str], quick:
         mla = kind == "mla"
         q, cache = (kwargs["q"], kwargs["kv_cache"]) if mla else (kwargs["query"], kwargs["k_cache"])
         kv_heads = 1 if mla else cache.shape[2]
-        default = attention.plan_for(
-            attention._kind(kwargs["max_query_len"], cache.dtype, mla), device, kwargs["seq_lens"].shape[0],
+        default = _attention.plan_for(
+            _attention.kind_for(kwargs["max_query_len"], cache.dtype, mla), device, kwargs["seq_lens"].shape[0],
             q.shape[0], q.shape[1] // kv_heads, kv_heads, kwargs["max_query_len"], kwargs["max_seq_len"],
             head_dim=q.shape[2])
         if explicit_plans:
             variants = [(fields, "named") for fields in explicit_plans]
         else:
             variants = [(_plan_fields(p), "") for p in (plans[:3] if quick else plans)]
-        if cache.dtype == torch.float8_e4m3fn and not explicit_plans:
-            variants.append((dict(_plan_fields(plans[0]), fp16_dots_for_fp8=False), "bf16 dots"))
         if kind != "prefill" and not quick and not explicit_plans:
             best_guess = _plan_fields(plans[0])
             variants += [(dict(best_guess, num_splits=s), "splits") for s in SPLITS]
@@ -154,7 +151,7 @@ def run(out_dir: str, ops: list[str], kinds: list[str], cases: list[str], quick:
             started = time.time()
             row = dict(op=spec.name, case=case_name, plan=fields, default_splits=default.num_splits, tag=tag)
             try:
-                with attention.override_plan(**fields):
+                with _attention.override_plan(**fields):
                     actual = fn(**kwargs)
                     spec.check_close(spec.outputs(actual, kwargs), spec.outputs(expected, kwargs), kwargs)
                     us = _time(fn, kwargs)

@@ -1,13 +1,12 @@
-"""Where a decode call's time goes on the GPU: for each named case, 32 calls of the triton
-backend's paged_attention / mla_decode captured in one CUDA graph (as the bench times them) and
-replayed under the torch profiler; from the trace's kernel records it reports, per call, the span
-from the first kernel's start to the last one's end, each kernel's duration, and the idle time
-between consecutive kernels (within a call and from one call to the next).
+"""Where a decode call's time goes on the GPU: 32 calls of the triton backend's paged_attention /
+mla_decode per named case, captured in one CUDA graph and replayed under the torch profiler; per
+call, the span, each kernel's duration and the idle time between kernels."""
 
-    python perf/diag/attention_timeline.py --cases llama3_70b_tp8_fp8_decode_b64_ctx4096 --out DIR
-
-(perf/run_gpu.sh's timeline-attention step.) Writes attention_timeline.json and prints a table.
-"""
+#     python perf/diag/attention_timeline.py --cases llama3_70b_tp8_fp8_decode_b64_ctx4096 --out DIR
+#
+# (perf/run_gpu.sh's timeline-attention step.) The calls are captured as the bench times them; the
+# idle time is reported within a call and from one call to the next. Writes attention_timeline.json
+# and prints a table.
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""Diagnostic: show that `kernelmux bench --compare` is quiet on noise and catches a slowdown.
+"""Diagnostic: show that `kernelmux bench --compare` is quiet on noise and catches a slowdown, by
+running the bench twice unchanged and once with one backend slowed by a fixed wait per call."""
 
-Runs the bench three times on one op's cases: twice unchanged (the ratios between them are the
-run-to-run spread), then with one backend replaced by a copy of itself that waits a fixed time
-per call (on CUDA a device-side sleep inside the timed region, on CPUs a busy wait). Compares the
-second and third runs against the first and writes all three JSON files.
-
-    python perf/diag/compare_demo.py --op grouped_topk --backend triton --delay-us 5 --out DIR
-"""
+#     python perf/diag/compare_demo.py --op grouped_topk --backend triton --delay-us 5 --out DIR
+#
+# The two unchanged runs give the run-to-run spread; the slowed backend is a copy of itself that
+# waits a fixed time per call (on CUDA a device-side sleep inside the timed region, on CPUs a busy
+# wait). Compares the second and third runs against the first and writes all three JSON files.
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
-"""Why perf/ceilings.py measures bandwidth with an elementwise kernel: the same 2 GiB copy timed
-one call at a time (CUDA events) and by CUDA-graph replay (the bench's timer), as ``copy_`` and as
-two elementwise kernels that read and write the same bytes through the SMs. On the H100
-(2026-11-24): copy_ 2973 GB/s eager but 2436 replayed (in a graph it is a memcpy node); neg and
-mul 2942-3004 eager, 3018 replayed.
+"""Why perf/ceilings.py measures bandwidth with an elementwise kernel: a 2 GiB copy timed one call
+at a time and by CUDA-graph replay, as ``copy_`` and as two elementwise kernels over the same bytes.
+Run: python perf/diag/copy_ceiling_probe.py"""
 
-    python perf/diag/copy_ceiling_probe.py
-"""
+# On the H100 (2026-11-24): copy_ 2973 GB/s eager but 2436 replayed (in a graph it is a memcpy
+# node); neg and mul 2942-3004 eager, 3018 replayed.
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ split counts, read-ahead and warps per CTA, each checked against the spec's refe
 it is timed (CUDA-graph replay over input sets spanning 3x the L2, as the bench), with the triton
 backend's kernel on the same inputs for comparison. Bandwidth is the spec's byte count over the
 median time, as a percent of the device-copy bandwidth measured in the same run. DEFAULT_PLAN,
-_warps, split_count and wide_split_count in backends/cuda/attention.py are chosen from these
-numbers.
+_warps, split_count and wide_split_count in backends/cuda/_paged_decode.py are chosen from these
+numbers (perf/decisions/paged_attention.md).
 
     python perf/diag/cuda_decode_sweep.py --out DIR [--cases NAME ...] [--splits 1 4 8 16]
         [--plans w16s2 w4a auto ...] [--shapes 32:4096:8:1 ...] [--repeat N] [--defines MACRO ...]
@@ -27,8 +27,9 @@ import re
 
 import torch
 
-from kernelmux.backends.cuda import attention as cuda_attention
-from kernelmux.backends.triton import attention as triton_attention
+from kernelmux.backends.cuda import _compile, _paged_decode
+from kernelmux.backends.cuda import paged_attention as cuda_paged_attention
+from kernelmux.backends.triton import paged_attention as triton_paged_attention
 from kernelmux.specs._spec import Case
 from kernelmux.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
@@ -68,11 +69,16 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=[])
     parser.add_argument("--repeat", type=int, default=1, help="time every variant this many rounds")
     parser.add_argument("--defines", nargs="*", default=[],
-                        help="macros to compile the kernel with (experiments guarded in the .cu file)")
+                        help="diagnostic macros to compile the kernel with (_compile.DIAGNOSTICS, "
+                             "kernels/diagnostics.cuh)")
     parser.add_argument("--no-triton", action="store_true",
                         help="leave out the triton backend's kernel (A/B runs of the cuda kernel alone)")
     args = parser.parse_args()
-    cuda_attention._DEFINES = tuple(args.defines)
+    with _compile.diagnostics(*args.defines):
+        sweep(args)
+
+
+def sweep(args: argparse.Namespace) -> None:
     ceilings = ceilings_module.measure("cuda", only=("memory_gbps",))
     copy = ceilings["memory_gbps"]
     print(f"copy bandwidth {copy:.1f} GB/s", flush=True)
@@ -97,10 +103,10 @@ def main() -> None:
         inputs = rotated_inputs(lambda seed: build(torch.device("cuda"), seed), l2_bytes, 8, first=kwargs,
                                 bytes_per_call=cost.bytes)
         for trial, (backend, fields) in itertools.product(range(args.repeat), variants):
-            fn = cuda_attention.paged_attention if backend == "cuda" else triton_attention.paged_attention
+            fn = cuda_paged_attention.paged_attention if backend == "cuda" else triton_paged_attention.paged_attention
             row = dict(case=case, backend=backend, plan=fields, trial=trial, input_sets=len(inputs))
             try:
-                with cuda_attention.override_plan(**fields):
+                with _paged_decode.override_plan(**fields):
                     us = checked_replay_time(fn, inputs, expected, pa_spec.SPEC.check_close, calls_per_graph=8,
                                              trials=10).median_us
                 row.update(us=us, bandwidth_pct=100 * cost.bytes / us / 1e3 / copy, status="ok")

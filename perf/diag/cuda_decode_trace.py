@@ -1,7 +1,7 @@
 """Where the cuda backend's fp8 decode kernel spends a call: per CTA, %globaltimer at its entry,
 when its sequence length arrives, when its first K row arrives, when warp 0 finishes streaming,
 when every warp has, and when its stores are issued (the kernel compiled with KERNELMUX_DIAG_TRACE,
-which adds the marks and nothing else; see paged_decode_fp8.cu). Prints, per case, each mark's
+which adds the marks and nothing else; see kernels/diagnostics.cuh). Prints, per case, each mark's
 spread over the CTAs relative to the first entry, the stage durations and the number of CTAs
 running in each microsecond, against the time the spec's bytes take at the copy bandwidth
 measured in the same run.
@@ -19,8 +19,8 @@ import os
 import numpy as np
 import torch
 
-from kernelmux.backends.cuda import _nvrtc
-from kernelmux.backends.cuda import attention as cuda_attention
+from kernelmux.backends.cuda import _compile, _driver, _paged_decode
+from kernelmux.backends.cuda import paged_attention as cuda_paged_attention
 from kernelmux.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
@@ -32,28 +32,16 @@ MARK_SLOTS = [0, 1, 2, 3, 4, 6, 5]  # the .cu file's trace slot of each mark (sl
 TRACE_CTAS, TRACE_SLOTS = 1 << 16, 8  # the .cu file's kTraceCtas x 8 words
 
 
-def trace_buffer(module: ctypes.c_void_p) -> tuple[int, int]:
-    lib = _nvrtc._libcuda()
-    pointer, size = ctypes.c_uint64(), ctypes.c_size_t()
-    _nvrtc._cu_check(lib.cuModuleGetGlobal_v2(ctypes.byref(pointer), ctypes.byref(size), module,
-                                              b"kernelmux_trace"), "cuModuleGetGlobal(kernelmux_trace)")
-    return pointer.value, size.value
-
-
-def read_trace(module: ctypes.c_void_p, ctas: int) -> np.ndarray:
-    pointer, size = trace_buffer(module)
+def read_trace(kernel: _driver.Kernel, ctas: int) -> np.ndarray:
+    pointer, size = _driver.module_global(kernel, "kernelmux_trace")
     host = np.zeros((TRACE_CTAS, TRACE_SLOTS), dtype=np.uint64)
     assert host.nbytes == size, (host.nbytes, size)
-    _nvrtc._cu_check(_nvrtc._libcuda().cuMemcpyDtoH_v2(host.ctypes.data_as(ctypes.c_void_p),
-                                                       ctypes.c_uint64(pointer), ctypes.c_size_t(size)),
-                     "cuMemcpyDtoH")
+    _driver.copy_to_host(pointer, host.ctypes.data_as(ctypes.c_void_p), size)
     return host[:ctas]
 
 
-def clear_trace(module: ctypes.c_void_p) -> None:
-    pointer, size = trace_buffer(module)
-    _nvrtc._cu_check(_nvrtc._libcuda().cuMemsetD8_v2(ctypes.c_uint64(pointer), 0, ctypes.c_size_t(size)),
-                     "cuMemsetD8")
+def clear_trace(kernel: _driver.Kernel) -> None:
+    _driver.clear_device(*_driver.module_global(kernel, "kernelmux_trace"))
 
 
 def summarize(trace: np.ndarray) -> dict:
@@ -82,32 +70,31 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", default=CASES)
     parser.add_argument("--splits", type=int, default=None)
     parser.add_argument("--defines", nargs="*", default=[],
-                        help="more macros to compile the kernel with (experiments guarded in the .cu file)")
+                        help="more diagnostic macros to compile the kernel with (_compile.DIAGNOSTICS)")
     args = parser.parse_args()
     copy = ceilings_module.measure("cuda", only=("memory_gbps",))["memory_gbps"]
-    cuda_attention._DEFINES = ("KERNELMUX_DIAG_TRACE", *args.defines)
     record = {**records.header(),
               "copy_gbps": copy, "cases": {}}
     lines = [f"copy bandwidth {copy:.1f} GB/s"]
     for case in args.cases:
         kwargs = pa_spec.SPEC.case(case).build(torch.device("cuda"), 0)
         ideal_us = pa_spec.SPEC.cost(kwargs).bytes / copy / 1e3
-        cuda_attention._LOADED.clear()  # so the kernel this case loads last is the one it runs
-        with cuda_attention.override_plan(num_splits=args.splits):
+        _paged_decode._LOADED.clear()  # so the kernel this case loads last is the one it runs
+        with _compile.diagnostics("KERNELMUX_DIAG_TRACE", *args.defines), \
+                _paged_decode.override_plan(num_splits=args.splits):
             expected = pa_spec.SPEC.reference(**kwargs)
-            pa_spec.SPEC.check_close(cuda_attention.paged_attention(**kwargs), expected, kwargs)
-            decode = cuda_attention._LOADED.loaded()[-1][0]
-            module = decode._module
+            pa_spec.SPEC.check_close(cuda_paged_attention.paged_attention(**kwargs), expected, kwargs)
+            decode = _paged_decode._LOADED.loaded()[-1][0]
             runs = []
             for _ in range(5):
                 for _ in range(3):
-                    cuda_attention.paged_attention(**kwargs)
+                    cuda_paged_attention.paged_attention(**kwargs)
                 torch.cuda.synchronize()
-                clear_trace(module)
-                cuda_attention.paged_attention(**kwargs)
+                clear_trace(decode)
+                cuda_paged_attention.paged_attention(**kwargs)
                 torch.cuda.synchronize()
                 num_seqs, num_kv_heads = kwargs["seq_lens"].shape[0], kwargs["k_cache"].shape[2]
-                trace = read_trace(module, TRACE_CTAS)
+                trace = read_trace(decode, TRACE_CTAS)
                 ctas = int((trace[:, 0] > 0).sum())
                 assert ctas % (num_seqs * num_kv_heads) == 0, (ctas, num_seqs, num_kv_heads)
                 runs.append(summarize(trace[:ctas]))

@@ -1,5 +1,5 @@
 """What each part of the cuda backend's Hopper MLA kernel costs: the kernel timed as built, then
-rebuilt with one part left out at a time (KERNELMUX_DIAG_SKIP_* in mla_decode_sm90.cu: the score
+rebuilt with one part left out at a time (KERNELMUX_DIAG_SKIP_*, kernels/diagnostics.cuh: the score
 MMAs, the value MMAs, the cache loads after the first two tiles). The left-out builds compute
 wrong results; only their times mean anything. Times are CUDA-graph replays; percentages are of
 the copy bandwidth measured in the same run.
@@ -14,7 +14,8 @@ import json
 import os
 import time
 
-from kernelmux.backends.cuda import mla
+from kernelmux.backends.cuda import _compile
+from kernelmux.backends.cuda import mla_decode as mla
 from kernelmux.specs._spec import Case
 from kernelmux.specs import mla_decode as mla_spec
 from kernelmux.perf import ceilings as ceilings_module
@@ -60,13 +61,12 @@ def main() -> None:
             if label in FP8_ONLY and kwargs["kv_cache"].dtype != mla.FP8:
                 continue
             defines = VARIANTS[label]
-            mla._DEFINES = defines
-            timing = graph_replay_time(mla.mla_decode, [kwargs], calls_per_graph=8, trials=10)
+            with _compile.diagnostics(*defines):
+                timing = graph_replay_time(mla.mla_decode, [kwargs], calls_per_graph=8, trials=10)
             rows.append({"case": name, "variant": label, "defines": list(defines), "us": timing.median_us,
                          "pct_of_copy": 100 * floor_us / timing.median_us})
             print(f"{name:40s} {label:26s} {timing.median_us:8.1f} us  "
                   f"{rows[-1]['pct_of_copy']:5.1f}% of copy  (at {time.perf_counter() - started:.0f} s)", flush=True)
-    mla._DEFINES = ()
     record = {**records.header(), "copy_gbps": copy, "rows": rows}
     with open(os.path.join(args.out, "cuda_mla_ablation.json"), "w") as f:
         json.dump(record, f, indent=1)

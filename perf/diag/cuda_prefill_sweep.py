@@ -9,7 +9,7 @@ one input set (`us`) and rotating through input sets spanning 3x the L2 as the b
 are the spec's FLOP count (causal pairs counted once) over the median time, as a percent of the
 bf16 matmul rate measured in the same run the same way: the sustained times against the ceiling
 timed as the bench times (perf/ceilings.py), the bursts against its one-call-at-a-time twin.
-prefill.DEFAULT_PLAN is chosen from these numbers.
+backends/cuda/_paged_prefill.py's DEFAULT_PLAN is chosen from these numbers (perf/decisions/paged_attention.md).
 
     python perf/diag/cuda_prefill_sweep.py --out DIR [--cases NAME ...]
 """
@@ -23,9 +23,9 @@ import os
 
 import torch
 
-from kernelmux.backends.cuda import attention as cuda_attention
-from kernelmux.backends.cuda import prefill
-from kernelmux.backends.triton import attention as triton_attention
+from kernelmux.backends.cuda import _paged_prefill as prefill
+from kernelmux.backends.cuda import paged_attention as cuda_paged_attention
+from kernelmux.backends.triton import paged_attention as triton_paged_attention
 from kernelmux.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
@@ -85,7 +85,7 @@ def main() -> None:
         if sdpa is not None:
             variants.append(("sdpa", {}))
         for backend, fields in variants:
-            fn = {"cuda": cuda_attention.paged_attention, "triton": triton_attention.paged_attention,
+            fn = {"cuda": cuda_paged_attention.paged_attention, "triton": triton_paged_attention.paged_attention,
                   "sdpa": sdpa}[backend]
             row = {"case": case, "backend": backend, "plan": fields, "rotation": len(rotated)}
             try:

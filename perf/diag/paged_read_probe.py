@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernelmux.backends.cuda import attention as cuda_attention
+from kernelmux.backends.cuda import _paged_decode
+from kernelmux.backends.cuda import paged_attention as cuda_paged_attention
 from kernelmux.specs import paged_attention as pa_spec
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
@@ -142,9 +143,9 @@ def case_rows(case: str, copy_gbps: float, l2_bytes: int) -> dict:
                            for _ in range(sets - 1)]
         expected = pa_spec.SPEC.reference(**base)
         for plan in ({}, {"warps": 16, "num_splits": 1}):
-            with cuda_attention.override_plan(**plan):
-                us = checked_replay_time(cuda_attention.paged_attention, inputs, expected, pa_spec.SPEC.check_close,
-                                         calls_per_graph=8, trials=10).median_us
+            with _paged_decode.override_plan(**plan):
+                us = checked_replay_time(cuda_paged_attention.paged_attention, inputs, expected,
+                                         pa_spec.SPEC.check_close, calls_per_graph=8, trials=10).median_us
             key = f"kernel_{layout}_" + ("default" if not plan else "w16s1")
             found[key] = {"us": round(us, 2), "pct_of_copy": round(100 * cost.bytes / us / 1e3 / copy_gbps, 1)}
         del inputs, expected

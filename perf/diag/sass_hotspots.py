@@ -1,13 +1,12 @@
-"""The SASS instructions a kernel's warps stall on most, from Nsight Compute's source page:
+"""The SASS instructions a kernel's warps stall on most, from Nsight Compute's source page: stall
+samples summed by opcode, then the top instructions with their share of all samples."""
 
-    ncu --section SourceCounters -k regex:paged_attention -o report ... python3 ...
-    ncu -i report.ncu-rep --page source --print-source sass --csv > sass.csv
-    python3 perf/diag/sass_hotspots.py sass.csv [--top 30]
-
-(perf/run_gpu.sh's hotspots-attention step.) Prints the stall samples summed by opcode, then the
-top instructions with their share of all samples. Without a stall-sampling column it prints the
-CSV's header, so a renamed column shows up instead of an empty report.
-"""
+#     ncu --section SourceCounters -k regex:paged_attention -o report ... python3 ...
+#     ncu -i report.ncu-rep --page source --print-source sass --csv > sass.csv
+#     python3 perf/diag/sass_hotspots.py sass.csv [--top 30]
+#
+# (perf/run_gpu.sh's hotspots-attention step.) Without a stall-sampling column it prints the CSV's
+# header, so a renamed column shows up instead of an empty report.
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""Diagnostic: run every launch config of each Triton grouped_topk kernel on the GPU, checking
-each against the reference; a crash kills the CUDA context, so a driver restarts a worker
-process after the config that crashed.  python perf/diag/sweep_check.py"""
+"""Diagnostic: run every launch config of the Triton grouped_topk kernel on the GPU against the
+reference; a crash kills the CUDA context, so a driver restarts a worker process after the config
+that crashed.  python perf/diag/sweep_check.py"""
 
 import subprocess
 import sys
 
-CONFIGS = [(k, t, bt, w) for k in ("packed", "baseline") for t in (64, 1024, 16384)
-           for bt in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8)]
+CONFIGS = [(t, bt, w) for t in (64, 1024, 16384) for bt in (1, 2, 4, 8, 16, 32) for w in (1, 2, 4, 8)]
 
 
 def worker(start: int) -> None:
@@ -17,13 +16,13 @@ def worker(start: int) -> None:
 
     cache = {}
     for index in range(start, len(CONFIGS)):
-        kernel, tokens, bt, w = CONFIGS[index]
+        tokens, bt, w = CONFIGS[index]
         if tokens not in cache:
             kw = SPEC.case(f"deepseek_v3_t{tokens}").build("cuda", 0)
             cache[tokens] = (kw, SPEC.reference(**kw))
         kw, ref = cache[tokens]
         print(f"START {index}", flush=True)
-        with tm.use_kernel(kernel), tm.override_launch_config(tm.LaunchConfig(bt, w)):
+        with tm.override_launch_config(tm.LaunchConfig(bt, w)):
             out = tm.grouped_topk(**kw)
         torch.cuda.synchronize()
         try:

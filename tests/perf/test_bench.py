@@ -19,7 +19,7 @@ from kernelmux.engine import Engine, Settings
 from kernelmux.errors import ConfigurationError
 from kernelmux.specs import ALL_SPECS
 from kernelmux.specs import grouped_topk as grouped_topk_spec
-from kernelmux.perf import bench, ceilings, timing
+from kernelmux.perf import bench, ceilings, report, runner, timing
 from kernelmux.registry import Implementation, hookimpl
 
 CEILINGS = {"memory_gbps": 10.0, "bf16_tflops": 0.5, "fp8_tflops": None, "fp32_tflops": 0.25,
@@ -127,9 +127,9 @@ def test_result_records_environment_ceilings_and_method(result):
 
 
 def test_rate_falls_back_to_the_next_measured_precision():
-    assert bench._rate({"fp8_tflops": 1900.0, "bf16_tflops": 990.0}, "fp4") == (1900.0, "fp8")
-    assert bench._rate({"fp8_tflops": None, "bf16_tflops": 2.0}, "fp8") == (2.0, "bf16")
-    assert bench._rate({"fp32_tflops": 1.0}, "fp32") == (1.0, "fp32")
+    assert runner._rate({"fp8_tflops": 1900.0, "bf16_tflops": 990.0}, "fp4") == (1900.0, "fp8")
+    assert runner._rate({"fp8_tflops": None, "bf16_tflops": 2.0}, "fp8") == (2.0, "bf16")
+    assert runner._rate({"fp32_tflops": 1.0}, "fp32") == (1.0, "fp32")
 
 
 def test_error_stats_are_normwise_and_nan_aware():
@@ -263,7 +263,7 @@ def test_a_row_above_its_ceiling_is_flagged_and_never_given_a_percentage():
     engine = Engine(ALL_SPECS, Settings())
     tiny = {"memory_gbps": 1e-6, "bf16_tflops": 1e-9, "fp8_tflops": None, "fp32_tflops": 1e-9}
     result = bench.run(_plan(backends=["cpu"]), progress=lambda line: None, engine=engine, ceilings=tiny)
-    lines = [bench._describe(row) for row in result["rows"]]
+    lines = [report.describe(row) for row in result["rows"]]
     for row, line in zip(result["rows"], lines):
         assert row["flag"] == "above-ceiling" and "roofline_pct" not in row, row
         seconds = row["median_us"] / 1e6
@@ -320,7 +320,7 @@ def test_a_reference_past_the_call_limit_is_not_timed_and_says_so():
     assert bench.REFERENCE_CALL_LIMIT_S == 1.0
     assert "took 1.1 s" in ref["not_timed"]
     assert cpu["speedup_vs_reference"] is None and "median_us" in cpu
-    assert "reference not timed" in bench._describe(cpu)
+    assert "reference not timed" in report.describe(cpu)
     text = bench.markdown(result)
     assert "| reference | ok | not timed: one call took 1.1 s" in text and "| not timed | 1.00x |" in text
 

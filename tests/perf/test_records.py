@@ -1,4 +1,4 @@
-"""perf/records.py: the provenance every record under perf/results carries."""
+"""perf/records.py: the provenance every record carries (the commit, the device, the versions)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,9 @@ from conftest import DEVICE
 from cuda_kernels import needs_hopper, needs_nvrtc, poison_allocator
 from graph_replay import build, capture, replay_on_new_inputs
 from fakes import ask
-from kernelmux.backends.cuda import _nvrtc, attention, mla
+from kernelmux.backends.cuda import _compile, _paged_decode, _toolchain
+from kernelmux.backends.cuda._toolchain import KERNELS
+from kernelmux.backends.cuda import mla_decode as mla
 from kernelmux.engine import Engine, Settings
 from kernelmux.specs import ALL_SPECS
 from kernelmux.specs import mla_decode as mla_spec
@@ -53,7 +55,7 @@ def test_split_count_on_the_goal_shapes():
     # One CTA per SM (226 KiB of shared memory), 132 SMs on an H100. B 64 and 128 at 128 heads:
     # 128 and 256 CTAs, no split (two splits of B 64 would take two waves). B 8: 16 CTAs, 8 splits.
     def splits(ctas, max_seq_len=4096):
-        return attention.split_count(ctas, 132, max_seq_len, min_split_len=mla.MIN_SPLIT_LEN,
+        return _paged_decode.split_count(ctas, 132, max_seq_len, min_split_len=mla.MIN_SPLIT_LEN,
                                      max_splits=mla.MAX_SPLITS)
     assert splits(128) == 1 and splits(256) == 1
     assert splits(16) == 8
@@ -75,7 +77,7 @@ def test_shared_memory_fits_hopper():
     # sm_90's opt-in limit per CTA is 227 KiB; the .cu file's kSharedBytes must equal SHARED_BYTES
     # (the kernel traps on the GPU when launched with less, which the GPU tests would show).
     assert mla.SHARED_BYTES <= 227 * 1024
-    source = mla._SOURCE.read_text()
+    source = (KERNELS / mla.SOURCE_NAME).read_text()
     assert "constexpr int kQScale = kStats + 2 * kHeads * 4, kQMaxima = kQScale + 16;" in source
     assert "constexpr int kSharedBytes = kQMaxima + 16 + 1024;" in source
     assert mla.SHARED_BYTES == 3 * (576 // 64) * 64 * 128 + 64 * 128 + 2 * 64 * 4 + 2 * 16 + 1024
@@ -83,7 +85,7 @@ def test_shared_memory_fits_hopper():
 
 @needs_nvrtc
 def test_kernels_compile_for_sm90a_without_spills():
-    module = _nvrtc.compile_module(mla._SOURCE.read_text(), NAMES, (9, 0), verbose=True, arch_specific=True)
+    module = _compile.compile_module(mla.source(NAMES[:4], NAMES[4:]), NAMES, (9, 0), verbose=True, arch_specific=True)
     for name in NAMES:
         assert module.spill_bytes(name) == 0, name
         assert 0 < module.registers(name) <= 255, name
@@ -95,16 +97,16 @@ def test_kernels_compile_for_sm90a_without_spills():
 
 @needs_nvrtc
 def test_sm90_without_the_arch_suffix_is_refused_by_ptxas():
-    # wgmma needs sm_90a: the plain target must fail, which is why mla.py asks for arch_specific.
-    with pytest.raises(_nvrtc.NvrtcError, match="sm_90"):
-        _nvrtc.compile_module(mla._SOURCE.read_text(), NAMES[:1], (9, 0))
+    # wgmma needs sm_90a: the plain target must fail, which is why mla_decode.py asks for arch_specific.
+    with pytest.raises(_toolchain.NvrtcError, match="sm_90"):
+        _compile.compile_module(mla.source(NAMES[:1], []), NAMES[:1], (9, 0))
 
 
 # ---------------------------------------------------------------------------------------------
 # The kernel (sm_90 GPU)
 
 def _check(kwargs, seed):
-    assert ask(mla.mla_decode_supports, mla_spec.SPEC, kwargs) is None
+    assert ask(mla.supports, mla_spec.SPEC, kwargs) is None
     expected = mla_spec.SPEC.reference(**kwargs)
     q = kwargs["q"]
     poison_allocator(q.shape[0] * q.shape[1] * mla.RANK * 4 * 8)
@@ -221,7 +223,7 @@ def test_misaligned_q_view_is_refused_by_name():
     kwargs = build(mla_spec._maker((1,), (40,), 128), 1, DEVICE)
     wide = torch.zeros(kwargs["q"].shape[:-1] + (584,), dtype=BF16, device=DEVICE)
     kwargs["q"] = wide[..., 4:580]
-    reason = ask(mla.mla_decode_supports, mla_spec.SPEC, kwargs)
+    reason = ask(mla.supports, mla_spec.SPEC, kwargs)
     assert reason is not None and reason.startswith("q needs a unit stride along the row and 16-byte aligned")
     # Dispatch decides per key, which holds the layout: the call goes elsewhere, and is right.
     expected = mla_spec.SPEC.reference(**kwargs)

@@ -1,4 +1,4 @@
-"""The cuda backend's on-disk cubin cache (_nvrtc.compile_module_cached): keyed on every input of
+"""The cuda backend's on-disk cubin cache (_compile.compile_module_cached): keyed on every input of
 the compilation, loaded only when its recorded hash matches, written owner-only and atomically,
 and never used in a directory other users may write. NVRTC compiles a tiny kernel for sm_90."""
 
@@ -12,7 +12,7 @@ import warnings
 import pytest
 
 from cuda_kernels import needs_nvrtc
-from kernelmux.backends.cuda import _nvrtc
+from kernelmux.backends.cuda import _compile as cuda_compile
 
 pytestmark = needs_nvrtc
 
@@ -21,7 +21,7 @@ NAMES = ["scale<2>"]
 ARCH = (9, 0)
 # Another kernel with the same name expression: a cubin that must never come back for SOURCE.
 DECOY = "template <int S> __global__ void scale(float* x) { x[threadIdx.x] += S; }\n"
-_compile, _headers, _version = _nvrtc.compile_module, _nvrtc.device_headers, _nvrtc.nvrtc_version
+_compile_now, _headers, _version = cuda_compile.compile_module, cuda_compile.device_headers, cuda_compile.nvrtc_version
 
 
 @pytest.fixture
@@ -31,9 +31,9 @@ def compiles(monkeypatch):
 
     def counting(*args, **kwargs):
         calls.append(args)
-        return _compile(*args, **kwargs)
+        return _compile_now(*args, **kwargs)
 
-    monkeypatch.setattr(_nvrtc, "compile_module", counting)
+    monkeypatch.setattr(cuda_compile, "compile_module", counting)
     return calls
 
 
@@ -46,7 +46,7 @@ def cache(tmp_path, monkeypatch):
 
 def cached(**changes):
     kwargs = dict(source=SOURCE, names=NAMES, arch=ARCH) | changes
-    return _nvrtc.compile_module_cached(**kwargs)
+    return cuda_compile.compile_module_cached(**kwargs)
 
 
 def cached_warning(**changes):
@@ -66,7 +66,7 @@ def test_a_second_call_loads_the_entry_without_compiling(cache, compiles, names)
     # Unsorted names, as the backend's modules ask them (the decode kernel, then its merge): the
     # manifest must not compare them in another order (a miss at every call, seen on the H100).
     first = cached(names=names)
-    assert first.cubin == _compile(SOURCE, names, ARCH).cubin and len(compiles) == 1
+    assert first.cubin == _compile_now(SOURCE, names, ARCH).cubin and len(compiles) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         second = cached(names=names)
@@ -78,7 +78,7 @@ def test_a_planted_file_at_the_entry_path_is_not_loaded(tmp_path, cache, compile
     # in a fresh owner-only cache: another kernel's cubin, and beside it whatever metadata file
     # the cache keeps (a names record the format of kernelmux <= 0.1.0 accepted).
     real = cached()
-    decoy = _compile(DECOY, NAMES, ARCH).cubin
+    decoy = _compile_now(DECOY, NAMES, ARCH).cubin
     assert decoy != real.cubin
     planted = tmp_path / "planted" / "cuda"
     planted.mkdir(parents=True, mode=0o700)
@@ -153,7 +153,7 @@ def test_a_failed_write_leaves_neither_a_partial_entry_nor_a_temporary_file(cach
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", refuse)
-    assert cached().cubin == _compile(SOURCE, NAMES, ARCH).cubin
+    assert cached().cubin == _compile_now(SOURCE, NAMES, ARCH).cubin
     assert entries(cache) == []
 
 
@@ -167,15 +167,15 @@ KEY_CHANGES = {
     "arch_specific": lambda monkeypatch: dict(arch_specific=True),
     "filename": lambda monkeypatch: dict(filename="renamed.cu"),  # the cubin's line info names it
     "header": lambda monkeypatch: monkeypatch.setattr(
-        _nvrtc, "device_headers", lambda: tuple((n, t + "// edited\n") for n, t in _headers())),
+        cuda_compile, "device_headers", lambda: tuple((n, t + "// edited\n") for n, t in _headers())),
     "nvrtc_version": lambda monkeypatch: monkeypatch.setattr(
-        _nvrtc, "nvrtc_version", lambda: (_version()[0], _version()[1] + 1)),
+        cuda_compile, "nvrtc_version", lambda: (_version()[0], _version()[1] + 1)),
     # Same major.minor, another library file (a patch release: its ptxas may generate other code).
     # (raising=False: were these renamed, the change would not reach the key and the test fails.)
     "nvrtc_library": lambda monkeypatch: monkeypatch.setattr(
-        _nvrtc, "_nvrtc_library", lambda: ["/elsewhere/libnvrtc.so.13.0.99", 1, 2], raising=False),
+        cuda_compile, "nvrtc_library", lambda: ["/elsewhere/libnvrtc.so.13.0.99", 1, 2], raising=False),
     "nvrtc_option": lambda monkeypatch: monkeypatch.setattr(
-        _nvrtc, "_BASE_OPTIONS", (*getattr(_nvrtc, "_BASE_OPTIONS", ()), "--device-int128"), raising=False),
+        cuda_compile, "_BASE_OPTIONS", (*getattr(cuda_compile, "_BASE_OPTIONS", ()), "--device-int128"), raising=False),
 }
 
 
@@ -215,7 +215,7 @@ def test_a_folder_other_users_may_write_is_not_used(tmp_path, compiles, monkeypa
                 "group_writable": "group- or world-writable (mode 0770)",
                 "other_owner": "owned by uid"}[problem]
     first, warned = cached_warning()
-    assert first.cubin == _compile(SOURCE, NAMES, ARCH).cubin
+    assert first.cubin == _compile_now(SOURCE, NAMES, ARCH).cubin
     again, warned_again = cached_warning()
     # Neither call loaded the planted entry or wrote there; the reason was given once.
     assert len(compiles) == 3
@@ -228,5 +228,5 @@ def test_an_unusable_folder_costs_only_the_compilation(tmp_path, compiles, monke
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path / "a_file"))
     module, warned = cached_warning()
-    assert module.cubin == _compile(SOURCE, NAMES, ARCH).cubin and len(compiles) == 1
+    assert module.cubin == _compile_now(SOURCE, NAMES, ARCH).cubin and len(compiles) == 1
     assert len(warned) == 1 and "cannot open it" in warned[0], warned

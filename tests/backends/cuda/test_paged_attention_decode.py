@@ -17,7 +17,8 @@ from conftest import DEVICE
 from cuda_kernels import check_paged_attention, needs_gpu, needs_nvrtc
 from graph_replay import build, capture, replay_on_new_inputs
 from fakes import ask
-from kernelmux.backends.cuda import _nvrtc, attention
+from kernelmux.backends.cuda import _compile, _driver, _paged_decode, _toolchain
+from kernelmux.backends.cuda import paged_attention as cuda_paged_attention
 from kernelmux.engine import Engine, Settings
 from kernelmux.platforms import probes, simulate
 from kernelmux.specs import ALL_SPECS
@@ -41,9 +42,9 @@ FP8 = torch.float8_e4m3fn
 def test_shape_reason_names_what_it_refuses(kwargs, reason):
     call = dict(query_dtype=torch.bfloat16, cache_dtype=FP8, num_heads=8, num_kv_heads=1, head_dim=128,
                 block_size=16, decode=True)
-    assert attention.shape_reason(**call) is None
+    assert _paged_decode.shape_reason(**call) is None
     call.update(kwargs)
-    assert reason in attention.shape_reason(**call)
+    assert reason in _paged_decode.shape_reason(**call)
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, block_size, query_dtype", [
@@ -51,7 +52,7 @@ def test_shape_reason_names_what_it_refuses(kwargs, reason):
     (12, 4, 128, torch.bfloat16),
 ])
 def test_shape_reason_takes_decode_shapes(num_heads, num_kv_heads, block_size, query_dtype):
-    assert attention.shape_reason(query_dtype, FP8, num_heads, num_kv_heads, 128, block_size, True) is None
+    assert _paged_decode.shape_reason(query_dtype, FP8, num_heads, num_kv_heads, 128, block_size, True) is None
 
 
 @pytest.mark.parametrize("ctas, slots, max_seq_len", [
@@ -59,15 +60,15 @@ def test_shape_reason_takes_decode_shapes(num_heads, num_kv_heads, block_size, q
     (3, 264, 2048),
 ])
 def test_split_count_fills_one_wave_with_long_enough_shares(ctas, slots, max_seq_len):
-    splits = attention.split_count(ctas, slots, max_seq_len)
-    assert splits == 1 or max_seq_len // splits >= attention.MIN_SPLIT_LEN
+    splits = _paged_decode.split_count(ctas, slots, max_seq_len)
+    assert splits == 1 or max_seq_len // splits >= _paged_decode.MIN_SPLIT_LEN
     if ctas >= slots:
         assert splits == 1
     # No grid of fewer waves' time exists among the allowed counts, and none with fewer splits
     # ties it.
     def time(s):
         return -(-ctas * s // slots) / s
-    allowed = [s for s in range(1, 65) if s == 1 or max_seq_len // s >= attention.MIN_SPLIT_LEN]
+    allowed = [s for s in range(1, 65) if s == 1 or max_seq_len // s >= _paged_decode.MIN_SPLIT_LEN]
     assert time(splits) == min(time(s) for s in allowed)
     assert all(time(s) > time(splits) for s in allowed if s < splits)
 
@@ -75,75 +76,75 @@ def test_split_count_fills_one_wave_with_long_enough_shares(ctas, slots, max_seq
 def test_split_count_on_the_goal_shapes():
     # 4-warp CTAs on the H100: 132 SMs x 4 CTAs (128 registers a thread). Llama-3-70B TP8 B64 x
     # 4096: 64 CTAs -> 8 splits (512 CTAs, one wave); B8 x 32768: 8 CTAs -> 64 splits; Llama-3-8B
-    # B64: 512 CTAs already fill the wave. (By default the first two run 16-warp CTAs since
-    # round 13: test_wide_split_count.)
-    assert attention.split_count(64, 528, 4096) == 8
-    assert attention.split_count(8, 528, 32768) == 64
-    assert attention.split_count(512, 528, 4096) == 1
+    # B64: 512 CTAs already fill the wave. (By default the first two run 16-warp CTAs:
+    # test_wide_split_count.)
+    assert _paged_decode.split_count(64, 528, 4096) == 8
+    assert _paged_decode.split_count(8, 528, 32768) == 64
+    assert _paged_decode.split_count(512, 528, 4096) == 1
 
 
 def test_override_plan_checks_its_argument():
     with pytest.raises(ValueError, match=r"num_splits must be an int in \[1, 64\] or None, got 0"):
-        with attention.override_plan(num_splits=0):
+        with _paged_decode.override_plan(num_splits=0):
             pass
     with pytest.raises(ValueError, match="num_splits must be an int in .* got 65"):
-        with attention.override_plan(num_splits=65):
+        with _paged_decode.override_plan(num_splits=65):
             pass
     with pytest.raises(ValueError, match="warps must be 4, 8, 16 or None, got 2"):
-        with attention.override_plan(warps=2):
+        with _paged_decode.override_plan(warps=2):
             pass
     with pytest.raises(ValueError, match="read_ahead needs more than 128 registers .* got 16"):
-        with attention.override_plan(warps=16, read_ahead=True):
+        with _paged_decode.override_plan(warps=16, read_ahead=True):
             pass
     with pytest.raises(ValueError, match="overlap must be True, False or None, got 'yes'"):
-        with attention.override_plan(overlap="yes"):
+        with _paged_decode.override_plan(overlap="yes"):
             pass
 
 
 @pytest.mark.parametrize("plan, capability, warps, splits, ctas, merge_ctas, expected", [
-    (attention.DecodePlan(), (9, 0), 16, 1, 64, 512, (True, True, False)),    # one wave, idle SMs, no merge
-    (attention.DecodePlan(), (9, 0), 16, 16, 8, 64, (True, False, True)),     # a merge of one CTA per SM
-    (attention.DecodePlan(), (9, 0), 16, 8, 16, 132, (True, False, True)),
-    (attention.DecodePlan(), (9, 0), 16, 2, 48, 384, (True, False, False)),   # a merge of several waves
-    (attention.DecodePlan(), (9, 0), 4, 1, 512, 4096, (True, False, False)),  # several waves of 4-warp CTAs
-    (attention.DecodePlan(), (9, 0), 4, 8, 64, 64, (True, False, False)),     # 4-warp CTAs: not measured
-    (attention.DecodePlan(warps=16), (9, 0), 16, 1, 512, 4096, (True, False, False)),  # 16 warps, several waves
-    (attention.DecodePlan(), (8, 9), 16, 1, 64, 512, (False, False, False)),  # no PDL before sm_90
-    (attention.DecodePlan(), (8, 9), 16, 16, 8, 64, (False, False, False)),
-    (attention.DecodePlan(), (10, 0), 16, 1, 64, 512, (True, True, False)),
-    (attention.DecodePlan(overlap=False), (9, 0), 16, 1, 64, 512, (False, False, False)),
-    (attention.DecodePlan(overlap=False), (9, 0), 16, 16, 8, 64, (False, False, False)),
-    (attention.DecodePlan(overlap=True), (9, 0), 4, 4, 64, 512, (True, False, False)),
+    (_paged_decode.DecodePlan(), (9, 0), 16, 1, 64, 512, (True, True, False)),    # one wave, idle SMs, no merge
+    (_paged_decode.DecodePlan(), (9, 0), 16, 16, 8, 64, (True, False, True)),     # a merge of one CTA per SM
+    (_paged_decode.DecodePlan(), (9, 0), 16, 8, 16, 132, (True, False, True)),
+    (_paged_decode.DecodePlan(), (9, 0), 16, 2, 48, 384, (True, False, False)),   # a merge of several waves
+    (_paged_decode.DecodePlan(), (9, 0), 4, 1, 512, 4096, (True, False, False)),  # several waves of 4-warp CTAs
+    (_paged_decode.DecodePlan(), (9, 0), 4, 8, 64, 64, (True, False, False)),     # 4-warp CTAs: not measured
+    (_paged_decode.DecodePlan(warps=16), (9, 0), 16, 1, 512, 4096, (True, False, False)),  # 16 warps, several waves
+    (_paged_decode.DecodePlan(), (8, 9), 16, 1, 64, 512, (False, False, False)),  # no PDL before sm_90
+    (_paged_decode.DecodePlan(), (8, 9), 16, 16, 8, 64, (False, False, False)),
+    (_paged_decode.DecodePlan(), (10, 0), 16, 1, 64, 512, (True, True, False)),
+    (_paged_decode.DecodePlan(overlap=False), (9, 0), 16, 1, 64, 512, (False, False, False)),
+    (_paged_decode.DecodePlan(overlap=False), (9, 0), 16, 16, 8, 64, (False, False, False)),
+    (_paged_decode.DecodePlan(overlap=True), (9, 0), 4, 4, 64, 512, (True, False, False)),
 ])
 def test_programmatic_launch_choices(plan, capability, warps, splits, ctas, merge_ctas, expected):
-    assert attention._launches(plan, capability, warps, splits, ctas, 132, merge_ctas) == expected
+    assert _paged_decode._launches(plan, capability, warps, splits, ctas, 132, merge_ctas) == expected
 
 
 @pytest.mark.parametrize("plan, ctas, max_seq_len, template, warps", [
     # Default: 16 warps where wide_split_count takes the grid and the template holds them.
-    (attention.DecodePlan(), 64, 4096, (1, True, 4, False), 16),
-    (attention.DecodePlan(), 8, 32768, (1, False, 6, False), 16),
-    (attention.DecodePlan(), 131, 4096, (1, True, 4, False), 16),
-    (attention.DecodePlan(), 132, 4096, (1, True, 4, False), 4),  # one CTA per SM or more
-    (attention.DecodePlan(), 512, 4096, (1, True, 4, False), 4),
-    (attention.DecodePlan(), 16, 4096, (1, True, 4, False), 4),  # shares under WIDE_MIN_SHARE
-    (attention.DecodePlan(), 64, 4096, (2, True, 4, False), 4),  # two head tiles
-    (attention.DecodePlan(), 64, 4096, (1, True, 2, False), 4),  # blocks of 4: lookups per position
-    (attention.DecodePlan(), 64, 4096, (1, True, 4, True), 4),  # soft cap
-    (attention.DecodePlan(read_ahead=True), 64, 4096, (1, True, 4, False), 4),
+    (_paged_decode.DecodePlan(), 64, 4096, (1, True, 4, False), 16),
+    (_paged_decode.DecodePlan(), 8, 32768, (1, False, 6, False), 16),
+    (_paged_decode.DecodePlan(), 131, 4096, (1, True, 4, False), 16),
+    (_paged_decode.DecodePlan(), 132, 4096, (1, True, 4, False), 4),  # one CTA per SM or more
+    (_paged_decode.DecodePlan(), 512, 4096, (1, True, 4, False), 4),
+    (_paged_decode.DecodePlan(), 16, 4096, (1, True, 4, False), 4),  # shares under WIDE_MIN_SHARE
+    (_paged_decode.DecodePlan(), 64, 4096, (2, True, 4, False), 4),  # two head tiles
+    (_paged_decode.DecodePlan(), 64, 4096, (1, True, 2, False), 4),  # blocks of 4: lookups per position
+    (_paged_decode.DecodePlan(), 64, 4096, (1, True, 4, True), 4),  # soft cap
+    (_paged_decode.DecodePlan(read_ahead=True), 64, 4096, (1, True, 4, False), 4),
     # A plan's warps are an upper bound.
-    (attention.DecodePlan(warps=8), 64, 4096, (1, True, 4, False), 8),
-    (attention.DecodePlan(warps=16), 512, 4096, (1, True, 4, False), 16),
-    (attention.DecodePlan(warps=16), 64, 4096, (1, True, 4, True), 8),
-    (attention.DecodePlan(warps=16), 64, 4096, (1, True, 0, False), 8),
-    (attention.DecodePlan(warps=16), 64, 4096, (2, True, 4, False), 4),
+    (_paged_decode.DecodePlan(warps=8), 64, 4096, (1, True, 4, False), 8),
+    (_paged_decode.DecodePlan(warps=16), 512, 4096, (1, True, 4, False), 16),
+    (_paged_decode.DecodePlan(warps=16), 64, 4096, (1, True, 4, True), 8),
+    (_paged_decode.DecodePlan(warps=16), 64, 4096, (1, True, 0, False), 8),
+    (_paged_decode.DecodePlan(warps=16), 64, 4096, (2, True, 4, False), 4),
 ])
 def test_warps_per_cta(plan, ctas, max_seq_len, template, warps):
-    assert attention._warps(plan, ctas, 132, max_seq_len, *template) == warps
+    assert _paged_decode._warps(plan, ctas, 132, max_seq_len, *template) == warps
 
 
 @pytest.mark.parametrize("ctas, max_seq_len, splits", [
-    # The measured H100 shapes (132 SMs, one KV head): round 13 in perf/notes/attention.md.
+    # The measured H100 shapes (132 SMs, one KV head): perf/decisions/paged_attention.md.
     (64, 4096, 1),  # B 64 x 4096: unsplit (at least 45% of the SMs)
     (48, 4096, 2),  # B 48: one wave of 96
     (128, 4096, 1),
@@ -157,7 +158,7 @@ def test_warps_per_cta(plan, ctas, max_seq_len, template, warps):
     (0, 4096, None),
 ])
 def test_wide_split_count(ctas, max_seq_len, splits):
-    assert attention.wide_split_count(ctas, 132, max_seq_len) == splits
+    assert _paged_decode.wide_split_count(ctas, 132, max_seq_len) == splits
 
 
 def _names() -> list[str]:
@@ -174,7 +175,7 @@ def _names() -> list[str]:
 @pytest.mark.parametrize("arch", [(8, 9), (10, 0), (12, 0)])
 def test_every_template_compiles(arch):
     names = _names()
-    module = _nvrtc.compile_module(attention._SOURCE.read_text(), names, arch, verbose=True)
+    module = _compile.compile_module(_paged_decode.source(tuple(names)), names, arch, verbose=True)
     assert all(module.registers(name) > 0 for name in names)
 
 
@@ -184,7 +185,7 @@ def test_hopper_kernels_hold_their_occupancy_without_spills():
     # with whole 16-position tiles per cache block (no soft cap, no read-ahead) fit 128
     # registers: 16 warps per SM, as the goal shapes' warps and split counts assume.
     names = _names()
-    module = _nvrtc.compile_module(attention._SOURCE.read_text(), names, (9, 0), verbose=True)
+    module = _compile.compile_module(_paged_decode.source(tuple(names)), names, (9, 0), verbose=True)
     for name in names:
         assert module.spill_bytes(name) == 0, name
     held = [n for n in names if re.fullmatch(r"paged_decode_fp8<1, \w+, 4, false, \w+, false, \d+>", n)]
@@ -197,19 +198,19 @@ def test_hopper_kernels_hold_their_occupancy_without_spills():
 def test_traced_build_compiles_without_spills(tmp_path, monkeypatch):
     # perf/diag/cuda_decode_trace.py's build: the marks must not change what they time by spilling.
     monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
-    module, decode, _ = attention._compiled((9, 0), ("KERNELMUX_DIAG_TRACE",), 1, True, 4, False, True, False, 4)
+    module, decode, _ = _paged_decode._compiled((9, 0), ("KERNELMUX_DIAG_TRACE",), 1, True, 4, False, True, False, 4)
     assert b"kernelmux_trace" in module.cubin
-    plain, _, _ = attention._compiled((9, 0), (), 1, True, 4, False, True, False, 4)
+    plain, _, _ = _paged_decode._compiled((9, 0), (), 1, True, 4, False, True, False, 4)
     assert b"kernelmux_trace" not in plain.cubin
-    traced = _nvrtc.compile_module("#define KERNELMUX_DIAG_TRACE 1\n" + attention._SOURCE.read_text(), [decode],
-                                   (9, 0), verbose=True)
+    traced = _compile.compile_module(_paged_decode.source((decode,)), [decode], (9, 0), verbose=True,
+                                     defines=("KERNELMUX_DIAG_TRACE",))
     assert traced.spill_bytes(decode) == 0
 
 
 @needs_nvrtc
 def test_compile_errors_carry_the_log():
-    with pytest.raises(_nvrtc.NvrtcError, match="undefined_thing"):
-        _nvrtc.compile_module("__global__ void k() { undefined_thing(); }", ["k"], (9, 0))
+    with pytest.raises(_toolchain.NvrtcError, match="undefined_thing"):
+        _compile.compile_module("__global__ void k() { undefined_thing(); }", ["k"], (9, 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,7 +256,7 @@ def test_every_plan_against_reference(options, num_heads, num_kv_heads, splits, 
     seed = 10 * num_heads + splits
     make = pa_spec._maker(Q_LENS, KV_LENS, num_heads, num_kv_heads, 128, block_size=16, cache_dtype=FP8,
                           **OPTIONS[options])
-    with attention.override_plan(num_splits=splits, **plan):
+    with _paged_decode.override_plan(num_splits=splits, **plan):
         check_paged_attention(_build(make, seed), seed)
 
 
@@ -272,8 +273,8 @@ def test_decode_ignores_nan_in_unread_slots():
         kwargs[name].view(torch.uint8)[~read] = 0x7F  # e4m3 NaN
     for splits, plan in itertools.product((1, 3), ({}, {"read_ahead": True}, {"warps": 4}, {"warps": 8},
                                                     {"warps": 16})):
-        with attention.override_plan(num_splits=splits, **plan):
-            pa_spec.SPEC.check_close(attention.paged_attention(**kwargs), expected, kwargs)
+        with _paged_decode.override_plan(num_splits=splits, **plan):
+            pa_spec.SPEC.check_close(cuda_paged_attention.paged_attention(**kwargs), expected, kwargs)
 
 
 @needs_gpu
@@ -291,7 +292,7 @@ def test_misaligned_cache_view_is_refused_by_name():
     kwargs = _build(pa_spec._maker((1,), (40,), 8, 1, 128, cache_dtype=FP8), 1)
     wide = torch.zeros(kwargs["k_cache"].shape[:-1] + (136,), dtype=FP8, device=DEVICE)
     kwargs["k_cache"] = wide[..., 8:]
-    reason = ask(attention.paged_attention_supports, pa_spec.SPEC, kwargs)
+    reason = ask(cuda_paged_attention.supports, pa_spec.SPEC, kwargs)
     assert reason is not None and reason.startswith("k_cache needs a unit stride along the head dim and 16-byte")
     # Dispatch decides per key, which holds the layout: the call goes elsewhere, and is right.
     expected = pa_spec.SPEC.reference(**kwargs)
@@ -310,8 +311,8 @@ def test_decode_graph_replays_new_inputs(splits, plan):
     make = pa_spec._maker((1,) * batch, (max_len,) * batch, 8, 1, 128, cache_dtype=FP8, scales=(0.23, 0.31),
                           spare_blocks=64)
     static = _build(make, 0)
-    with attention.override_plan(num_splits=splits, **plan):
-        graph, out = capture(attention.paged_attention, static)
+    with _paged_decode.override_plan(num_splits=splits, **plan):
+        graph, out = capture(cuda_paged_attention.paged_attention, static)
     replay_on_new_inputs(pa_spec, make, static, graph, out, batch, max_len)
 
 
@@ -330,14 +331,14 @@ def test_decode_overlapping_the_writer_of_its_indices_ignores_stale_values(split
     expected = pa_spec.SPEC.reference(**kwargs)
     names = ("cu_seqlens_q", "seq_lens", "block_table")
     new = {name: kwargs[name].clone() for name in names}
-    with attention.override_plan(num_splits=splits, **plan):
+    with _paged_decode.override_plan(num_splits=splits, **plan):
         for garbage in (1 << 30, -(1 << 30), 0x7FFFFFFF, -1) * 2:
             for name in names:
                 kwargs[name].fill_(garbage)
             torch.cuda.synchronize()
             for name in names:
                 torch.mul(new[name], 1, out=kwargs[name])  # a kernel (a copy would be a memcpy)
-            actual = attention.paged_attention(**kwargs)
+            actual = cuda_paged_attention.paged_attention(**kwargs)
             torch.cuda.synchronize()
             pa_spec.SPEC.check_close(actual, expected, kwargs)
 
@@ -345,12 +346,12 @@ def test_launch_structs_match_cuda_h():
     # cuda.h (12.x, 13.0): CUlaunchAttribute is a 4-byte id, 4 bytes of padding and a 64-byte
     # value union; CUlaunchConfig is six grid/block dims, the shared bytes, then (8-aligned) the
     # stream, the attribute pointer and their count.
-    assert ctypes.sizeof(_nvrtc._LaunchAttribute) == 72 and _nvrtc._LaunchAttribute.value.offset == 8
-    config = _nvrtc._LaunchConfig
+    assert ctypes.sizeof(_driver._LaunchAttribute) == 72 and _driver._LaunchAttribute.value.offset == 8
+    config = _driver._LaunchConfig
     assert ctypes.sizeof(config) == 56
     assert (config.shared_bytes.offset, config.stream.offset, config.attrs.offset, config.num_attrs.offset) == (
         24, 32, 40, 48)
-    attribute = _nvrtc._LaunchAttribute(id=_nvrtc._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute = _driver._LaunchAttribute(id=_driver._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
     attribute.value.flag = 1
     assert bytes(attribute)[:12] == bytes([6, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0])
 
@@ -359,41 +360,55 @@ def test_launch_structs_match_cuda_h():
 def test_compiled_cubins_are_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
     names = ["merge_splits<true>"]
-    first = _nvrtc.compile_module_cached(attention._SOURCE.read_text(), names, (9, 0))
+    first = _compile.compile_module_cached(_paged_decode.source(tuple(names)), names, (9, 0))
     assert len(list(tmp_path.glob("cuda/*.cubin"))) == 1
     calls = []
-    monkeypatch.setattr(_nvrtc, "compile_module", lambda *a, **k: calls.append(a))
-    second = _nvrtc.compile_module_cached(attention._SOURCE.read_text(), names, (9, 0))
+    monkeypatch.setattr(_compile, "compile_module", lambda *a, **k: calls.append(a))
+    second = _compile.compile_module_cached(_paged_decode.source(tuple(names)), names, (9, 0))
     assert calls == [] and second.cubin == first.cubin and second.names == first.names
     # Another arch is another entry.
     monkeypatch.undo()
     monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
-    _nvrtc.compile_module_cached(attention._SOURCE.read_text(), names, (8, 9))
+    _compile.compile_module_cached(_paged_decode.source(tuple(names)), names, (8, 9))
     assert len(list(tmp_path.glob("cuda/*.cubin"))) == 2
 
 
-def test_launch_parameters_hold_each_argument_by_kind():
-    # What cuLaunchKernel reads: params[i] points at argument i's value, in its C type.
-    kernel = _nvrtc.Kernel(ctypes.c_void_p(0), "ppiqf", 128, None)
+class _Mirror(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("n", ctypes.c_int32), ("stride", ctypes.c_int64),
+                ("scale", ctypes.c_float)]
+
+
+def test_launch_parameters_hold_each_field_by_kind():
+    # What cuLaunchKernel reads: ``extra`` names the params struct as the parameter buffer (and
+    # its size); each field holds its argument's value in its C type.
+    kernel = _driver.Kernel(ctypes.c_void_p(0), _Mirror, 128, None)
     tensor = torch.arange(4.0)
-    types = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float]
+    names = [name for name, _ in _Mirror._fields_]
 
-    def read(params):
-        return [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in enumerate(types)]
+    def read(extra):
+        assert extra[0] == _driver._CU_LAUNCH_PARAM_BUFFER_POINTER and extra[2] == _driver._CU_LAUNCH_PARAM_BUFFER_SIZE
+        assert extra[4] is None  # CU_LAUNCH_PARAM_END
+        assert ctypes.cast(extra[3], ctypes.POINTER(ctypes.c_size_t)).contents.value == ctypes.sizeof(_Mirror)
+        struct = ctypes.cast(extra[1], ctypes.POINTER(_Mirror)).contents
+        return [getattr(struct, name) for name in names]
 
-    params = kernel.parameters(tensor, None, -7, 1 << 40, 0.25)
-    assert read(params) == [tensor.data_ptr(), None, -7, 1 << 40, 0.25]
+    extra = kernel.parameters(x=tensor, y=None, n=-7, stride=1 << 40, scale=0.25)
+    assert read(extra) == [tensor.data_ptr(), None, -7, 1 << 40, 0.25]
     # Refilled per call; another thread gets its own storage, so concurrent launches do not mix.
     other = torch.arange(8.0)
-    params = kernel.parameters(other, other, 3, -1, 2.0)
-    assert read(params) == [other.data_ptr(), other.data_ptr(), 3, -1, 2.0]
+    extra = kernel.parameters(x=other, y=other, n=3, stride=-1, scale=2.0)
+    assert read(extra) == [other.data_ptr(), other.data_ptr(), 3, -1, 2.0]
     seen = {}
-    thread = threading.Thread(target=lambda: seen.update(params=kernel.parameters(tensor, None, 1, 2, 3.0)))
+    thread = threading.Thread(
+        target=lambda: seen.update(extra=kernel.parameters(x=tensor, y=None, n=1, stride=2, scale=3.0)))
     thread.start()
     thread.join()
-    assert ctypes.addressof(seen["params"]) != ctypes.addressof(kernel.parameters(other, other, 3, -1, 2.0))
-    with pytest.raises(TypeError, match="kernel takes 5 arguments, got 2"):
-        kernel.parameters(tensor, None)
+    assert seen["extra"][1] != kernel.parameters(x=other, y=other, n=3, stride=-1, scale=2.0)[1]
+    # Every field named, none unknown: a field left out would keep the previous call's value.
+    with pytest.raises(TypeError, match=r"_Mirror: missing fields \['n', 'scale', 'stride'\], unknown fields \[\]"):
+        kernel.parameters(x=tensor, y=None)
+    with pytest.raises(TypeError, match=r"unknown fields \['z'\]"):
+        kernel.parameters(x=tensor, y=None, n=1, stride=2, scale=3.0, z=4)
 
 
 def test_loaded_kernels_build_once_per_device_and_key(monkeypatch):
@@ -401,19 +416,19 @@ def test_loaded_kernels_build_once_per_device_and_key(monkeypatch):
     # (device, key), also when threads race for the first call; kernels of a module in spec order.
     loads = []
 
-    def fake_load(module, name, signature, block, loaded=None, shared_bytes=0):
+    def fake_load(module, name, params, block, loaded=None, shared_bytes=0):
         loads.append((name, loaded, shared_bytes))
         return (name, block, shared_bytes), f"module of {name}" if loaded is None else loaded
 
-    monkeypatch.setattr(_nvrtc, "load_kernel", fake_load)
+    monkeypatch.setattr(_driver, "load_kernel", fake_load)
     builds = []
-    specs = [_nvrtc.KernelSpec("decode<true>", "pi", 256, 4096), _nvrtc.KernelSpec("merge<true>", "pi", 128)]
+    specs = [_driver.KernelSpec("decode<true>", _Mirror, 256, 4096), _driver.KernelSpec("merge<true>", _Mirror, 128)]
 
     def build():
         builds.append(1)
         return "module", specs
 
-    cache = _nvrtc.LoadedKernels()
+    cache = _driver.LoadedKernels()
     results = []
     threads = [threading.Thread(target=lambda: results.append(cache.get("cuda:0", ("key",), build)))
                for _ in range(8)]
@@ -447,7 +462,7 @@ def test_platform_problem_names_what_the_platform_lacks(monkeypatch, platform, n
     # The requirement and the NVRTC check are static: asked once per platform (at startup, or
     # for a device whose platform differs), never per call; simulated platforms answer as the
     # real ones would.
-    monkeypatch.setattr(_nvrtc, "find_nvrtc", lambda: object() if nvrtc else None)
+    monkeypatch.setattr(_toolchain, "find_nvrtc", lambda: object() if nvrtc else None)
     registry = Registry({spec.name: spec for spec in ALL_SPECS})
     registry.load_entry_points(["cuda"])
     impl = registry.implementations[(op, "cuda")]

@@ -17,7 +17,10 @@ from conftest import DEVICE
 from cuda_kernels import check_paged_attention, needs_cuobjdump, needs_hopper, needs_nvrtc, sass
 from graph_replay import build, capture, replay_on_new_inputs
 from fakes import ask
-from kernelmux.backends.cuda import _nvrtc, attention, prefill
+from kernelmux.backends.cuda import _compile, _toolchain
+from kernelmux.backends.cuda._toolchain import KERNELS
+from kernelmux.backends.cuda import _paged_prefill as prefill
+from kernelmux.backends.cuda import paged_attention as cuda_paged_attention
 from kernelmux.engine import Engine, Settings
 from kernelmux.platforms import simulate
 from kernelmux.specs import ALL_SPECS
@@ -60,12 +63,12 @@ def test_paged_attention_routes_by_max_query_len():
     # the fp8 cache by its own reason), <= 1 the decode kernel (which declines the bf16 cache).
     # Inputs on the CPU, answered for an H100 and an sm_100 GPU.
     fp8 = build(pa_spec._maker((5, 1), (9, 20), 8, 1, 128, cache_dtype=FP8), 0, "cpu")
-    assert "caches of the query's dtype" in ask(attention.paged_attention_supports, pa_spec.SPEC, fp8, SM90)
+    assert "caches of the query's dtype" in ask(cuda_paged_attention.supports, pa_spec.SPEC, fp8, SM90)
     same = build(pa_spec._maker((1, 1), (9, 20), 8, 1, 128), 0, "cpu")
-    assert "fp8 e4m3 caches only" in ask(attention.paged_attention_supports, pa_spec.SPEC, same, SM90)
+    assert "fp8 e4m3 caches only" in ask(cuda_paged_attention.supports, pa_spec.SPEC, same, SM90)
     prefill_call = build(pa_spec._maker((5, 1), (9, 20), 8, 1, 128), 0, "cpu")
-    assert ask(attention.paged_attention_supports, pa_spec.SPEC, prefill_call, SM90) is None
-    assert "prefill needs sm_90" in ask(attention.paged_attention_supports, pa_spec.SPEC, prefill_call,
+    assert ask(cuda_paged_attention.supports, pa_spec.SPEC, prefill_call, SM90) is None
+    assert "prefill needs sm_90" in ask(cuda_paged_attention.supports, pa_spec.SPEC, prefill_call,
                                         simulate("sm_100"))
 
 
@@ -75,7 +78,7 @@ def test_prefill_declines_scales_it_cannot_fold(scale):
     # refuses non-finite ones).
     call = build(pa_spec._maker((5, 1), (9, 20), 8, 1, 128), 0, "cpu")
     call["scale"] = scale
-    reason = ask(attention.paged_attention_supports, pa_spec.SPEC, call, SM90)
+    reason = ask(cuda_paged_attention.supports, pa_spec.SPEC, call, SM90)
     assert reason == f"prefill: scale must be finite and > 0, got {scale}"
 
 
@@ -97,7 +100,7 @@ def test_override_plan_checks_its_argument():
 def test_dynamic_shared_memory_matches_the_kernel():
     # The kernel traps when launched with less than its shared_bytes<STAGES>(), which the GPU
     # tests would show; the host's formula is the kernel's.
-    source = prefill._SOURCE.read_text()
+    source = (KERNELS / prefill.SOURCE_NAME).read_text()
     assert "constexpr int shared_bytes() { return (1 + 2 * STAGES) * kTile + 1024; }" in source
     for stages in prefill.STAGES:
         assert prefill.shared_bytes(stages) == (1 + 2 * stages) * 128 * 128 * 2 + 1024
@@ -106,7 +109,7 @@ def test_dynamic_shared_memory_matches_the_kernel():
 @pytest.fixture(scope="module")
 def sm90a_module():
     """Every instantiation, compiled once for sm_90a (NVRTC runs without a GPU)."""
-    return _nvrtc.compile_module(prefill._SOURCE.read_text(), NAMES, (9, 0), verbose=True, arch_specific=True)
+    return _compile.compile_module(prefill.source(NAMES), NAMES, (9, 0), verbose=True, arch_specific=True)
 
 
 @needs_nvrtc
@@ -133,9 +136,9 @@ def test_watchdog_build_compiles():
     # the diagnostic build for a changed barrier protocol on the GPU must keep compiling (it may
     # spill and serialize wgmmas: it is for finding hangs, not for timing).
     name = prefill.kernel_name(True, False, prefill.DEFAULT_PLAN)
-    watched = _nvrtc.compile_module(prefill._SOURCE.read_text(), [name], (9, 0), arch_specific=True,
+    watched = _compile.compile_module(prefill.source([name]), [name], (9, 0), arch_specific=True,
                                     defines=("KERNELMUX_DIAG_WATCHDOG",))
-    plain = _nvrtc.compile_module(prefill._SOURCE.read_text(), [name], (9, 0), arch_specific=True)
+    plain = _compile.compile_module(prefill.source([name]), [name], (9, 0), arch_specific=True)
     assert "vprintf" in watched.cubin.decode("latin-1")  # the watchdog's report is compiled in
     assert "vprintf" not in plain.cubin.decode("latin-1")
 
@@ -162,8 +165,8 @@ def test_overlapped_softmax_is_scheduled_under_the_value_mmas(sm90a_module):
 
 @needs_nvrtc
 def test_sm90_without_the_arch_suffix_is_refused_by_ptxas():
-    with pytest.raises(_nvrtc.NvrtcError, match="sm_90"):
-        _nvrtc.compile_module(prefill._SOURCE.read_text(), NAMES[:1], (9, 0))
+    with pytest.raises(_toolchain.NvrtcError, match="sm_90"):
+        _compile.compile_module(prefill.source(NAMES[:1]), NAMES[:1], (9, 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +226,7 @@ def test_prefill_ignores_nan_in_unread_slots():
         kwargs[name][~read] = float("nan")
     for plan in PLANS:
         with prefill.override_plan(**dataclasses.asdict(plan)):
-            pa_spec.SPEC.check_close(attention.paged_attention(**kwargs), expected, kwargs)
+            pa_spec.SPEC.check_close(cuda_paged_attention.paged_attention(**kwargs), expected, kwargs)
 
 
 @needs_hopper
@@ -238,7 +241,7 @@ def test_misaligned_query_view_is_refused_by_name():
     kwargs = build(pa_spec._maker((40,), (40,), 8, 1, 128), 1, DEVICE)
     wide = torch.zeros(kwargs["query"].shape[:-1] + (136,), dtype=BF16, device=DEVICE)
     kwargs["query"] = wide[..., 4:132]
-    reason = ask(attention.paged_attention_supports, pa_spec.SPEC, kwargs)
+    reason = ask(cuda_paged_attention.supports, pa_spec.SPEC, kwargs)
     assert reason is not None and reason.startswith("query needs a unit stride along the head dim and 16-byte")
     # Dispatch decides per key, which holds the layout: the call goes elsewhere, and is right.
     expected = pa_spec.SPEC.reference(**kwargs)
@@ -255,5 +258,5 @@ def test_prefill_graph_replays_new_inputs():
     batch, max_len, q_len = 4, 700, 150
     make = pa_spec._maker((q_len,) * batch, (max_len,) * batch, 8, 2, 128, spare_blocks=64)
     static = build(make, 0, DEVICE)
-    graph, out = capture(attention.paged_attention, static)
+    graph, out = capture(cuda_paged_attention.paged_attention, static)
     replay_on_new_inputs(pa_spec, make, static, graph, out, batch, max_len, min_len=q_len)

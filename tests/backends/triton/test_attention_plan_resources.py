@@ -1,8 +1,6 @@
-"""The attention plan tables against the GPUs they are chosen for, by compiling each plan for
-that target on the CPU (Triton's compiler and bundled ptxas need no GPU): every plan fits the
-shared memory a program may take there, and the software pipeline holds the KV tiles the plan's
-stages promise (the block-table prefetch is what gives a 3-stage plan its third buffer). A plan
-edit that would raise OutOfResources on the GPU fails here first."""
+"""The attention plan tables against the GPUs they are chosen for, each plan compiled for its target
+on the CPU: every plan fits the shared memory a program may take there, and the software pipeline
+holds the KV tiles its stages promise (a plan edit that would not fit on the GPU fails here first)."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ import sys
 
 import pytest
 
-from kernelmux.backends.triton import attention
+from kernelmux.backends.triton import _attention
 
 pytest.importorskip("triton")
 if platform.system() != "Linux" or platform.machine() != "x86_64":
@@ -39,7 +37,7 @@ def report() -> list[dict]:
 def test_every_plan_fits_shared_memory(report):
     rows = [r for r in report if r["table"] in LIMITS]
     expected = {(int(t.split(":")[0]), t.split(":")[1], kind) for t in TARGETS
-                for kind in getattr(attention, t.split(":")[1])
+                for kind in getattr(_attention, t.split(":")[1])
                 if not (int(t.split(":")[0]) < 89 and kind.endswith("fp8"))}
     assert {(r["arch"], r["table"], r["kind"]) for r in rows} == expected
     over = [f"{r['table']}[{r['kind']!r}] on sm_{r['arch']}: {r['shared_kb']:.1f} KB"

@@ -1,0 +1,67 @@
+"""How every built-in backend registers: one table of ``Entry`` rows, one per op, turned into
+``Implementation`` records by ``implementations``. An op's entry module is
+``backends/<backend>/<op>.py``, holding the function named after the op and, where the backend
+declines some calls, ``supports(key, platform)``; it is imported when the backend's hook runs at
+engine startup, never when kernelmux itself is imported."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from kernelmux.registry import Implementation, PlatformRequirement, StaticCheckFn
+from kernelmux.specs import ALL_SPECS
+
+__all__ = ["Defaults", "Entry", "implementations"]
+
+_SPECS = {spec.name: spec for spec in ALL_SPECS}
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What every implementation of one backend shares; an ``Entry`` may replace any field."""
+
+    priority: int = 0
+    requirement: PlatformRequirement = PlatformRequirement()
+    devices: frozenset[str] = frozenset()
+    packages: tuple[str, ...] = ()
+    static_check: Optional[StaticCheckFn] = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One op on one backend: the op's name (its spec's ``NAME`` and its entry module's name), what
+    the implementation does in one line, and the fields of ``Defaults`` it sets otherwise."""
+
+    op: str
+    description: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.op not in _SPECS:
+            raise ValueError(f"Entry op {self.op!r}: no such spec; known: {', '.join(_SPECS)}")
+        unknown = set(self.overrides) - set(Defaults.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"Entry {self.op!r} overrides {sorted(unknown)}; "
+                             f"expected fields of Defaults: {', '.join(Defaults.__dataclass_fields__)}")
+
+
+def implementations(backend: str, package: str, defaults: Defaults,
+                    table: Iterable[Entry]) -> list[Implementation]:
+    """The ``Implementation`` of every row of ``table``, for ``backend`` whose entry modules are
+    ``<package>.<op>`` (the backend's ``__name__``)."""
+    records = []
+    for entry in table:
+        module = importlib.import_module(f"{package}.{entry.op}")
+        fields = {**defaults.__dict__, **entry.overrides}
+        records.append(Implementation(
+            op=entry.op,
+            backend=backend,
+            fn=getattr(module, entry.op),
+            supports=getattr(module, "supports", None),
+            spec_version=_SPECS[entry.op].version,
+            description=entry.description,
+            **fields,
+        ))
+    return records

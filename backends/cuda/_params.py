@@ -1,0 +1,103 @@
+"""The cuda kernels' named ABI: one ctypes mirror per params struct of the .cu files (the same
+fields, in order, of the same types), and the static_asserts appended to each compiled source
+that hold the kernel's parameter list, its struct and the mirror to one layout."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+from kernelmux.backends.cuda._toolchain import KERNELS
+
+__all__ = ["MergeMlaSplitsParams", "MergeSplitsParams", "MlaDecodeParams", "PagedDecodeParams",
+           "PagedPrefillParams", "abi_checks", "checked_source"]
+
+# Why the kernels keep positional parameters (launched with the mirror as their parameter buffer,
+# whose layout CUDA defines as this struct's) instead of taking the struct by value: by value, the
+# pointers lose __restrict__, and ptxas emitted other SASS (ld.global.nc lost, prefill and MLA
+# rescheduled), which perf/decisions/paged_attention.md's tuning did not measure.
+_P, _I, _Q, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+_KINDS = {_P: "p", _I: "i", _Q: "q", _F: "f"}
+_KIND_NAMES = {_P: "pointer", _I: "int32", _Q: "int64", _F: "float32"}
+
+
+def _fields(pointers: str, ints: str, floats: str, longs: str) -> list[tuple[str, type]]:
+    """Fields in the .cu struct's order, as its declarations group them: pointers, then int32s,
+    then floats, then int64s."""
+    groups = ((pointers, _P), (ints, _I), (floats, _F), (longs, _Q))
+    return [(name, kind) for names, kind in groups for name in names.split()]
+
+
+class PagedDecodeParams(ctypes.Structure):
+    """kernels/paged_decode_fp8.cu's PagedDecodeParams (the decode kernel)."""
+
+    _fields_ = _fields(
+        "query k_cache v_cache out part_acc part_ml cu_seqlens_q block_table seq_lens sinks k_scale v_scale",
+        "num_tokens num_q_heads group num_splits window launch_next_early warm_start table_width "
+        "num_cache_blocks",
+        "scale soft_cap",
+        "q_stride_t q_stride_h o_stride_t o_stride_h k_stride_b k_stride_s k_stride_h v_stride_b v_stride_s "
+        "v_stride_h table_stride")
+
+
+class MergeSplitsParams(ctypes.Structure):
+    """kernels/paged_decode_fp8.cu's MergeSplitsParams (the decode's split-KV merge)."""
+
+    _fields_ = _fields("out part_acc part_ml sinks", "num_tokens num_q_heads num_splits launch_next_early", "",
+                       "o_stride_t o_stride_h")
+
+
+class PagedPrefillParams(ctypes.Structure):
+    """kernels/paged_prefill_sm90.cu's PagedPrefillParams."""
+
+    _fields_ = _fields(
+        "query k_cache v_cache out cu_seqlens_q block_table seq_lens sinks",
+        "group page_shift causal window",
+        "scale_log2 soft_cap",
+        "q_stride_t q_stride_h o_stride_t o_stride_h k_stride_b k_stride_p k_stride_h v_stride_b v_stride_p "
+        "v_stride_h table_stride")
+
+
+class MlaDecodeParams(ctypes.Structure):
+    """kernels/mla_decode_sm90.cu's MlaDecodeParams (the MLA decode kernel)."""
+
+    _fields_ = _fields(
+        "q kv out lse part_acc part_ml cu_seqlens_q block_table seq_lens kv_scale",
+        "num_seqs num_tokens num_heads num_splits block_size q_per_seq",
+        "scale_log2",
+        "q_stride_t q_stride_h o_stride_t o_stride_h kv_stride_b kv_stride_p table_stride")
+
+
+class MergeMlaSplitsParams(ctypes.Structure):
+    """kernels/mla_decode_sm90.cu's MergeMlaSplitsParams (the MLA split-KV merge)."""
+
+    _fields_ = _fields("out lse part_acc part_ml", "num_tokens num_heads num_splits", "", "o_stride_t o_stride_h")
+
+
+def abi_checks(mirror: type[ctypes.Structure], kernels: Sequence[str]) -> str:
+    """C++ static_asserts that the struct named like ``mirror`` has the mirror's size and, field by
+    field, its names, sizes and kinds, and that each kernel of ``kernels`` (C++ name expressions)
+    takes exactly those fields' types as its parameters, in the mirror's order: the offsets then
+    follow, by the same C layout rules on both sides (NVRTC has no constant offsetof)."""
+    struct = mirror.__name__
+    lines = [f'static_assert(sizeof({struct}) == {ctypes.sizeof(mirror)}, "{struct}: its size differs from its '
+             f'host mirror\'s ({ctypes.sizeof(mirror)} bytes, backends/cuda/_params.py)");']
+    for name, kind in mirror._fields_:
+        size = getattr(mirror, name).size
+        lines.append(
+            f"static_assert(sizeof({struct}::{name}) == {size} && kernelmux_abi::Kind<decltype({struct}::{name})>"
+            f"::value == '{_KINDS[kind]}', \"{struct}.{name}: the host mirror (backends/cuda/_params.py) has a "
+            f"{_KIND_NAMES[kind]} here\");")
+    types = ", ".join(f"decltype({struct}::{name})" for name, _ in mirror._fields_)
+    for kernel in kernels:
+        lines.append(f"static_assert(kernelmux_abi::Same<decltype(&{kernel}), void (*)({types})>::value, "
+                     f'"{kernel}: its parameters are not the fields of {struct}, in order");')
+    return "\n".join(lines) + "\n"
+
+
+def checked_source(filename: str, checks: Sequence[tuple[type[ctypes.Structure], Sequence[str]]]) -> str:
+    """kernels/``filename`` with abi_checks appended for each (mirror, kernels) of ``checks``;
+    the file's own lines keep their numbers."""
+    text = (KERNELS / filename).read_text()
+    return text + "\n// Appended by backends/cuda/_params.py: the named ABI's checks.\n" + "".join(
+        abi_checks(mirror, kernels) for mirror, kernels in checks)

@@ -1,0 +1,65 @@
+// kernelmux cuda backend: device helpers every kernel of the backend shares, whatever its target
+// arch (paged_decode_fp8.cu runs from sm_89; sm90_common.cuh adds the Hopper-only ones): the
+// integer types, -inf, the base-2 exponential and fp32 pairs packed into 16-bit pairs.
+// _toolchain.py hands every kernels/*.cuh to NVRTC, so a kernel includes it by name.
+
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+namespace {
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Two floats as a 16-bit pair (bf16 or f16), lo in the low half.
+template <bool BF16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 d;
+    if constexpr (BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    }
+    return d;
+}
+
+// Programmatic dependent launch (sm_90 and newer; a no-op before, and for a grid launched without
+// it): wait until the grid before this one on the stream has finished and its writes are visible.
+// A kernel launched with _driver.Kernel's overlap_previous calls this before its first global access.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Let the grid after this one on the stream launch (it still waits for this one to finish before
+// it reads anything): its CTAs can then take SMs this grid leaves idle.
+__device__ __forceinline__ void allow_next_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+}  // namespace
+
+// The kernels' named ABI (backends/cuda/_params.py): each kernel's parameters are the fields of
+// one params struct, in order; the host appends static_asserts built on these traits, so a kernel,
+// its struct and the struct's ctypes mirror that disagree fail the compilation, naming the struct.
+namespace kernelmux_abi {
+template <class T> struct Kind { static constexpr char value = '?'; };
+template <class T> struct Kind<T*> { static constexpr char value = 'p'; };
+template <> struct Kind<int> { static constexpr char value = 'i'; };
+template <> struct Kind<long long> { static constexpr char value = 'q'; };
+template <> struct Kind<float> { static constexpr char value = 'f'; };
+template <class A, class B> struct Same { static constexpr bool value = false; };
+template <class A> struct Same<A, A> { static constexpr bool value = true; };
+}  // namespace kernelmux_abi

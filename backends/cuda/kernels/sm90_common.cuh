@@ -1,0 +1,134 @@
+// kernelmux cuda backend: device helpers shared by the Hopper (sm_90a) kernels, mla_decode_sm90.cu
+// and paged_prefill_sm90.cu: cp.async copies into shared memory, the proxy fence, named barriers,
+// mbarriers, wgmma descriptors and groups, and a scheduling hint for ptxas (common.cuh has the
+// arch-neutral ones).
+// _toolchain.py hands every kernels/*.cuh to NVRTC, so a kernel includes it by name.
+
+#pragma once
+
+#include "common.cuh"
+
+namespace {
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+
+// 16 bytes global -> shared, of which the first `bytes` are read and the rest zero-filled.
+__device__ __forceinline__ void copy16(u32 dst, const void* src, u32 bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void copy_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Shared-memory writes of the generic proxy (cp.async, st.shared) made visible to the async proxy
+// wgmma reads through; a barrier after it makes every thread's visible to the other warpgroups.
+__device__ __forceinline__ void fence_async_proxy() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// Named barriers: one side arrives without waiting, the other waits; THREADS counts both sides.
+template <int THREADS>
+__device__ __forceinline__ void bar_sync(int id) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
+}
+template <int THREADS>
+__device__ __forceinline__ void bar_arrive(int id) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(THREADS) : "memory");
+}
+// An arrival when `arrive` is nonzero (predicated: no branch among a warpgroup's wgmmas).
+template <int THREADS>
+__device__ __forceinline__ void bar_arrive_if(int id, int arrive) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p bar.arrive %0, %1;\n\t}"
+                 ::"r"(id), "n"(THREADS), "r"(arrive) : "memory");
+}
+
+// mbarriers (64-bit, in shared memory): a phase completes once `count` arrivals have come; a
+// waiter names the phase by its parity (0 for the first, then alternating per completion).
+__device__ __forceinline__ void mbarrier_init(u32 barrier, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(count) : "memory");
+}
+// An arrival when `arrive` is nonzero: a predicate, not a branch, so one lane can signal for its
+// warp between wgmmas without making ptxas serialize them.
+__device__ __forceinline__ void mbarrier_arrive_if(u32 barrier, int arrive) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %1, 0;\n\t@p mbarrier.arrive.shared::cta.b64 _, [%0];\n\t}"
+                 ::"r"(barrier), "r"(arrive) : "memory");
+}
+#ifdef KERNELMUX_DIAG_WATCHDOG
+// Diagnostic builds (diagnostics.cuh): a wait still incomplete after 2 s names its barrier and traps (a protocol
+// mismatch otherwise hangs the GPU until the process is killed, and says nothing).
+__device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
+    u64 start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    for (;;) {
+        u32 done;
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(barrier), "r"(parity) : "memory");
+        if (done) return;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if (now - start > 2000000000ull) {
+            printf("watchdog: block %d thread %d waits on mbarrier 0x%x parity %u\n", (int)blockIdx.x,
+                   (int)threadIdx.x, barrier, parity);
+            __trap();
+        }
+    }
+}
+#else
+__device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
+    asm volatile("{\n\t.reg .pred done;\n\tKM_WAIT:\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+                 "@!done bra KM_WAIT;\n\t}" ::"r"(barrier), "r"(parity) : "memory");
+}
+#endif
+// One arrival on `barrier` once every cp.async this thread issued before it has landed (.noinc:
+// the arrival is one of the barrier's `count`, not an extra one).
+__device__ __forceinline__ void copy_arrive(u32 barrier) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(barrier) : "memory");
+}
+__device__ __forceinline__ void copy_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// A wgmma shared-memory matrix descriptor with the 128-byte swizzle. K-major operands: `stride`
+// steps 8 rows (1024 bytes), `leading` unused. N-major: `leading` steps 64 columns (one column
+// block), `stride` 8 rows of K.
+__device__ __forceinline__ u64 descriptor(u32 address, u32 leading, u32 stride) {
+    return (u64)((address & 0x3FFFF) >> 4) | ((u64)((leading & 0x3FFFF) >> 4) << 16) |
+           ((u64)((stride & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// ptxas schedules a wgmma wait as early as its own operands allow: above independent arithmetic
+// the source puts before it (register fences stay in the PTX; ptxas reorders the SASS). A
+// warp-uniform branch on `value` ends a block that ptxas does not hoist the next wait out of, so
+// the arithmetic `value` depends on runs before the wait, under the MMAs it waits for. The branch
+// is never taken for value >= 0 or NaN, and its body would do nothing.
+__device__ __forceinline__ void schedule_before_next_wait(float value) {
+    if (__any_sync(0xffffffffu, value < 0.0f)) asm volatile("nanosleep.u32 0;" ::: "memory");
+}
+
+// Ties accumulators to the wait before them: without it the compiler may read a register between
+// the wgmma that writes it (asynchronously) and the wait.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+}  // namespace
+
+// Eight accumulator registers d[i .. i + 7] as read-write asm operands.
+#define KM_ACC8(d, i)                                                                                   \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),       \
+        "+f"(d[i + 6]), "+f"(d[i + 7])

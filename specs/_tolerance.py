@@ -1,0 +1,48 @@
+"""The tolerance tables more than one spec uses, each justified once here: a matmul's output
+against its accumulation's magnitude, and attention's output. An op's own tables stay in its spec."""
+
+from __future__ import annotations
+
+import torch
+
+from kernelmux.specs._spec import Tolerance
+
+__all__ = ["ATTENTION_OUTPUT", "GEMM_OUTPUT"]
+
+# Matmuls over quantized operands (scaled_mm, fp4_mm): |actual - expected| <= atol * mag + rtol *
+# |expected|, where mag[m, n] = sum_k |A_mk| |B_nk| over the dequantized operands (+ |bias_n|) is
+# the accumulation's own scale; ``atol`` is relative to mag, so one number holds for every K.
+# - atol 2^-14 (every dtype): the dequantized products are exact or nearly so in every sane kernel
+#   (fp8 x fp8 and e2m1 x e4m3 products are exact in fp32; a W4A4 kernel's alpha 1/(gs_a gs_b) is
+#   ~2^-23 relative from the reference's per-element division). What differs is the summation:
+#   another order, split-K, and tensor-core accumulators that keep fewer than 24 bits (FP8 on
+#   Hopper ~14 bits, DeepSeek-V3 report 3.3.2; Blackwell's block-scaled MMAs between scale
+#   blocks); kernels that promote to fp32 every 128 K stay well inside 2^-14 mag. For random data
+#   mag / |out| ~ 0.6 sqrt(K): at K = 7168 that is ~0.3% of a typical output, below a bf16 ulp and
+#   far below an indexing bug, a wrong scale (an e8m0 code off by one doubles a block) or a
+#   swapped nibble.
+# - rtol: the single output rounding: values that differ by the accumulation error may round one
+#   output ulp apart: bf16 1 ulp <= 2^-7 |x|, take 1e-2; fp16 <= 2^-10 |x|, take 2e-3; fp32 output
+#   rounding (2^-23) is negligible beside the accumulation term, take 1e-6.
+GEMM_OUTPUT = {
+    torch.bfloat16: Tolerance(atol=2.0**-14, rtol=1e-2),
+    torch.float16: Tolerance(atol=2.0**-14, rtol=2e-3),
+    torch.float32: Tolerance(atol=2.0**-14, rtol=1e-6),
+}
+
+# Attention outputs (paged_attention, mla_decode): expected values are the fp32 result rounded once
+# to the query dtype (unit roundoff u = 2^-8 bf16, 2^-11 fp16). A conforming kernel differs by (a)
+# its own output rounding, up to 1 ulp = 2u relative away from ours, and (b) FlashAttention-style
+# P @ V with P rounded to the query dtype: |delta o| <= u * sum_j p_j |v_j|. When attention is
+# concentrated that is about u |o| (rtol = 4u covers a + b); when it is spread the per-term errors
+# have random signs and shrink like u max|v| / sqrt(n_eff) (atol covers it; max|v| ~ 4.5 for the
+# cases' N(0, 1) values). Online-softmax rescaling and another summation order are fp32, far below
+# both; so is MLA's 576-wide QK^T (16-bit products are exact in fp32). A soft cap with
+# tanh.approx.f32 (rel. error ~2^-11) moves logits by ~cap 2^-11: the soft-cap cases are bf16 with
+# cap <= 30. fp8 caches use the same table: dequantization is one fp32 multiply (exact in bf16 for
+# power-of-two scales). Kernels that also quantize Q or P to fp8 (FA3's fp8 path, FlashMLA's fp8
+# path with a q descale: each score moves by ~2^-4 |s|) do not implement this contract.
+ATTENTION_OUTPUT = {
+    torch.bfloat16: Tolerance(atol=1.6e-2, rtol=1.6e-2),
+    torch.float16: Tolerance(atol=2e-3, rtol=2e-3),
+}

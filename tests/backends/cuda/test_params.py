@@ -1,0 +1,85 @@
+"""The cuda kernels' named ABI (backends/cuda/_params.py): each kernel's parameters are its params
+struct's fields, which are its ctypes mirror's; a mirror that disagrees fails the compilation,
+naming the struct, and the cubin's parameter layout is the mirror's (the launch passes the mirror
+as the parameter buffer). NVRTC compiles for sm_90 without a GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+from cuda_kernels import CUOBJDUMP, needs_cuobjdump, needs_nvrtc
+from kernelmux.backends.cuda import _compile, _paged_decode, _paged_prefill, _params, _toolchain, mla_decode
+
+pytestmark = needs_nvrtc
+
+DECODE = "paged_decode_fp8<1, true, 4, false, true, false, 16>"
+
+
+def _variant(mirror: type[ctypes.Structure], fields: list) -> type[ctypes.Structure]:
+    """A mirror of the same name (the struct the checks name) with other fields."""
+    return type(mirror.__name__, (ctypes.Structure,), {"_fields_": fields})
+
+
+def _compile_checked(mirror: type[ctypes.Structure]) -> None:
+    source = (_toolchain.KERNELS / _paged_decode.SOURCE_NAME).read_text() + _params.abi_checks(mirror, [DECODE])
+    _compile.compile_module(source, [DECODE], (9, 0))
+
+
+def test_the_mirrors_compile_against_their_kernels():
+    _compile_checked(_params.PagedDecodeParams)
+
+
+@pytest.mark.parametrize("change, message", [
+    # A field the kernel takes is missing from the mirror: the size and the parameter list differ.
+    ("removed", r"PagedDecodeParams: its size differs from its host mirror's \(224 bytes"),
+    ("removed", r"paged_decode_fp8<1, true, 4, false, true, false, 16>: its parameters are not the fields of "
+                r"PagedDecodeParams, in order"),
+    # A field of another kind (an int the kernel reads as a float) at the same place.
+    ("retyped", r"PagedDecodeParams.window: the host mirror \(backends/cuda/_params.py\) has a float32 here"),
+    # A field the struct does not have.
+    ("renamed", r"PagedDecodeParams.*has no member \"windows\"|class \"PagedDecodeParams\" has no member"),
+])
+def test_a_mirror_that_disagrees_fails_the_compilation_naming_the_struct(change, message):
+    fields = list(_params.PagedDecodeParams._fields_)
+    if change == "removed":
+        fields = [f for f in fields if f[0] != "window"]
+    elif change == "retyped":
+        fields = [(name, ctypes.c_float if name == "window" else kind) for name, kind in fields]
+    else:
+        fields = [("windows" if name == "window" else name, kind) for name, kind in fields]
+    with pytest.raises(_toolchain.NvrtcError, match=message):
+        _compile_checked(_variant(_params.PagedDecodeParams, fields))
+
+
+def _kernel_params(cubin: bytes) -> list[tuple[int, int]]:
+    """(offset, size) of each parameter of the cubin's one kernel, in order (its ELF's
+    EIATTR_KPARAM_INFO records)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = pathlib.Path(folder) / "module.cubin"
+        path.write_bytes(cubin)
+        listing = subprocess.run([CUOBJDUMP, "-elf", str(path)], check=True, capture_output=True, text=True).stdout
+    found = re.findall(r"Ordinal\s*:\s*(0x[0-9a-f]+)\s+Offset\s*:\s*(0x[0-9a-f]+)\s+Size\s*:\s*(0x[0-9a-f]+)", listing)
+    return [(int(offset, 16), int(size, 16)) for _, offset, size in sorted(found, key=lambda f: int(f[0], 16))]
+
+
+@needs_cuobjdump
+@pytest.mark.parametrize("mirror, source, name, arch_specific", [
+    (_params.PagedDecodeParams, _paged_decode.source, DECODE, False),
+    (_params.MergeSplitsParams, _paged_decode.source, "merge_splits<true>", False),
+    (_params.PagedPrefillParams, _paged_prefill.source, "paged_prefill_sm90<true, false, 3, true, false>", True),
+    (_params.MlaDecodeParams, lambda names: mla_decode.source(names, []), "mla_decode_sm90<true, true>", True),
+    (_params.MergeMlaSplitsParams, lambda names: mla_decode.source([], names), "merge_mla_splits<true>", True),
+])
+def test_the_kernels_parameter_buffer_is_the_mirrors_layout(mirror, source, name, arch_specific):
+    # The launch hands the mirror's bytes to the driver as the kernel's parameter buffer: each
+    # parameter must sit at its field's offset, with its size.
+    names = (name,) if source is _paged_decode.source else [name]
+    module = _compile.compile_module(source(names), [name], (9, 0), arch_specific=arch_specific)
+    expected = [(getattr(mirror, field).offset, getattr(mirror, field).size) for field, _ in mirror._fields_]
+    assert _kernel_params(module.cubin) == expected

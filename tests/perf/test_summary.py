@@ -1,0 +1,100 @@
+"""perf/README.md's tables are what perf/summary.py generates from perf/baselines/*.json (so the
+README cannot drift from the records); the device key; --record and --compare against a baseline."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from kernelmux import cli
+from kernelmux.perf import records, summary
+
+
+def test_readme_tables_equal_the_generated_ones():
+    text = summary.README.read_text()
+    start, end = text.index(summary.BEGIN), text.index(summary.END) + len(summary.END)
+    assert text[start:end] == summary.render(records.baselines()), (
+        "perf/README.md's tables differ from perf/baselines/*.json: run python -m kernelmux.perf.summary --write")
+
+
+def test_every_baseline_is_named_by_its_device_key():
+    runs = records.baselines()
+    assert runs, "perf/baselines holds no run"
+    for key, run in runs.items():
+        assert records.device_key(run["environment"]) == key
+        assert records.baseline_path(key).with_suffix(".md").exists()
+
+
+@pytest.mark.parametrize("environment, key", [
+    ({"device": "cuda", "device_name": "NVIDIA H100 80GB HBM3"}, "h100"),
+    ({"device": "cuda", "device_name": "NVIDIA H200"}, "h200"),
+    ({"device": "cuda", "device_name": "NVIDIA H100 PCIe"}, "h100-pcie"),
+    ({"device": "cuda", "device_name": "NVIDIA GeForce RTX 4090"}, "rtx4090"),
+    ({"device": "cuda", "device_name": "AMD Instinct MI300X"}, "mi300x"),
+    ({"device": "cuda", "device_name": "NVIDIA A100-SXM4-80GB"}, "a100"),
+    ({"device": "cpu", "device_name": "AMD EPYC 7B13", "machine": "x86_64"}, "cpu-x86_64"),
+    ({"device": "cpu", "device_name": "", "machine": "aarch64"}, "cpu-aarch64"),
+])
+def test_device_key(environment, key):
+    assert records.device_key(environment) == key
+
+
+def _row(backend, us=None, **extra):
+    row = {"op": "op", "case": "c", "backend": backend, "status": "ok" if us else "declined", **extra}
+    if us:
+        row.update(median_us=us, roofline_pct=10.0)
+    return row
+
+
+def test_best_is_the_fastest_implementation_and_other_the_next_reference_included():
+    rows = [_row("reference", 100.0), _row("triton", 20.0), _row("cuda", 10.0), _row("cpu")]
+    [entry] = summary.best_rows({"rows": rows})
+    assert entry["best"]["backend"] == "cuda" and entry["other"]["backend"] == "triton"
+    [entry] = summary.best_rows({"rows": [_row("reference", 100.0), _row("triton", 200.0)]})
+    # An implementation slower than the reference is still the best implementation; the reference is the other.
+    assert entry["best"]["backend"] == "triton" and entry["other"]["backend"] == "reference"
+    [entry] = summary.best_rows({"rows": [_row("reference", 100.0), _row("cuda")]})
+    assert entry["best"]["backend"] == "reference" and entry["other"] is None
+
+
+def _recording_into(tmp_path, monkeypatch):
+    """perf/baselines and perf/README.md redirected to copies under tmp_path."""
+    baselines, readme = tmp_path / "baselines", tmp_path / "README.md"
+    shutil.copytree(records.BASELINES, baselines)
+    shutil.copy(summary.README, readme)
+    monkeypatch.setattr(records, "BASELINES", baselines)
+    monkeypatch.setattr(summary, "README", readme)
+    return baselines, readme
+
+
+def test_record_writes_the_runs_device_baseline_and_the_readme_tables(tmp_path, monkeypatch):
+    baselines, readme = _recording_into(tmp_path, monkeypatch)
+    run = json.loads((baselines / "h100.json").read_text())
+    run["environment"].update(device_name="NVIDIA H200", commit="feedbee")
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert cli.main(["bench", "--load", str(tmp_path / "run.json"), "--record"]) == 0
+    assert json.loads((baselines / "h200.json").read_text()) == run
+    assert "# kernelmux bench: NVIDIA H200" in (baselines / "h200.md").read_text()
+    assert "### h200: NVIDIA H200, bench feedbee" in readme.read_text()
+
+
+def test_record_refuses_a_partial_run(tmp_path, monkeypatch, capsys):
+    baselines, _ = _recording_into(tmp_path, monkeypatch)
+    run = json.loads((baselines / "h100.json").read_text())
+    run["rows"] = [r for r in run["rows"] if r["op"] == "grouped_topk"]
+    run["environment"]["device_name"] = "NVIDIA H200"
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert cli.main(["bench", "--load", str(tmp_path / "run.json"), "--record"]) == 1
+    assert "not recorded: a baseline covers every op" in capsys.readouterr().err
+    assert not (baselines / "h200.json").exists()
+
+
+def test_compare_without_a_file_reads_this_devices_baseline(tmp_path, monkeypatch, capsys):
+    baselines, _ = _recording_into(tmp_path, monkeypatch)
+    assert cli.main(["bench", "--load", str(baselines / "h100.json"), "--compare"]) == 0
+    assert "compare: 11292fa against 11292fa" in capsys.readouterr().out
+    (baselines / "h100.json").rename(tmp_path / "elsewhere.json")
+    assert cli.main(["bench", "--load", str(tmp_path / "elsewhere.json"), "--compare"]) == 2
+    assert "no baseline for this device" in capsys.readouterr().err
