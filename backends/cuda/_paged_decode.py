@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from kernelmux.backends._scoped import PlanSetting
-from kernelmux.backends.cuda import _compile, _driver, _params
+from kernelmux.backends.cuda import _compile, _driver, _merge, _params
 from kernelmux.backends.cuda._layout import page_shift
 from kernelmux.backends.cuda._targets import DECODE_MIN_CAPABILITY, PDL_CAPABILITY
 from kernelmux.platforms import probes
@@ -27,7 +27,7 @@ MIN_CAPABILITY = DECODE_MIN_CAPABILITY
 # Splits: each share at least this many positions (two 32-position steps per warp of a 4-warp
 # CTA: shorter shares spend more on partials and the merge than they gain), at most _MAX_SPLITS.
 MIN_SPLIT_LEN = 256
-_MAX_SPLITS = 64  # the merge kernel's kMaxSplits
+_MAX_SPLITS = _merge.MAX_SPLITS
 # 16-warp CTAs (one per SM): a grid holding at least WIDE_UNSPLIT_FILL of the SMs does not split,
 # and each CTA takes at least WIDE_MIN_SHARE positions (four 32-position steps a warp).
 WIDE_UNSPLIT_FILL = 0.45
@@ -161,7 +161,7 @@ def kernel_names(*template: bool | int) -> tuple[str, str]:
     """The C++ names of the decode and merge kernels of a template set (head tiles, bf16 query,
     log2 block size, soft cap, split, read ahead, warps)."""
     args = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in template)
-    return f"paged_decode_fp8<{args}>", f"merge_splits<{str(template[1]).lower()}>"
+    return f"paged_decode_fp8<{args}>", _merge.kernel_name(HEAD_DIM, bool(template[1]))
 
 
 def source(names: tuple[str, ...]) -> str:
@@ -196,7 +196,7 @@ def _kernels(device: torch.device, *template: bool | int) -> tuple[_driver.Kerne
         head_tiles, warps = template[0], template[6]
         return module, [_driver.KernelSpec(decode, _params.PagedDecodeParams, warps * 32,
                                            shared_bytes=warps * head_tiles * 8 * HEAD_DIM * 4),
-                        _driver.KernelSpec(merge, _params.MergeSplitsParams, 2 * HEAD_DIM)]
+                        _merge.kernel_spec(merge)]
 
     return _LOADED.get(device, (defines, template), build)
 
@@ -262,9 +262,7 @@ def paged_decode(
     with torch.cuda.device(device):
         decode, merge = _kernels(device, *plan.template)
         if splits > 1:
-            part_acc = torch.empty((splits, num_tokens, num_q_heads, HEAD_DIM), dtype=torch.float32,
-                                   device=device)
-            part_ml = torch.empty((2, splits, num_tokens, num_q_heads), dtype=torch.float32, device=device)
+            part_acc, part_ml = _merge.partials(splits, num_tokens, num_q_heads, HEAD_DIM, device)
         else:
             part_acc = part_ml = None
         decode(
@@ -281,10 +279,6 @@ def paged_decode(
             v_stride_h=v_cache.stride(2), table_stride=block_table.stride(0),
         )
         if splits > 1:
-            merge(
-                (num_tokens, num_q_heads, 1), overlap_previous=launches.overlap,
-                out=out, part_acc=part_acc, part_ml=part_ml, sinks=sinks, num_tokens=num_tokens,
-                num_q_heads=num_q_heads, num_splits=splits, launch_next_early=int(launches.merge_early),
-                o_stride_t=out.stride(0), o_stride_h=out.stride(1),
-            )
+            _merge.launch(merge, out, part_acc, part_ml, overlap_previous=launches.overlap, sinks=sinks,
+                          launch_next_early=launches.merge_early)
     return out

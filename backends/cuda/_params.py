@@ -9,7 +9,7 @@ from typing import Sequence
 
 from kernelmux.backends.cuda._toolchain import KERNELS
 
-__all__ = ["MergeMlaSplitsParams", "MergeSplitsParams", "MlaDecodeParams", "PagedDecodeParams",
+__all__ = ["MergeSplitsParams", "MlaDecodeParams", "PagedDecodeParams",
            "PagedPrefillParams", "abi_checks", "checked_source"]
 
 # Why the kernels keep positional parameters (launched with the mirror as their parameter buffer,
@@ -41,9 +41,9 @@ class PagedDecodeParams(ctypes.Structure):
 
 
 class MergeSplitsParams(ctypes.Structure):
-    """kernels/paged_decode_fp8.cu's MergeSplitsParams (the decode's split-KV merge)."""
+    """kernels/split_kv_merge.cuh's MergeSplitsParams (the split-KV merge of both decode kernels)."""
 
-    _fields_ = _fields("out part_acc part_ml sinks", "num_tokens num_q_heads num_splits launch_next_early", "",
+    _fields_ = _fields("out lse part_acc part_ml sinks", "num_tokens num_heads num_splits launch_next_early", "",
                        "o_stride_t o_stride_h")
 
 
@@ -66,12 +66,6 @@ class MlaDecodeParams(ctypes.Structure):
         "num_seqs num_tokens num_heads num_splits block_size q_per_seq",
         "scale_log2",
         "q_stride_t q_stride_h o_stride_t o_stride_h kv_stride_b kv_stride_p table_stride")
-
-
-class MergeMlaSplitsParams(ctypes.Structure):
-    """kernels/mla_decode_sm90.cu's MergeMlaSplitsParams (the MLA split-KV merge)."""
-
-    _fields_ = _fields("out lse part_acc part_ml", "num_tokens num_heads num_splits", "", "o_stride_t o_stride_h")
 
 
 def abi_checks(mirror: type[ctypes.Structure], kernels: Sequence[str]) -> str:

@@ -1,6 +1,6 @@
 """The cuda backend's mla_decode on Hopper (kernels/mla_decode_sm90.cu): bf16/fp16 q over 576/512
-latent caches of q's dtype or fp8 e4m3; the entry (``mla_decode``, ``supports``), its split plan
-from host ints, and the launch of the decode kernel and its split-KV merge."""
+latent caches of q's dtype or fp8 e4m3; the entry (``mla_decode``, ``supports``), its launch plan
+from host ints (cached per device), and the launch of the decode kernel and the split-KV merge."""
 
 from __future__ import annotations
 
@@ -12,13 +12,14 @@ from typing import Optional
 import torch
 
 from kernelmux.backends._scoped import PlanSetting
-from kernelmux.backends.cuda import _compile, _driver, _params
+from kernelmux.backends.cuda import _compile, _driver, _merge, _params
 from kernelmux.backends.cuda._paged_decode import split_count
 from kernelmux.backends.cuda._targets import HOPPER
 from kernelmux.platforms import Platform, probes
 from kernelmux.specs import mla_decode as mla_spec
 
-__all__ = ["ARCH", "CAPABILITY", "MlaPlan", "mla_decode", "override_plan", "shape_reason", "source", "supports"]
+__all__ = ["ARCH", "CAPABILITY", "LaunchPlan", "MlaPlan", "launch_plan", "mla_decode", "override_plan",
+           "shape_reason", "source", "supports"]
 
 FP8 = torch.float8_e4m3fn
 CAPABILITY = HOPPER  # wgmma: sm_90a cubins run on sm_90 only
@@ -27,7 +28,7 @@ ROW_WIDTH, RANK = 576, 512  # the kernel's tiles are laid out for these
 HEAD_TILE = 64  # heads per CTA (the wgmma M)
 STEP = 64  # positions per step; cache blocks must hold a multiple
 MIN_SPLIT_LEN = 4 * STEP  # shorter shares spend more on partials and the merge than they gain
-MAX_SPLITS = 64
+MAX_SPLITS = _merge.MAX_SPLITS
 # kSharedBytes in the .cu file: Q and two cache tiles (64 x 576 x 2 bytes each), P (64 x 64 x 2),
 # the rows' rescale factors and sums (2 x 64 x 4), q's scale and four maxima (2 x 16), 1024 bytes
 # of room to align the base. The kernel traps when launched with less.
@@ -100,8 +101,7 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool,
               fp8: bool) -> tuple[_compile.CompiledModule, str, str]:
     """One NVRTC compilation per arch, macro set, q dtype and cache kind: (module, decode kernel
     name, merge kernel name)."""
-    flag = str(bf16).lower()
-    decode, merge = f"mla_decode_sm90<{flag}, {str(fp8).lower()}>", f"merge_mla_splits<{flag}>"
+    decode, merge = f"mla_decode_sm90<{str(bf16).lower()}, {str(fp8).lower()}>", _merge.kernel_name(RANK, bf16)
     module = _compile.compile_module_cached(source([decode], [merge]), [decode, merge], arch, filename=SOURCE_NAME,
                                             arch_specific=True, defines=defines)
     return module, decode, merge
@@ -111,7 +111,7 @@ def source(decode: list[str], merge: list[str]) -> str:
     """kernels/mla_decode_sm90.cu with the named ABI's checks for the decode and merge kernels
     ``decode`` and ``merge``."""
     return _params.checked_source(SOURCE_NAME, [(_params.MlaDecodeParams, decode),
-                                                (_params.MergeMlaSplitsParams, merge)])
+                                                (_params.MergeSplitsParams, merge)])
 
 
 _LOADED = _driver.LoadedKernels()
@@ -125,9 +125,32 @@ def _kernels(device: torch.device, bf16: bool, fp8: bool) -> tuple[_driver.Kerne
     def build():
         module, decode, merge = _compiled(_capability(device), defines, bf16, fp8)
         return module, [_driver.KernelSpec(decode, _params.MlaDecodeParams, THREADS, SHARED_BYTES),
-                        _driver.KernelSpec(merge, _params.MergeMlaSplitsParams, RANK // 4)]
+                        _merge.kernel_spec(merge)]
 
     return _LOADED.get(device, (defines, bf16, fp8), build)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One call's launch, from host ints only: CTAs of HEAD_TILE heads per token, and KV splits."""
+
+    tiles: int
+    splits: int
+
+
+@functools.lru_cache(maxsize=4096)
+def launch_plan(device: torch.device, plan: MlaPlan, defines: tuple[str, ...], num_tokens: int, num_heads: int,
+                q_bf16: bool, fp8: bool, max_seq_len: int) -> LaunchPlan:
+    """The LaunchPlan of a call with these host ints on ``device`` under ``plan`` (cached: the
+    occupancy split_count weighs is the loaded kernel's, under the diagnostic macros ``defines``)."""
+    tiles = math.ceil(num_heads / HEAD_TILE)
+    splits = plan.num_splits
+    if splits is None:
+        with torch.cuda.device(device):
+            decode, _ = _kernels(device, q_bf16, fp8)
+        splits = split_count(tiles * num_tokens, decode.blocks_per_sm * _sm_count(device), max_seq_len,
+                             min_split_len=MIN_SPLIT_LEN, max_splits=MAX_SPLITS)
+    return LaunchPlan(tiles, splits)
 
 
 def mla_decode(
@@ -151,25 +174,18 @@ def mla_decode(
     lse = torch.empty((num_tokens, num_heads) if return_lse else (0,), dtype=torch.float32, device=device)
     if num_tokens == 0:
         return out, lse
-    tiles = math.ceil(num_heads / HEAD_TILE)
-    plan = _plans.current
+    fp8, bf16 = kv_cache.dtype == FP8, q.dtype == torch.bfloat16
+    plan = launch_plan(device, _plans.current, _compile.diagnostics_in_force(), num_tokens, num_heads, bf16, fp8,
+                       max_seq_len)
+    splits = plan.splits
     with torch.cuda.device(device):
-        fp8 = kv_cache.dtype == FP8
-        decode, merge = _kernels(device, q.dtype == torch.bfloat16, fp8)
-        splits = plan.num_splits
-        if splits is None:
-            splits = split_count(tiles * num_tokens, decode.blocks_per_sm * _sm_count(device), max_seq_len,
-                                 min_split_len=MIN_SPLIT_LEN, max_splits=MAX_SPLITS)
-        if splits > 1:
-            part_acc = torch.empty((splits, num_tokens, num_heads, RANK), dtype=torch.float32, device=device)
-            part_ml = torch.empty((2, splits, num_tokens, num_heads), dtype=torch.float32, device=device)
-        else:
-            part_acc = part_ml = None
+        decode, merge = _kernels(device, bf16, fp8)
+        part_acc, part_ml = _merge.partials(splits, num_tokens, num_heads, RANK, device) if splits > 1 else (None, None)
         # Every sequence has max_query_len queries when T == B * max_query_len (none has more):
         # the kernel then finds a token's sequence by a division instead of a search.
         q_per_seq = max_query_len if num_tokens == seq_lens.shape[0] * max_query_len else 0
         decode(
-            (tiles, num_tokens, splits),
+            (plan.tiles, num_tokens, splits),
             overlap_previous=True,  # PDL (sm_90a always has it): the launch hides under the previous kernel's end
             q=q, kv=kv_cache, out=out, lse=lse if return_lse else None, part_acc=part_acc, part_ml=part_ml,
             cu_seqlens_q=cu_seqlens_q, block_table=block_table, seq_lens=seq_lens,
@@ -181,7 +197,5 @@ def mla_decode(
             kv_stride_p=kv_cache.stride(1) * kv_cache.element_size(), table_stride=block_table.stride(0),
         )
         if splits > 1:
-            merge((num_tokens, num_heads, 1), overlap_previous=True, out=out, lse=lse if return_lse else None,
-                  part_acc=part_acc, part_ml=part_ml, num_tokens=num_tokens, num_heads=num_heads,
-                  num_splits=splits, o_stride_t=out.stride(0), o_stride_h=out.stride(1))
+            _merge.launch(merge, out, part_acc, part_ml, overlap_previous=True, lse=lse if return_lse else None)
     return out, lse

@@ -1,6 +1,7 @@
 // kernelmux cuda backend: device helpers every kernel of the backend shares, whatever its target
 // arch (paged_decode_fp8.cu runs from sm_89; sm90_common.cuh adds the Hopper-only ones): the
-// integer types, -inf, the base-2 exponential and fp32 pairs packed into 16-bit pairs.
+// integer types, -inf, log2(e) and ln(2), the base-2 exponential and logarithm, and fp32 pairs
+// packed into 16-bit pairs.
 // _toolchain.py hands every kernels/*.cuh to NVRTC, so a kernel includes it by name.
 
 #pragma once
@@ -10,6 +11,9 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
 
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
 namespace {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -17,6 +21,12 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+__device__ __forceinline__ float log2_approx(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 

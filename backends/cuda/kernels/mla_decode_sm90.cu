@@ -25,7 +25,7 @@
 //     the other: kFull + t (tile t landed: 1 -> 0), kPReady (P and the factors written: 0 -> 1),
 //     kPFree (P read: 1 -> 0), kEmpty + t (warpgroup 0 done with tile t: 0 -> 1).
 //   - The end divides by the row sums and writes the output and log-sum-exp, or, split, the
-//     unnormalized partial with its running max and sum for merge_mla_splits.
+//     unnormalized partial with its running max and sum for merge_splits (split_kv_merge.cuh).
 //
 // The first version split every part between the warpgroups (each warpgroup the scores of 32
 // positions, reading all of Q: the score MMAs were bound by shared-memory reads; row maxima
@@ -35,6 +35,7 @@
 // KERNELMUX_DIAG_SKIP_{SCORES,VALUES,LOADS,CONVERT} leave one part out each (diagnostics.cuh).
 
 #include "sm90_common.cuh"
+#include "split_kv_merge.cuh"
 
 namespace {
 
@@ -52,14 +53,8 @@ constexpr int kQ = 0, kKV = kTile, kP = 3 * kTile, kStats = kP + kColumnBlock;
 // the four loader warps' maxima that find it.
 constexpr int kQScale = kStats + 2 * kHeads * 4, kQMaxima = kQScale + 16;
 constexpr int kSharedBytes = kQMaxima + 16 + 1024;  // + room to align the base
-constexpr float kLn2 = 0.6931471805599453f;
 
 
-__device__ __forceinline__ float log2_approx(float x) {
-    float y;
-    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 
 // Two e4m3 values (the low and high byte) -> an f16x2, low value in the low half: exact, one
@@ -321,7 +316,7 @@ struct MlaDecodeParams {
 // Grid (ceil(H / 64), T, splits), 256 threads, kSharedBytes of dynamic shared memory. Strides
 // are in elements. part_acc == nullptr: one split, out and lse (if not null) written here;
 // otherwise part_acc [splits, T, H, 512] and part_ml [2, splits, T, H] (running max in log2
-// units of the scaled scores, then the row sum) for merge_mla_splits. q_per_seq > 0 says every
+// units of the scaled scores, then the row sum) for merge_splits (split_kv_merge.cuh). q_per_seq > 0 says every
 // sequence has that many queries (the host knows it from T == B * max_query_len). The cache's
 // strides are in bytes. CACHE_FP8: an e4m3 cache, converted by warpgroup 1 on its way into fp16
 // tiles; its scale (kv_scale, null for 1) multiplies the scores and the output.
@@ -622,46 +617,4 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
             if (lse != nullptr && wg == 0 && quad == 0) lse[flat] = (m_run[r] + log2_approx(total)) * kLn2;
         }
     }
-}
-
-// merge_mla_splits' parameters (as MlaDecodeParams are the decode kernel's).
-struct MergeMlaSplitsParams {
-    unsigned char* out;
-    float* lse;
-    const float* part_acc;
-    const float* part_ml;
-    int num_tokens, num_heads, num_splits;
-    i64 o_stride_t, o_stride_h;
-};
-
-// Grid (T, H), 128 threads, four value dims each: the splits' partials combined, weighted by
-// exp2(m_s - max m) (0 for empty splits), divided by the weighted sum of their row sums.
-template <bool Q_BF16>
-__global__ void __launch_bounds__(128) merge_mla_splits(
-    unsigned char* __restrict__ out, float* __restrict__ lse, const float* __restrict__ part_acc,
-    const float* __restrict__ part_ml, int num_tokens, int num_heads, int num_splits, i64 o_stride_t,
-    i64 o_stride_h) {
-    const int token = blockIdx.x, head = blockIdx.y, dim = threadIdx.x * 4;
-    const i64 flat = (i64)token * num_heads + head, stride = (i64)num_tokens * num_heads;
-    wait_for_previous_grid();  // launched overlapping the decode kernel: its partials first
-    float m_max = neg_inf();
-    for (int s = 0; s < num_splits; ++s) m_max = fmaxf(m_max, part_ml[flat + s * stride]);
-    float total = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int s = 0; s < num_splits; ++s) {
-        const float m = part_ml[flat + s * stride];
-        if (m == neg_inf()) continue;  // an empty split: nothing to add (and exp2(-inf - -inf) is NaN)
-        const float w = exp2_approx(m - m_max);
-        total += w * part_ml[(i64)num_splits * stride + flat + s * stride];
-        const float4 v = *reinterpret_cast<const float4*>(part_acc + (flat + s * stride) * kRank + dim);
-        acc[0] += w * v.x;
-        acc[1] += w * v.y;
-        acc[2] += w * v.z;
-        acc[3] += w * v.w;
-    }
-    const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-    uint2 packed;
-    packed.x = pack2<Q_BF16>(acc[0] * inverse, acc[1] * inverse);
-    packed.y = pack2<Q_BF16>(acc[2] * inverse, acc[3] * inverse);
-    *reinterpret_cast<uint2*>(out + ((i64)token * o_stride_t + (i64)head * o_stride_h + dim) * 2) = packed;
-    if (lse != nullptr && threadIdx.x == 0) lse[flat] = (m_max + log2_approx(total)) * kLn2;
 }

@@ -30,11 +30,12 @@
 //
 // Output: either the normalized result in the query's dtype (one split) or, with SPLIT, each
 // split's unnormalized partial (times v_scale), running max (base 2) and sum, merged by
-// merge_splits below. Compiled at runtime by NVRTC (with common.cuh, no CUDA headers); see
+// merge_splits (split_kv_merge.cuh). Compiled at runtime by NVRTC (with common.cuh, no CUDA headers); see
 // _paged_decode.py.
 
 #include "common.cuh"
 #include "diagnostics.cuh"
+#include "split_kv_merge.cuh"
 
 struct __align__(16) Bytes16 {
     u32 w[4];
@@ -44,7 +45,6 @@ namespace {
 
 constexpr int kHeadDim = 128;
 constexpr int kStep = 32;  // KV positions per warp step: two 16-position MMA row tiles
-constexpr float kLog2e = 1.4426950408889634f;
 
 __device__ __forceinline__ Bytes16 load16(const unsigned char* p) {
     Bytes16 v;
@@ -576,73 +576,4 @@ __global__ void __launch_bounds__(
     }
     TRACE_MARK(5, 0);  // this thread's stores issued
     TRACE_WRITE();
-}
-
-// One (token, query head) per CTA of 256 threads: the splits' maxima and sums are read at once
-// (a thread each), their weights go through shared memory, and two groups of 128 threads (one
-// value dim each) sum half of the splits' partials apiece, so a merge of 64 splits waits on a
-// few waves of loads instead of one per split. launch_next_early: let the next kernel launch
-// (and warm its start) while the merge runs: _paged_decode.py's _launches says where.
-constexpr int kMaxSplits = 64;  // _paged_decode.py's _MAX_SPLITS
-
-// merge_splits' parameters (as PagedDecodeParams are the decode kernel's).
-struct MergeSplitsParams {
-    unsigned char* out;
-    const float* part_acc;
-    const float* part_ml;
-    const float* sinks;
-    int num_tokens, num_q_heads, num_splits, launch_next_early;
-    i64 o_stride_t, o_stride_h;
-};
-
-template <bool Q_BF16>
-__global__ void __launch_bounds__(2 * kHeadDim) merge_splits(
-    unsigned char* __restrict__ out, const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-    const float* __restrict__ sinks, int num_tokens, int num_q_heads, int num_splits, int launch_next_early,
-    i64 o_stride_t, i64 o_stride_h) {
-    __shared__ float weight[kMaxSplits];
-    __shared__ float warp_max[2], warp_total[2];
-    __shared__ float second_half[kHeadDim];
-    const int token = blockIdx.x, head = blockIdx.y, tid = threadIdx.x;
-    const int lane = tid & 31, warp = tid >> 5;
-    wait_for_previous_grid();  // launched overlapping the decode kernel: its partials first
-    if (launch_next_early) allow_next_grid();
-    const i64 first = (i64)token * num_q_heads + head, stride = (i64)num_tokens * num_q_heads;
-
-    // Threads 0 .. 63 (warps 0 and 1): split tid's running max and sum.
-    float m = neg_inf(), l = 0.0f;
-    if (tid < num_splits) {
-        m = part_ml[first + tid * stride];
-        l = part_ml[(i64)num_splits * stride + first + tid * stride];
-    }
-    float x = m;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    if (lane == 0 && warp < 2) warp_max[warp] = x;
-    __syncthreads();
-    const float m_max = fmaxf(warp_max[0], warp_max[1]);
-    const float m_use = m_max == neg_inf() ? 0.0f : m_max;
-    const float w = tid < num_splits ? exp2_approx(m - m_use) : 0.0f;  // 0 for empty splits
-    if (tid < kMaxSplits) weight[tid] = w;
-    x = l * w;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    if (lane == 0 && warp < 2) warp_total[warp] = x;
-    __syncthreads();
-
-    const int d = tid % kHeadDim, group = tid / kHeadDim;
-    float value = 0.0f;
-#pragma unroll 8
-    for (int s = group; s < num_splits; s += 2) value += part_acc[(first + s * stride) * kHeadDim + d] * weight[s];
-    if (group == 1) second_half[d] = value;
-    __syncthreads();
-    if (group == 1) return;
-    value += second_half[d];
-    float denominator = warp_total[0] + warp_total[1];
-    if (sinks != nullptr) denominator += exp2_approx(sinks[head] * kLog2e - m_use);
-    if (denominator == 0.0f) denominator = 1.0f;
-    const float y = value / denominator;
-    const u32 packed = pack2<Q_BF16>(y, 0.0f);
-    *reinterpret_cast<u16*>(out + ((i64)token * o_stride_t + (i64)head * o_stride_h + d) * 2) =
-        (u16)(packed & 0xffffu);
 }

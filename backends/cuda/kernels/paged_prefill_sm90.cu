@@ -47,7 +47,6 @@ constexpr int kThreads = 384;     // producer + two consumers
 constexpr int kColumnBlock = 128 * 128;            // 128 rows x 128 bytes (64 dims)
 constexpr int kTile = kDim / 64 * kColumnBlock;    // a 128 x 128 16-bit tile: 32 KiB
 constexpr int kProducerRegisters = 72, kConsumerRegisters = 216;  // 128 x 72 + 256 x 216 <= 64K, no spills
-constexpr float kLog2e = 1.4426950408889634f;
 
 // Shared memory from a 1024-byte aligned base (the swizzle repeats every 1024 bytes): Q, then
 // STAGES pairs of K and V tiles.

@@ -168,7 +168,7 @@ def _names() -> list[str]:
                  (1, 2), ("true", "false"), (0, 4), ("false", "true"), ("false", "true"), ("false", "true"),
                  (4, 8, 16))
              if (tiles == 1 or warps == 4) and (warps < 16 or (shift, cap, ahead) == (4, "false", "false"))]
-    return names + ["merge_splits<true>", "merge_splits<false>"]
+    return names + ["merge_splits<128, true>", "merge_splits<128, false>"]
 
 
 @needs_nvrtc
@@ -359,7 +359,7 @@ def test_launch_structs_match_cuda_h():
 @needs_nvrtc
 def test_compiled_cubins_are_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
-    names = ["merge_splits<true>"]
+    names = ["merge_splits<128, true>"]
     first = _compile.compile_module_cached(_paged_decode.source(tuple(names)), names, (9, 0))
     assert len(list(tmp_path.glob("cuda/*.cubin"))) == 1
     calls = []
