@@ -78,8 +78,9 @@ def _baseline_of(result_env: dict[str, Any]) -> str:
     """This device's baseline file, which --compare without a file reads; a usage error if none."""
     path = records.baseline_path(records.device_key(result_env))
     if not path.exists():
-        raise ConfigurationError(f"--compare: no baseline for this device ({path} does not exist); record one "
-                                 "with `kernelmux bench --record`, or name a run: --compare OLD.json")
+        raise ConfigurationError(f"--compare: no baseline for this device ({path} does not exist); baselines "
+                                 "live in a checkout's perf/baselines (record one there with `kernelmux bench "
+                                 "--record`), or name a run: --compare OLD.json")
     return str(path)
 
 

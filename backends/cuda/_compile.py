@@ -128,7 +128,7 @@ def compile_module(source: str, names: Sequence[str], arch: tuple[int, int], fil
                    verbose: bool = False, arch_specific: bool = False,
                    defines: Sequence[str] = ()) -> CompiledModule:
     """Compile ``source`` for ``sm_<major><minor>`` (``...a`` when ``arch_specific``),
-    instantiating the kernels ``names`` (C++ name expressions, e.g. ``"merge_splits<128, true>"``),
+    instantiating the kernels ``names`` (C++ name expressions, e.g. ``"merge_splits<128, 2, true>"``),
     with each macro of ``defines`` defined to 1 (diagnostic builds; line numbers stay the file's)."""
     source = _program_text(source, defines)
     lib = find_nvrtc()

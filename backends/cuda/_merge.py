@@ -12,16 +12,17 @@ from kernelmux.backends.cuda import _driver, _params
 __all__ = ["MAX_SPLITS", "kernel_name", "kernel_spec", "launch", "partials"]
 
 MAX_SPLITS = 64  # kMergeMaxSplits: one thread per split reads its max and sum
-THREADS = 256  # kMergeThreads: two groups of 128, each summing half of the splits
+GROUP = 128  # kMergeGroup: the threads summing one share of the splits
 
 
-def kernel_name(dim: int, q_bf16: bool) -> str:
-    """The C++ name of the merge for rows of ``dim`` values (128 or 512) of q's dtype."""
-    return f"merge_splits<{dim}, {str(q_bf16).lower()}>"
+def kernel_name(dim: int, groups: int, q_bf16: bool) -> str:
+    """The C++ name of the merge for rows of ``dim`` values (128 or 512) of q's dtype, by
+    ``groups`` (1 or 2) groups of GROUP threads, each summing its share of the splits."""
+    return f"merge_splits<{dim}, {groups}, {str(q_bf16).lower()}>"
 
 
-def kernel_spec(name: str) -> _driver.KernelSpec:
-    return _driver.KernelSpec(name, _params.MergeSplitsParams, THREADS)
+def kernel_spec(name: str, groups: int) -> _driver.KernelSpec:
+    return _driver.KernelSpec(name, _params.MergeSplitsParams, groups * GROUP)
 
 
 def partials(splits: int, num_tokens: int, num_heads: int, dim: int,

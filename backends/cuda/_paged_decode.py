@@ -28,6 +28,9 @@ MIN_CAPABILITY = DECODE_MIN_CAPABILITY
 # CTA: shorter shares spend more on partials and the merge than they gain), at most _MAX_SPLITS.
 MIN_SPLIT_LEN = 256
 _MAX_SPLITS = _merge.MAX_SPLITS
+# Two groups of 128 threads share a merge's splits: 64-split merge 9.5 -> 2.9 us with the maxima
+# read at once and two groups (perf/decisions/paged_attention.md).
+MERGE_GROUPS = 2
 # 16-warp CTAs (one per SM): a grid holding at least WIDE_UNSPLIT_FILL of the SMs does not split,
 # and each CTA takes at least WIDE_MIN_SHARE positions (four 32-position steps a warp).
 WIDE_UNSPLIT_FILL = 0.45
@@ -161,7 +164,7 @@ def kernel_names(*template: bool | int) -> tuple[str, str]:
     """The C++ names of the decode and merge kernels of a template set (head tiles, bf16 query,
     log2 block size, soft cap, split, read ahead, warps)."""
     args = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in template)
-    return f"paged_decode_fp8<{args}>", _merge.kernel_name(HEAD_DIM, bool(template[1]))
+    return f"paged_decode_fp8<{args}>", _merge.kernel_name(HEAD_DIM, MERGE_GROUPS, bool(template[1]))
 
 
 def source(names: tuple[str, ...]) -> str:
@@ -196,7 +199,7 @@ def _kernels(device: torch.device, *template: bool | int) -> tuple[_driver.Kerne
         head_tiles, warps = template[0], template[6]
         return module, [_driver.KernelSpec(decode, _params.PagedDecodeParams, warps * 32,
                                            shared_bytes=warps * head_tiles * 8 * HEAD_DIM * 4),
-                        _merge.kernel_spec(merge)]
+                        _merge.kernel_spec(merge, MERGE_GROUPS)]
 
     return _LOADED.get(device, (defines, template), build)
 

@@ -29,6 +29,7 @@ HEAD_TILE = 64  # heads per CTA (the wgmma M)
 STEP = 64  # positions per step; cache blocks must hold a multiple
 MIN_SPLIT_LEN = 4 * STEP  # shorter shares spend more on partials and the merge than they gain
 MAX_SPLITS = _merge.MAX_SPLITS
+MERGE_GROUPS = 1  # groups of 128 threads in the split-KV merge (perf/decisions/mla_decode.md)
 # kSharedBytes in the .cu file: Q and two cache tiles (64 x 576 x 2 bytes each), P (64 x 64 x 2),
 # the rows' rescale factors and sums (2 x 64 x 4), q's scale and four maxima (2 x 16), 1024 bytes
 # of room to align the base. The kernel traps when launched with less.
@@ -101,7 +102,7 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool,
               fp8: bool) -> tuple[_compile.CompiledModule, str, str]:
     """One NVRTC compilation per arch, macro set, q dtype and cache kind: (module, decode kernel
     name, merge kernel name)."""
-    decode, merge = f"mla_decode_sm90<{str(bf16).lower()}, {str(fp8).lower()}>", _merge.kernel_name(RANK, bf16)
+    decode, merge = f"mla_decode_sm90<{str(bf16).lower()}, {str(fp8).lower()}>", _merge.kernel_name(RANK, MERGE_GROUPS, bf16)
     module = _compile.compile_module_cached(source([decode], [merge]), [decode, merge], arch, filename=SOURCE_NAME,
                                             arch_specific=True, defines=defines)
     return module, decode, merge
@@ -125,7 +126,7 @@ def _kernels(device: torch.device, bf16: bool, fp8: bool) -> tuple[_driver.Kerne
     def build():
         module, decode, merge = _compiled(_capability(device), defines, bf16, fp8)
         return module, [_driver.KernelSpec(decode, _params.MlaDecodeParams, THREADS, SHARED_BYTES),
-                        _merge.kernel_spec(merge)]
+                        _merge.kernel_spec(merge, MERGE_GROUPS)]
 
     return _LOADED.get(device, (defines, bf16, fp8), build)
 

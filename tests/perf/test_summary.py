@@ -4,6 +4,7 @@ README cannot drift from the records); the device key; --record and --compare ag
 from __future__ import annotations
 
 import json
+import pathlib
 import shutil
 
 import pytest
@@ -11,20 +12,22 @@ import pytest
 from kernelmux import cli
 from kernelmux.perf import records, summary
 
+# The records are the checkout's (an installed kernelmux does not carry them).
+PERF = pathlib.Path(__file__).resolve().parents[2] / "perf"
 
 def test_readme_tables_equal_the_generated_ones():
-    text = summary.README.read_text()
+    text = (PERF / "README.md").read_text()
     start, end = text.index(summary.BEGIN), text.index(summary.END) + len(summary.END)
-    assert text[start:end] == summary.render(records.baselines()), (
+    assert text[start:end] == summary.render(records.baselines(PERF / "baselines")), (
         "perf/README.md's tables differ from perf/baselines/*.json: run python -m kernelmux.perf.summary --write")
 
 
 def test_every_baseline_is_named_by_its_device_key():
-    runs = records.baselines()
+    runs = records.baselines(PERF / "baselines")
     assert runs, "perf/baselines holds no run"
     for key, run in runs.items():
         assert records.device_key(run["environment"]) == key
-        assert records.baseline_path(key).with_suffix(".md").exists()
+        assert records.baseline_path(key, PERF / "baselines").with_suffix(".md").exists()
 
 
 @pytest.mark.parametrize("environment, key", [
@@ -62,8 +65,8 @@ def test_best_is_the_fastest_implementation_and_other_the_next_reference_include
 def _recording_into(tmp_path, monkeypatch):
     """perf/baselines and perf/README.md redirected to copies under tmp_path."""
     baselines, readme = tmp_path / "baselines", tmp_path / "README.md"
-    shutil.copytree(records.BASELINES, baselines)
-    shutil.copy(summary.README, readme)
+    shutil.copytree(PERF / "baselines", baselines)
+    shutil.copy(PERF / "README.md", readme)
     monkeypatch.setattr(records, "BASELINES", baselines)
     monkeypatch.setattr(summary, "README", readme)
     return baselines, readme
@@ -94,7 +97,8 @@ def test_record_refuses_a_partial_run(tmp_path, monkeypatch, capsys):
 def test_compare_without_a_file_reads_this_devices_baseline(tmp_path, monkeypatch, capsys):
     baselines, _ = _recording_into(tmp_path, monkeypatch)
     assert cli.main(["bench", "--load", str(baselines / "h100.json"), "--compare"]) == 0
-    assert "compare: 11292fa against 11292fa" in capsys.readouterr().out
+    recorded = json.loads((baselines / "h100.json").read_text())["environment"]["commit"]
+    assert f"compare: {recorded} against {recorded}" in capsys.readouterr().out
     (baselines / "h100.json").rename(tmp_path / "elsewhere.json")
     assert cli.main(["bench", "--load", str(tmp_path / "elsewhere.json"), "--compare"]) == 2
     assert "no baseline for this device" in capsys.readouterr().err

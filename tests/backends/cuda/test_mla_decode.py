@@ -22,7 +22,7 @@ from kernelmux.specs import mla_decode as mla_spec
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 NAMES = ([f"mla_decode_sm90<{q}, {fp8}>" for q in ("true", "false") for fp8 in ("true", "false")]
-         + [f"merge_splits<512, {q}>" for q in ("true", "false")])
+         + [f"merge_splits<512, {mla.MERGE_GROUPS}, {q}>" for q in ("true", "false")])
 
 
 # ---------------------------------------------------------------------------------------------

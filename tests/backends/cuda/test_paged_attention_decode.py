@@ -20,7 +20,7 @@ from fakes import ask
 from kernelmux.backends.cuda import _compile, _driver, _paged_decode, _toolchain
 from kernelmux.backends.cuda import paged_attention as cuda_paged_attention
 from kernelmux.engine import Engine, Settings
-from kernelmux.platforms import probes, simulate
+from kernelmux.platforms import simulate
 from kernelmux.specs import ALL_SPECS
 from kernelmux.specs import paged_attention as pa_spec
 from kernelmux.registry import Registry
@@ -168,7 +168,7 @@ def _names() -> list[str]:
                  (1, 2), ("true", "false"), (0, 4), ("false", "true"), ("false", "true"), ("false", "true"),
                  (4, 8, 16))
              if (tiles == 1 or warps == 4) and (warps < 16 or (shift, cap, ahead) == (4, "false", "false"))]
-    return names + ["merge_splits<128, true>", "merge_splits<128, false>"]
+    return names + [f"merge_splits<128, {_paged_decode.MERGE_GROUPS}, {q}>" for q in ("true", "false")]
 
 
 @needs_nvrtc
@@ -359,7 +359,7 @@ def test_launch_structs_match_cuda_h():
 @needs_nvrtc
 def test_compiled_cubins_are_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
-    names = ["merge_splits<128, true>"]
+    names = ["merge_splits<128, 2, true>"]
     first = _compile.compile_module_cached(_paged_decode.source(tuple(names)), names, (9, 0))
     assert len(list(tmp_path.glob("cuda/*.cubin"))) == 1
     calls = []

@@ -71,10 +71,11 @@ def _kernel_params(cubin: bytes) -> list[tuple[int, int]]:
 @needs_cuobjdump
 @pytest.mark.parametrize("mirror, source, name, arch_specific", [
     (_params.PagedDecodeParams, _paged_decode.source, DECODE, False),
-    (_params.MergeSplitsParams, _paged_decode.source, "merge_splits<128, true>", False),
+    (_params.MergeSplitsParams, _paged_decode.source, "merge_splits<128, 2, true>", False),
     (_params.PagedPrefillParams, _paged_prefill.source, "paged_prefill_sm90<true, false, 3, true, false>", True),
     (_params.MlaDecodeParams, lambda names: mla_decode.source(names, []), "mla_decode_sm90<true, true>", True),
-    (_params.MergeSplitsParams, lambda names: mla_decode.source([], names), "merge_splits<512, true>", True),
+    (_params.MergeSplitsParams, lambda names: mla_decode.source([], names), "merge_splits<512, 1, true>", True),
+    (_params.MergeSplitsParams, lambda names: mla_decode.source([], names), "merge_splits<512, 2, true>", True),
 ])
 def test_the_kernels_parameter_buffer_is_the_mirrors_layout(mirror, source, name, arch_specific):
     # The launch hands the mirror's bytes to the driver as the kernel's parameter buffer: each
