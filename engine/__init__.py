@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 from typing import Any, Iterable, Mapping
 
-from kernelmux.platforms import Platform
 from kernelmux.engine.settings import ENV_VARS, Settings
 from kernelmux.engine._engine import (
     CheckedDispatcher,
@@ -20,6 +19,7 @@ from kernelmux.engine._engine import (
     OpTable,
 )
 from kernelmux.engine.report import report as _report_data
+from kernelmux.platforms import Platform
 from kernelmux.specs import ALL_SPECS
 
 __all__ = [

@@ -9,11 +9,11 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple
 
 import torch
 
-from kernelmux.platforms import Platform, detect, simulate
 from kernelmux.engine.settings import Settings
 from kernelmux.errors import ConfigurationError, ImplementationError, NoImplementationError, UnknownOpError
-from kernelmux.specs._spec import OpSpec
+from kernelmux.platforms import Platform, detect, simulate
 from kernelmux.registry import Backend, Implementation, Registry
+from kernelmux.specs._spec import OpSpec
 
 __all__ = [
     "Candidate",
