@@ -25,6 +25,7 @@ class Backend(str, enum.Enum):
     CPU = "cpu"
     TRITON = "triton"
     CUDA = "cuda"
+    FLASHINFER = "flashinfer"
     ROCM = "rocm"
     XPU = "xpu"
 

@@ -148,8 +148,29 @@ def grouped_topk_shapes(draw):
     )
 
 
+@st.composite
+def routing_shapes(draw):
+    """Half of the draws any shape, half DeepSeek-V3-style routing (sigmoid, a bias, renormalized,
+    fp32 logits; half of those DeepSeek-V3's own groups, else up to 32 experts a group, topk <= 8):
+    the family vendor kernels serve, drawn often enough that an implementation taking only it is
+    tested on many inputs, not filtered away."""
+    if draw(st.booleans()):
+        return draw(grouped_topk_shapes())
+    if draw(st.booleans()):
+        groups, group_size, topk_group, topk = 8, 32, 4, 8  # DeepSeek-V3 / R1
+    else:
+        groups = draw(st.integers(1, 8))
+        group_size = draw(st.integers(2, 32))
+        topk_group = draw(st.integers(1, groups))
+        topk = draw(st.integers(1, min(8, topk_group * group_size)))
+    return dict(tokens=draw(st.sampled_from([0, 1, 2, 3, 17, 33])), experts=groups * group_size, groups=groups,
+                topk_group=topk_group, topk=topk,
+                scoring_func="sigmoid", with_bias=True, dtype=torch.float32, renormalize=True,
+                routed_scaling_factor=draw(st.sampled_from([1.0, 2.5])))
+
+
 @pytest.mark.parametrize("impl", GROUPED_TOPK_IMPLS, ids=lambda impl: impl.key)
-@given(shape=grouped_topk_shapes(), seed=st.integers(0, 2**32 - 1))
+@given(shape=routing_shapes(), seed=st.integers(0, 2**32 - 1))
 def test_grouped_topk_random_shapes(impl, shape, seed):
     kwargs = grouped_topk_module._maker(**shape)(torch.device("cpu"), torch.Generator().manual_seed(seed))
     kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}

@@ -15,7 +15,7 @@ BACKENDS = pathlib.Path(__file__).resolve().parents[2] / "backends"
 OPS = {spec.name for spec in ALL_SPECS}
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton", "cuda"])
+@pytest.mark.parametrize("backend", ["cpu", "triton", "cuda", "flashinfer"])
 def test_table_rows_are_the_entry_modules(backend):
     package = importlib.import_module(f"kernelmux.backends.{backend}")
     entries = {p.stem for p in (BACKENDS / backend).glob("*.py") if p.stem in OPS}

@@ -1,0 +1,146 @@
+"""How a backend over a vendor library meets it: the library imported lazily and once, any exception
+at import (not only ImportError) turned into a reason naming the installed version; the installed
+version held to the range kernelmux was tested with; every vendor function kernelmux calls probed for
+the keywords it passes; and a vendor's first call per variant, which may compile for minutes, logged
+before it starts and timed."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import re
+import threading
+import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Callable, Hashable, Optional
+
+__all__ = ["Vendor", "VendorCall", "first_calls"]
+
+_log = logging.getLogger("kernelmux.vendor")
+Version = tuple[int, ...]
+
+
+def _release(text: str) -> Version:
+    """The numeric release of a version string: "0.6.14" -> (0, 6, 14), "0.1.4.post1" -> (0, 1, 4)."""
+    match = re.match(r"\d+(\.\d+)*", text)
+    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
+
+
+def _dotted(version: Version) -> str:
+    return ".".join(map(str, version))
+
+
+@dataclass(frozen=True)
+class VendorCall:
+    """A vendor function kernelmux calls: where it lives and the keywords every call passes."""
+
+    module: str  # e.g. "flashinfer.fused_moe"
+    function: str
+    keywords: tuple[str, ...]
+
+    def resolve(self) -> Callable[..., Any]:
+        return getattr(importlib.import_module(self.module), self.function)
+
+    def problem(self) -> Optional[str]:
+        """None when the installed function takes every keyword, else what is missing."""
+        try:
+            parameters = inspect.signature(self.resolve()).parameters
+        except Exception as error:  # noqa: BLE001 - a vendor module may fail in any way
+            return f"{self.module}.{self.function}: {type(error).__name__}: {error}"
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+            return None
+        missing = [k for k in self.keywords if k not in parameters]
+        if missing:
+            return (f"{self.module}.{self.function} takes no keyword {', '.join(missing)} "
+                    f"(its parameters: {', '.join(parameters)})")
+        return None
+
+
+@dataclass(frozen=True)
+class Vendor:
+    """A vendor library: its import name, its distribution and the versions kernelmux was tested with,
+    ``tested[0] <= version < tested[1]`` (the range its extra pins), and the calls kernelmux makes."""
+
+    name: str  # the import name, e.g. "flashinfer"
+    distribution: str  # e.g. "flashinfer-python"
+    tested: tuple[Version, Version]
+    calls: tuple[VendorCall, ...] = ()
+
+    def version(self) -> Optional[str]:
+        try:
+            return importlib.metadata.version(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def problem(self) -> Optional[str]:
+        """Why the library cannot serve (None when it can): not installed, a version outside the
+        tested range, an exception at import, or a call whose keywords it does not take. Asked once
+        per process; the answer is the backend's static check, so a broken vendor is quarantined."""
+        with _lock:
+            if self not in _problems:
+                _problems[self] = self._find_problem()
+            return _problems[self]
+
+    def _find_problem(self) -> Optional[str]:
+        version = self.version()
+        low, high = self.tested
+        if version is None:
+            return f"{self.distribution} is not installed (pip install 'kernelmux[{self.name}]')"
+        if not low <= _release(version) < high:
+            return (f"{self.distribution} {version} is outside the tested range >={_dotted(low)},<{_dotted(high)} "
+                    f"(pip install 'kernelmux[{self.name}]')")
+        try:
+            importlib.import_module(self.name)
+        except BaseException as error:  # noqa: BLE001 - vendors raise RuntimeError, SystemExit, ...
+            if isinstance(error, KeyboardInterrupt):
+                raise
+            return f"{self.distribution} {version}: import {self.name} failed: {type(error).__name__}: {error}"
+        for call in self.calls:
+            reason = call.problem()
+            if reason is not None:
+                return f"{self.distribution} {version}: {reason}"
+        return None
+
+    def module(self) -> ModuleType:
+        """The imported library (call only after ``problem()`` said None)."""
+        return importlib.import_module(self.name)
+
+
+_lock = threading.Lock()
+_problems: dict[Vendor, Optional[str]] = {}
+
+
+class _FirstCalls:
+    """The vendor calls that may compile (JIT at first use): each (vendor, op, variant) is logged
+    before its first call starts and that call's wall time kept, so a minutes-long compile is
+    announced, not mistaken for a hang, and its cost is reported apart from run time."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[tuple[str, str, Hashable], float] = {}
+        self._lock = threading.Lock()
+
+    def run(self, vendor: Vendor, op: str, variant: Hashable, where: str, call: Callable[[], Any]) -> Any:
+        key = (vendor.name, op, variant)
+        if key in self._seconds:
+            return call()
+        with self._lock:  # one thread compiles, the others wait for it
+            if key in self._seconds:
+                return call()
+            _log.warning("kernelmux: %s %s: first call for %s may compile the vendor's kernel (%s)",
+                         vendor.name, op, variant, where)
+            start = time.perf_counter()
+            result = call()
+            self._seconds[key] = time.perf_counter() - start
+            _log.warning("kernelmux: %s %s: first call for %s took %.1f s", vendor.name, op, variant,
+                         self._seconds[key])
+            return result
+
+    def seconds(self) -> dict[tuple[str, str, Hashable], float]:
+        """(vendor, op, variant) -> the first call's wall time in seconds."""
+        return dict(self._seconds)
+
+
+first_calls = _FirstCalls()
