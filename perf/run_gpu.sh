@@ -39,12 +39,20 @@
 # A device command may run 10 minutes: tests-core + bench fit one call, tests-slow + compare
 # another. Set KERNELMUX_COMMIT (the tree travels without .git).
 #   bash perf/run_gpu.sh tests-core bench
+# Vendor backends: wheels in .whl/ (ignored by git; the device tool's `carry`), e.g. flashinfer-python
+# 0.6.14 and apache-tvm-ffi 0.1.11 for cp312 (perf/README.md), are installed to /tmp/site first and put
+# on PYTHONPATH, with their JIT caches under /tmp; without .whl/ the vendor backends say "not installed".
 set -uo pipefail
 out=${OUT:-$(mktemp -d /tmp/kernelmux-perf.XXXXXX)}
 mkdir -p "$out"
 echo "outputs in $out"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 repo=$(pwd)
+if compgen -G "$repo/.whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$repo"/.whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer
+fi
 # pip builds in the source folder (build/, *.egg-info): build from a copy so the tree stays as it came.
 src=$(mktemp -d /tmp/kernelmux-src.XXXXXX)
 cp -a "$repo/." "$src/"

@@ -44,4 +44,7 @@ TABLE = (
 
 @hookimpl
 def kernelmux_implementations() -> list[Implementation]:
-    return implementations(Backend.FLASHINFER, __name__, _DEFAULTS, TABLE)
+    # The installed version leads each description, so `kernelmux info` and the report name it.
+    version = f"{FLASHINFER.distribution} {FLASHINFER.version() or '(not installed)'}: "
+    table = [Entry(entry.op, version + entry.description, entry.overrides) for entry in TABLE]
+    return implementations(Backend.FLASHINFER, __name__, _DEFAULTS, table)

@@ -121,7 +121,8 @@ def test_not_installed_says_how_to_install(monkeypatch):
 
 def test_registered_through_the_entry_point(vendor):
     engine = Engine(ALL_SPECS, Settings(platform="sm_90"))
-    assert "flashinfer" in [c.impl.backend for c in engine.tables["grouped_topk"].candidates]
+    [impl] = [c.impl for c in engine.tables["grouped_topk"].candidates if c.impl.backend == "flashinfer"]
+    assert impl.description.startswith("flashinfer-python 0.6.14: fused_topk_deepseek")
     assert engine.distribution("flashinfer").startswith("kernelmux ")
     on_cpu = {impl.backend: why for impl, why in Engine(ALL_SPECS, Settings(platform="x86_64"))
               .tables["grouped_topk"].rejected}
