@@ -38,18 +38,27 @@ class VendorCall:
     """A vendor function kernelmux calls: where it lives and the keywords every call passes."""
 
     module: str  # e.g. "flashinfer.fused_moe"
-    function: str
+    function: str  # a name in the module, or a dotted path to a method: "BatchMLAPagedAttentionWrapper.plan"
     keywords: tuple[str, ...]
 
     def resolve(self) -> Callable[..., Any]:
-        return getattr(importlib.import_module(self.module), self.function)
+        found: Any = importlib.import_module(self.module)
+        for name in self.function.split("."):
+            found = getattr(found, name)
+        return found
 
     def problem(self) -> Optional[str]:
-        """None when the installed function takes every keyword, else what is missing."""
+        """None when the installed function takes every keyword (or its signature cannot be read,
+        as for a compiled tvm-ffi function: then only its presence is checked), else what is wrong."""
         try:
-            parameters = inspect.signature(self.resolve()).parameters
+            function = self.resolve()
         except Exception as error:  # noqa: BLE001 - a vendor module may fail in any way
             return f"{self.module}.{self.function}: {type(error).__name__}: {error}"
+        try:
+            parameters = inspect.signature(function).parameters
+        except (TypeError, ValueError):
+            _log.debug("kernelmux: %s.%s: no readable signature; keywords not probed", self.module, self.function)
+            return None
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
             return None
         missing = [k for k in self.keywords if k not in parameters]
@@ -68,6 +77,11 @@ class Vendor:
     distribution: str  # e.g. "flashinfer-python"
     tested: tuple[Version, Version]
     calls: tuple[VendorCall, ...] = ()
+    extra: str = ""  # kernelmux's extra that installs it (default: the import name)
+
+    @property
+    def install_hint(self) -> str:
+        return f"pip install 'kernelmux[{self.extra or self.name}]'"
 
     def version(self) -> Optional[str]:
         try:
@@ -88,10 +102,10 @@ class Vendor:
         version = self.version()
         low, high = self.tested
         if version is None:
-            return f"{self.distribution} is not installed (pip install 'kernelmux[{self.name}]')"
+            return f"{self.distribution} is not installed ({self.install_hint})"
         if not low <= _release(version) < high:
             return (f"{self.distribution} {version} is outside the tested range >={_dotted(low)},<{_dotted(high)} "
-                    f"(pip install 'kernelmux[{self.name}]')")
+                    f"({self.install_hint})")
         try:
             importlib.import_module(self.name)
         except BaseException as error:  # noqa: BLE001 - vendors raise RuntimeError, SystemExit, ...

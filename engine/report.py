@@ -119,7 +119,7 @@ def render_report(data: Mapping[str, Any]) -> Any:
         for column in ("plugin", "implementation", "reason"):
             rejected.add_column(column)
         for r in data["rejected_registrations"]:
-            rejected.add_row(r["plugin"], f"{r['op']}:{r['backend']}", r["reason"])
+            rejected.add_row(escape(r["plugin"]), escape(f"{r['op']}:{r['backend']}"), escape(r["reason"]))
         parts.append(rejected)
     ops = Table(title="ops", title_justify="left")
     for column in ("op", "chosen", "other candidates (in order)", "not viable here"):
@@ -130,7 +130,7 @@ def render_report(data: Mapping[str, Any]) -> Any:
             f"{op['op']} v{op['spec_version']}",
             op["chosen"],
             ", ".join(others) or "-",
-            "\n".join(f"{r['backend']}: {r['reason']}" for r in op["rejected"]) or "-",
+            escape("\n".join(f"{r['backend']}: {r['reason']}" for r in op["rejected"])) or "-",
         )
     parts.append(ops)
     return Group(*parts)
@@ -156,6 +156,7 @@ def explain_report(
 
 def render_explain(data: Mapping[str, Any]) -> Any:
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
@@ -167,16 +168,18 @@ def render_explain(data: Mapping[str, Any]) -> Any:
         "\nchosen: ", (data["chosen"], "bold green"),
     )
     table = Table()
-    for column in ("backend", "stage", "verdict"):
+    for column in ("backend", "implementation", "stage", "verdict"):
         table.add_column(column)
     answers = {a["backend"]: a["reason"] for a in data.get("answers", [])}
     for v in data["viable"]:
         if "answers" in data:
             reason = answers.get(v["backend"])
-            verdict = "[green]accepts[/green]" if reason is None else f"declines: {reason}"
+            verdict = "[green]accepts[/green]" if reason is None else f"declines: {escape(reason)}"
         else:
             verdict = "[green]viable[/green] (supports() is asked per call; pass --case)"
-        table.add_row(v["backend"], f"candidate (priority {v['priority']})", verdict)
+        table.add_row(escape(v["backend"]), escape(v.get("description", "")),
+                      f"candidate (priority {v['priority']})", verdict)
     for r in data["rejected"]:
-        table.add_row(r["backend"], "startup", f"[red]not viable[/red]: {r['reason']}")
+        table.add_row(escape(r["backend"]), escape(r.get("description", "")), "startup",
+                      f"[red]not viable[/red]: {escape(r['reason'])}")
     return Group(title, table)

@@ -40,6 +40,8 @@ def describe(row: dict[str, Any]) -> str:
     if row["backend"] != REFERENCE and "speedup_vs_reference" in row:
         value = row["speedup_vs_reference"]
         text += ", reference not timed" if value is None else f", {value:.2f}x the reference"
+    if "metadata_us" in row:
+        text += f"; of which metadata and planning {fmt_us(row['metadata_us'])}"
     return head + text
 
 
@@ -93,6 +95,15 @@ def markdown(result: dict[str, Any]) -> str:
     if failed:
         lines += ["", f"{len(failed)} row(s) failed (wrong or error): "
                       + ", ".join(f"{r['op']}/{r['case']}/{r['backend']}" for r in failed) + "."]
+    planned = [r for r in result["rows"] if "metadata_us" in r]
+    if planned:
+        lines += ["", "Metadata conversion and planning, timed apart (the row's median includes it): "
+                      + ", ".join(f"{r['op']}/{r['case']}/{r['backend']} {fmt_us(r['metadata_us'])}"
+                                  for r in planned) + "."]
+    if result.get("first_calls"):
+        lines += ["", "Vendor first calls (JIT compiles, not in any row): "
+                      + ", ".join(f"{c['vendor']} {c['op']} {c['variant']} {c['seconds']:.1f} s"
+                                  for c in result["first_calls"]) + "."]
     if result.get("wall_s"):
         lines += ["", "Wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in result["wall_s"].items()) + "."]
     return "\n".join(lines) + "\n"

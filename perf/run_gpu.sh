@@ -14,6 +14,9 @@
 #   tests-attention  the triton and cuda backends' tests and conformance for paged_attention,
 #                mla_decode and kv_cache_write (selected by -k, so renamed files stay in)
 #                                                                     -> pytest_attention.txt
+#   tests-vendor  conformance of the vendor backends (flashinfer, deepgemm, torch) and their own tests,
+#                selected by -k "$VENDOR_K" (default: those three names), $VENDOR_TIMEOUT s (default 540);
+#                the first calls JIT-compile the vendors' kernels    -> pytest_vendor.txt
 #   profile-attention  Nsight Compute over one call per case of perf/diag/attention_profile.py
 #                ($PROFILE_CASES, default its list): speed of light, occupancy, warp states,
 #                memory and compute workload, launch stats      -> attention_profile.txt
@@ -90,6 +93,14 @@ for step in "$@"; do
             "$repo/tests/backends/test_conformance.py" \
             -k "attention or mla or kv_cache" -n 8 --dist loadgroup -v -p no:cacheprovider -rfE --durations=10 2>&1) \
             > "$out/pytest_attention.txt"; grep -E "FAILED|ERROR|passed|failed" "$out/pytest_attention.txt" | tail -40 ;;
+    tests-vendor)
+        vendor_tests=()
+        for path in tests/backends/test_conformance.py tests/backends/{flashinfer,deepgemm,torch}; do
+            [ -e "$repo/$path" ] && vendor_tests+=("$repo/$path")
+        done
+        (cd /tmp && timeout "${VENDOR_TIMEOUT:-540}" python3 -m pytest "${vendor_tests[@]}" \
+            -k "${VENDOR_K:-flashinfer or deepgemm or torch}" -n 8 --dist loadgroup -v -p no:cacheprovider -rfE \
+            --durations=15 2>&1) > "$out/pytest_vendor.txt"; grep -E "FAILED|ERROR|passed|failed" "$out/pytest_vendor.txt" | tail -60 ;;
     profile-attention)
         timeout 400 ncu --profile-from-start off --clock-control none --nvtx --print-nvtx-rename kernel \
             --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from kernelmux.backends._vendor import first_calls
 from kernelmux.engine import Engine, Settings
 from kernelmux.engine.report import distribution_version
 from kernelmux.specs import ALL_SPECS
@@ -275,6 +276,9 @@ def run(
         },
         "rows": rows,
         "wall_s": wall,
+        # Vendor first calls (JIT compiles) this process made, kept apart from the rows' times.
+        "first_calls": [{"vendor": vendor, "op": op, "variant": str(variant), "seconds": round(seconds, 2)}
+                        for (vendor, op, variant), seconds in first_calls.seconds().items()],
     }
 
 
@@ -298,6 +302,17 @@ def _time_row(row: dict[str, Any], fn: Callable[..., Any], inputs: list[dict[str
                timer=timer)
 
 
+def _time_metadata(row: dict[str, Any], fn: Callable[..., Any], inputs: list[dict[str, Any]],
+                   method: Method) -> None:
+    """``metadata_us``: the time of what the implementation does before its kernel runs (a block
+    table's conversion, a vendor's plan), when its entry module defines ``metadata(kwargs)``;
+    the row's median includes it."""
+    prepare = getattr(sys.modules.get(getattr(fn, "__module__", "")), "metadata", None)
+    if callable(prepare):
+        timing, _ = time_calls(method, lambda **kwargs: prepare(kwargs), inputs)
+        row["metadata_us"] = timing.median_us
+
+
 def _check_and_time(row: dict[str, Any], spec, fn: Callable[..., Any], kwargs: dict[str, Any], expected: Any,
                     reason: Optional[str], inputs: list[dict[str, Any]], method: Method,
                     lap: Callable[[str, float], float]) -> None:
@@ -319,6 +334,7 @@ def _check_and_time(row: dict[str, Any], spec, fn: Callable[..., Any], kwargs: d
         since = lap("implementation_check", since)
         if row["status"] == "ok":
             _time_row(row, fn, inputs, method)
+            _time_metadata(row, fn, inputs, method)
             lap("implementation_timing", since)
     except Exception as error:  # noqa: BLE001 - a crashing implementation is a result
         row.update(status="error", message=f"{type(error).__name__}: {error}"[:300])

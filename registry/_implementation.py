@@ -26,6 +26,8 @@ class Backend(str, enum.Enum):
     TRITON = "triton"
     CUDA = "cuda"
     FLASHINFER = "flashinfer"
+    DEEPGEMM = "deepgemm"
+    TORCH = "torch"
     ROCM = "rocm"
     XPU = "xpu"
 

@@ -141,6 +141,7 @@ class Key(NamedTuple):
     query_layout: Layout
     k_cache_layout: Layout
     v_cache_layout: Layout
+    same_kv_strides: bool  # k_cache.stride() == v_cache.stride(): kernels that address both with one set may serve
     cu_seqlens_q_layout: Layout
     block_table_layout: Layout
     seq_lens_layout: Layout
@@ -217,7 +218,8 @@ def validate(
         max_query_len_class=size_class(max_query_len),
         uniform_queries=query.shape[0] == seq_lens.shape[0] * max_query_len, scale=scale, causal=causal,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, query_layout=layout(query),
-        k_cache_layout=layout(k_cache), v_cache_layout=layout(v_cache), cu_seqlens_q_layout=layout(cu_seqlens_q),
+        k_cache_layout=layout(k_cache), v_cache_layout=layout(v_cache),
+        same_kv_strides=k_cache.stride() == v_cache.stride(), cu_seqlens_q_layout=layout(cu_seqlens_q),
         block_table_layout=layout(block_table), seq_lens_layout=layout(seq_lens), sinks_layout=layout(sinks),
         k_scale_layout=layout(k_scale), v_scale_layout=layout(v_scale),
     )

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kernelmux.cli import main
+from vendors import install_fake
 
 
 def _json(capsys, *argv):
@@ -112,3 +113,26 @@ def test_usage_errors_exit_2_with_one_line(capsys, monkeypatch, name):
     assert code == 2, err
     assert err.startswith("kernelmux: ") and err.count("\n") == 1, err
     assert says in err, err
+
+
+@pytest.mark.parametrize("platform, viable, declined", [
+    # sm_100 and sm_120 (FP4 MMA): FlashInfer's FP4 GEMM and quantizers are wired there.
+    ("sm_100", {"fp4_mm", "quantize_mxfp4", "quantize_nvfp4", "paged_attention", "scaled_mm"}, set()),
+    ("sm_120", {"fp4_mm", "quantize_mxfp4", "quantize_nvfp4", "paged_attention", "scaled_mm"}, set()),
+    # sm_90 has no FP4 MMA: those are rejected at startup with the feature named.
+    ("sm_90", {"paged_attention", "scaled_mm"}, {"fp4_mm", "quantize_mxfp4", "quantize_nvfp4"}),
+])
+def test_explain_lists_the_wired_vendor_implementations_of_a_simulated_platform(
+        capsys, monkeypatch, tmp_path, platform, viable, declined):
+    install_fake(monkeypatch, tmp_path, "flashinfer", "flashinfer-python", "0.6.14")
+    for op in viable | declined:
+        data = _json(capsys, "explain", op, "--platform", platform)
+        candidates = {v["backend"]: v for v in data["viable"]}
+        rejected = {r["backend"]: r["reason"] for r in data["rejected"]}
+        if op in viable:
+            assert "flashinfer" in candidates, (op, rejected.get("flashinfer"))
+            assert candidates["flashinfer"]["description"].startswith("flashinfer-python 0.6.14: ")
+        else:
+            assert "needs features fp4-mma" in rejected["flashinfer"], rejected["flashinfer"]
+    assert main(["explain", "fp4_mm", "--platform", platform]) == 0
+    assert "flashinfer" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """The flashinfer backend: FlashInfer's own kernels (flashinfer-python, JIT-compiled with nvcc at
 first use) behind kernelmux's specs, called by keyword through the vendor mechanism (backends/_vendor.py).
-Now: grouped_topk (fused_topk_deepseek)."""
+One module per op; _paged.py holds what the paged-attention entry points share."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Optional
 from kernelmux.backends._table import Defaults, Entry, implementations
 from kernelmux.backends._vendor import Vendor, VendorCall
 from kernelmux.platforms import Platform, PlatformKind
+from kernelmux.platforms import Feature  # the FP4 entries need FP4 MMA/cvt (sm_100, sm_103, sm_120, sm_121)
 from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
 
 FLASHINFER = Vendor(
@@ -19,6 +20,34 @@ FLASHINFER = Vendor(
         VendorCall("flashinfer.fused_moe", "fused_topk_deepseek",
                    ("scores", "bias", "n_group", "topk_group", "topk", "routed_scaling_factor", "topk_values",
                     "topk_indices")),
+        VendorCall("flashinfer.decode", "trtllm_batch_decode_with_kv_cache",
+                   ("query", "kv_cache", "workspace_buffer", "block_tables", "seq_lens", "max_seq_len", "bmm1_scale",
+                    "bmm2_scale", "window_left", "out", "sinks", "kv_layout", "backend")),
+        VendorCall("flashinfer.prefill", "BatchPrefillWithPagedKVCacheWrapper",
+                   ("float_workspace_buffer", "kv_layout")),
+        VendorCall("flashinfer.prefill", "BatchPrefillWithPagedKVCacheWrapper.plan",
+                   ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "num_qo_heads",
+                    "num_kv_heads", "head_dim_qk", "page_size", "causal", "sm_scale", "window_left",
+                    "logits_soft_cap", "q_data_type", "kv_data_type")),
+        VendorCall("flashinfer.mla", "BatchMLAPagedAttentionWrapper", ("float_workspace_buffer",)),
+        VendorCall("flashinfer.mla", "BatchMLAPagedAttentionWrapper.plan",
+                   ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "num_heads", "head_dim_ckv", "head_dim_kpe",
+                    "page_size", "causal", "sm_scale", "q_data_type", "kv_data_type")),
+        VendorCall("flashinfer.mla", "BatchMLAPagedAttentionWrapper.run",
+                   ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "return_lse", "return_lse_base_on_e")),
+        VendorCall("flashinfer.gemm", "fp8_blockscale_gemm_sm90",
+                   ("input", "weight", "input_scale", "weight_scale", "out", "out_dtype")),
+        VendorCall("flashinfer.gemm", "gemm_fp8_nt_groupwise",
+                   ("a", "b", "a_scale", "b_scale", "scale_major_mode", "mma_sm", "scale_granularity_mnk", "out",
+                    "backend")),
+        VendorCall("flashinfer.mamba", "selective_state_update",
+                   ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "dt_softplus", "state_batch_indices",
+                    "pad_slot_id", "out", "algorithm")),
+        VendorCall("flashinfer.gemm", "mm_fp4",
+                   ("a", "b", "a_descale", "b_descale", "alpha", "out_dtype", "out", "block_size", "use_nvfp4",
+                    "backend")),
+        VendorCall("flashinfer.fp4_quantization", "fp4_quantize",
+                   ("input", "global_scale", "sf_vec_size", "sf_use_ue8m0", "is_sf_swizzled_layout")),
     ),
 )
 
@@ -39,6 +68,32 @@ TABLE = (
     Entry("grouped_topk",
           "fused_topk_deepseek: sigmoid + bias, group top-2 sums, top-k, renormalized and scaled, one kernel "
           "(sm_89, sm_90, sm_100, sm_103, sm_120, sm_121)"),
+    Entry("paged_attention",
+          "decode of 16-bit caches: xqa (trtllm_batch_decode_with_kv_cache) on the block table; prefill: "
+          "BatchPrefillWithPagedKVCacheWrapper (fa3 on sm_90, fa2 elsewhere), planned per call"),
+    Entry("mla_decode",
+          "BatchMLAPagedAttentionWrapper (fa3 on sm_90, fa2 elsewhere) on the c_kv / k_pe views of 16-bit caches, "
+          "planned per call"),
+    Entry("scaled_mm",
+          "block scales (1x128 x 128x128), e4m3fn, no bias: fp8_blockscale_gemm_sm90 on sm_90 (bf16 out, "
+          "N % 64, K % 128); gemm_fp8_nt_groupwise (CUTLASS) on sm_100/103/120/121 (bf16/fp16 out)",
+          {"priority": 16}),  # between deepgemm and torch, as measured (perf/decisions/scaled_mm.md)
+    Entry("selective_state_update",
+          "flashinfer.mamba.selective_state_update on broadcast views of A, D, dt, dt_bias (N 32/64/128/256; "
+          "'auto' kernel choice for P 64/128, 'simple' otherwise)"),
+    Entry("fp4_mm",
+          "mm_fp4, W4A4 only, bf16/fp16 out, N and K % 32: NVFP4 on CUTLASS/cuDNN, MXFP4 on cuDNN (sm_100, "
+          "sm_103); scales swizzled to 128x4 per call",
+          {"requirement": PlatformRequirement(kinds=frozenset({PlatformKind.CUDA}),
+                                              features=frozenset({Feature.FP4_MMA}))}),
+    Entry("quantize_nvfp4",
+          "fp4_quantize (sf_vec_size 16, linear scales): declined, its scale arithmetic is not the spec's",
+          {"requirement": PlatformRequirement(kinds=frozenset({PlatformKind.CUDA}),
+                                              features=frozenset({Feature.FP4_MMA}))}),
+    Entry("quantize_mxfp4",
+          "fp4_quantize (sf_vec_size 32, ue8m0, linear scales): 'ceil' scales, bf16/fp16 input",
+          {"requirement": PlatformRequirement(kinds=frozenset({PlatformKind.CUDA}),
+                                              features=frozenset({Feature.FP4_MMA}))}),
 )
 
 

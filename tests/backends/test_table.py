@@ -15,7 +15,15 @@ BACKENDS = pathlib.Path(__file__).resolve().parents[2] / "backends"
 OPS = {spec.name for spec in ALL_SPECS}
 
 
-@pytest.mark.parametrize("backend", ["cpu", "triton", "cuda", "flashinfer"])
+# Every built-in backend with a table: the folders under backends/ but the reference (a comprehension).
+TABLED = sorted(p.name for p in BACKENDS.iterdir() if (p / "__init__.py").exists() and p.name != "reference")
+
+
+def test_every_builtin_backend_is_listed():
+    assert {"cpu", "triton", "cuda", "flashinfer", "deepgemm", "torch"} <= set(TABLED)
+
+
+@pytest.mark.parametrize("backend", TABLED)
 def test_table_rows_are_the_entry_modules(backend):
     package = importlib.import_module(f"kernelmux.backends.{backend}")
     entries = {p.stem for p in (BACKENDS / backend).glob("*.py") if p.stem in OPS}

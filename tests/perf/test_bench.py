@@ -9,12 +9,15 @@ import dataclasses
 import functools
 import inspect
 import json
+import sys
 import time
+import types
 
 import pytest
 import torch
 
 from kernelmux import cli
+from kernelmux.backends import _vendor
 from kernelmux.engine import Engine, Settings
 from kernelmux.errors import ConfigurationError
 from kernelmux.specs import ALL_SPECS
@@ -454,3 +457,36 @@ def test_load_upgrades_a_v1_result_and_flags_its_rows_above_100_percent(tmp_path
     assert "roofline_pct" not in row and upgraded["rows"][1]["roofline_pct"] == 50.0
     with pytest.raises(ConfigurationError, match="schema 'kernelmux.bench/0'"):
         bench.upgrade({"schema": "kernelmux.bench/0", "rows": []})
+
+
+def test_an_implementations_metadata_is_timed_apart_and_first_calls_are_reported(monkeypatch):
+    # An entry module's metadata(kwargs) (a block table's conversion, a vendor's plan) is timed on
+    # its own; the vendors' first calls (JIT compiles) are listed, never folded into a row.
+    module = types.ModuleType("kernelmux_test_planned")
+    seen = []
+    module.metadata = lambda kwargs: seen.append(sorted(kwargs)) or time.sleep(0.002)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    fn = _keywords(grouped_topk_spec.grouped_topk)
+    fn.__module__ = module.__name__
+
+    class Planned:
+        @hookimpl
+        def kernelmux_implementations(self):
+            return [Implementation(op="grouped_topk", backend="planned", fn=fn,
+                                   spec_version=grouped_topk_spec.SPEC.version, priority=50)]
+
+    firsts = _vendor._FirstCalls()
+    firsts.run(_vendor.Vendor("fakevendor", "fake-vendor", ((0,), (1,))), "grouped_topk", ("bf16", 256), "nowhere",
+               lambda: None)
+    monkeypatch.setattr(runner, "first_calls", firsts)
+    engine = Engine(ALL_SPECS, Settings(), plugins={"planned": Planned()})
+    result = bench.run(_plan(), progress=lambda line: None, engine=engine, ceilings=dict(CEILINGS))
+    planned = _row(result, "planned")
+    assert planned["metadata_us"] >= 2000 and planned["median_us"] < planned["metadata_us"]  # timed apart
+    assert seen and "gating_output" in seen[0]
+    assert "of which metadata and planning" in report.describe(planned)
+    assert "cpu" in {r["backend"] for r in result["rows"]} and "metadata_us" not in _row(result, "cpu")
+    [first] = result["first_calls"]
+    assert first["vendor"] == "fakevendor" and first["variant"] == "('bf16', 256)"
+    text = report.markdown(result)
+    assert "grouped_topk/deepseek_v3_t64/planned" in text and "fakevendor grouped_topk ('bf16', 256)" in text

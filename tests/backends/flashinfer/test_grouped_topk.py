@@ -1,5 +1,5 @@
 """The flashinfer backend's grouped_topk against a fake flashinfer that holds the shipped signature,
-checks and layouts (fake_flashinfer.py): the adapter's results against the spec's reference, its
+checks and layouts (tests/vendors/flashinfer): the adapter's results against the spec's reference, its
 declines, keyword calls, and the vendor mechanism's quarantine and first-call log. On a GPU with
 flashinfer installed, tests/backends/test_conformance.py runs the real one against the reference."""
 
@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-import fake_flashinfer
 from fakes import ask
 from kernelmux.backends import _vendor
 from kernelmux.backends.flashinfer import FLASHINFER
@@ -20,18 +19,11 @@ from kernelmux.engine import Engine, Settings
 from kernelmux.platforms import simulate
 from kernelmux.specs import ALL_SPECS
 from kernelmux.specs import grouped_topk as spec
-from plugin_installs import Distribution, install
+from vendors import install_fake, sources
 
 
 def _install(monkeypatch, tmp_path, version="0.6.14", files=None):
-    """The fake flashinfer as an installed distribution on sys.path, no earlier answer cached."""
-    site = install(tmp_path / "site", Distribution("flashinfer-python", version, {},
-                                                   files if files is not None else fake_flashinfer.FILES))
-    monkeypatch.syspath_prepend(str(site))
-    for name in [m for m in sys.modules if m == "flashinfer" or m.startswith("flashinfer.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(_vendor, "_problems", {})
-    return site
+    return install_fake(monkeypatch, tmp_path, "flashinfer", "flashinfer-python", version, files)
 
 
 @pytest.fixture
@@ -86,13 +78,15 @@ def test_supports_declines_by_name(changes, platform, reason):
 
 def test_the_vendor_is_called_by_keyword(monkeypatch, tmp_path):
     # A release that reorders the parameters (as aiter#3391 did to another API) changes nothing.
-    reordered = fake_flashinfer.FUSED_MOE.replace(
+    fake = sources("flashinfer")
+    shipped = fake["flashinfer/fused_moe/__init__.py"]
+    reordered = shipped.replace(
         "def fused_topk_deepseek(scores, bias, n_group, topk_group, topk, routed_scaling_factor, topk_values,\n"
         "                        topk_indices,",
         "def fused_topk_deepseek(topk_indices, topk_values, topk, topk_group, n_group, bias, scores,\n"
         "                        routed_scaling_factor,")
-    assert reordered != fake_flashinfer.FUSED_MOE
-    _install(monkeypatch, tmp_path, files={**fake_flashinfer.FILES, "flashinfer/fused_moe/__init__.py": reordered})
+    assert reordered != shipped
+    _install(monkeypatch, tmp_path, files={**fake, "flashinfer/fused_moe/__init__.py": reordered})
     kwargs = _routing(9, 256, 8, 4, 8, seed=3)
     spec.SPEC.check_close(adapter.grouped_topk(**kwargs), spec.SPEC.reference(**kwargs), kwargs)
 

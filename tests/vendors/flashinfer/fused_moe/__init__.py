@@ -1,8 +1,5 @@
-"""A fake flashinfer-python 0.6.14 for the CPU: its fused_topk_deepseek with the shipped signature, its
-argument checks and output layouts, and DeepSeek-V3 routing as its docstring defines it (sigmoid +
-bias, group top-2 sums, top-k, renormalized and scaled), written here independently of kernelmux."""
-
-FUSED_MOE = '''
+"""Fake flashinfer.fused_moe (0.6.14): fused_topk_deepseek with the shipped signature, argument checks
+and output layouts, DeepSeek-V3 routing as its docstring defines it, written here independently."""
 import torch
 
 CALLS = []
@@ -37,9 +34,3 @@ def fused_topk_deepseek(scores, bias, n_group, topk_group, topk, routed_scaling_
     picked = sig.gather(1, chosen)
     topk_values.copy_(picked / picked.sum(-1, keepdim=True) * routed_scaling_factor)
     topk_indices.copy_(chosen)
-'''
-
-FILES = {
-    "flashinfer/__init__.py": '__version__ = "0.6.14"\n',
-    "flashinfer/fused_moe/__init__.py": FUSED_MOE,
-}

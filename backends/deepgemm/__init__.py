@@ -1,0 +1,53 @@
+"""The deepgemm backend: DeepGEMM's FP8 GEMMs (sgl-deep-gemm, JIT-compiled per shape at first use)
+behind kernelmux's specs, called by keyword through the vendor mechanism (backends/_vendor.py).
+Now: scaled_mm (fp8_gemm_nt, block scales, sm_90)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kernelmux.backends._table import Defaults, Entry, implementations
+from kernelmux.backends._vendor import Vendor, VendorCall
+from kernelmux.platforms import Platform, PlatformKind
+from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
+
+DEEPGEMM = Vendor(
+    name="deep_gemm",
+    distribution="sgl-deep-gemm",
+    tested=((0, 1, 4), (0, 2)),  # 0.1.4.post1: SGLang's build for torch 2.11 + CUDA 13, measured on the H100
+    extra="deepgemm",
+    # Both are Python wrappers in deep_gemm/__init__.py (over the tvm-ffi module _C, whose own
+    # functions inspect.signature cannot read), so their keywords can be probed.
+    calls=(
+        VendorCall("deep_gemm", "fp8_gemm_nt", ("a", "b", "d", "c", "recipe", "compiled_dims")),
+        VendorCall("deep_gemm", "transform_sf_into_required_layout", ("sf", "mn", "k", "recipe", "is_sfa")),
+    ),
+)
+
+
+def _vendor_problem(platform: Platform) -> Optional[str]:
+    return DEEPGEMM.problem()
+
+
+_DEFAULTS = Defaults(
+    priority=15,
+    requirement=PlatformRequirement(kinds=frozenset({PlatformKind.CUDA})),
+    devices=frozenset({"cuda"}),
+    static_check=_vendor_problem,
+)
+
+TABLE: tuple[Entry, ...] = (
+    Entry("scaled_mm",
+          "fp8_gemm_nt (sm90_fp8_gemm_1d2d): block scales (1x128 x 128x128), e4m3fn, bf16 out, no bias, "
+          "K % 128 == 0, N % 8 == 0, sm_90; JIT per (N, K)",
+          # Ahead of flashinfer's (16) and torch's (15) block GEMMs: fastest of the three on every
+          # DeepSeek-V3 case of the H100 bench (perf/decisions/scaled_mm.md).
+          {"priority": 17}),
+)
+
+
+@hookimpl
+def kernelmux_implementations() -> list[Implementation]:
+    version = f"{DEEPGEMM.distribution} {DEEPGEMM.version() or '(not installed)'}: "
+    table = [Entry(entry.op, version + entry.description, entry.overrides) for entry in TABLE]
+    return implementations(Backend.DEEPGEMM, __name__, _DEFAULTS, table)

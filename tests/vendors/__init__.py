@@ -1,0 +1,39 @@
+"""Fake vendor libraries for the CPU, one folder per import name (``flashinfer/``, ``deep_gemm/``):
+each module holds the shipped signatures, argument checks and output layouts of the functions
+kernelmux calls, with the math written here independently of kernelmux. Tests install a fake as a
+real distribution (plugin_installs.install) so the vendor mechanism meets it as it meets the real one."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+from typing import Mapping, Optional
+
+from kernelmux.backends import _vendor
+from plugin_installs import Distribution, install
+
+__all__ = ["install_fake", "sources"]
+
+_ROOT = pathlib.Path(__file__).parent
+
+
+def sources(name: str) -> dict[str, str]:
+    """The fake ``name``'s files, install path (``flashinfer/fused_moe/__init__.py``) -> source text."""
+    root = _ROOT / name
+    if not root.is_dir():
+        raise FileNotFoundError(f"no fake vendor {name!r} under {_ROOT}")
+    return {path.relative_to(_ROOT).as_posix(): path.read_text()
+            for path in sorted(root.rglob("*.py")) if "__pycache__" not in path.parts}
+
+
+def install_fake(monkeypatch, tmp_path: pathlib.Path, name: str, distribution: str, version: str,
+                 files: Optional[Mapping[str, str]] = None) -> pathlib.Path:
+    """The fake ``name`` (or ``files`` instead of its sources) installed as ``distribution`` at
+    ``version`` on sys.path for this test, with no earlier import of it or vendor answer cached."""
+    site = install(tmp_path / "site", Distribution(distribution, version, {},
+                                                   files if files is not None else sources(name)))
+    monkeypatch.syspath_prepend(str(site))
+    for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        monkeypatch.delitem(sys.modules, module)
+    monkeypatch.setattr(_vendor, "_problems", {})
+    return site

@@ -1,0 +1,152 @@
+"""Fake deep_gemm (sgl-deep-gemm 0.1.4.post1): fp8_gemm_nt and transform_sf_into_required_layout with
+the shipped Python signatures, the host checks of csrc/apis/gemm.hpp, apis/layout.hpp and
+utils/layout.hpp for the sm_90 1D2D path, and the block-scaled GEMM written here in fp64."""
+import torch
+
+__version__ = "0.1.4.post1"
+
+ARCH_MAJOR = 9  # the device's compute-capability major, as device_runtime->get_arch_major() reads it
+CALLS = []  # one record per fp8_gemm_nt call that reached the kernel
+TMA_BYTES = 16
+
+
+def _check(condition, what):
+    # DG_HOST_ASSERT raises a RuntimeError naming the failed condition.
+    if not condition:
+        raise RuntimeError(f"Assertion error: {what}")
+
+
+def _ceil_div(x, y):
+    return (x + y - 1) // y
+
+
+def _tma_aligned_size(mn, element_size):
+    return _ceil_div(mn, TMA_BYTES // element_size) * (TMA_BYTES // element_size)
+
+
+def _check_sf_layout(sf, mn, k, gran_mn, gran_k):
+    _check(sf.dtype in (torch.float32, torch.int32), "sf_dtype == torch::kFloat or sf_dtype == torch::kInt")
+    _check(sf.dim() == 2, "sf.dim() == 2")
+    _check(sf.shape[-2] == _ceil_div(mn, gran_mn), "sf.size(-2) == ceil_div(mn, gran_mn)")
+    per_int = 1 if sf.dtype == torch.float32 else 4
+    _check(sf.shape[-1] == _ceil_div(k, gran_k * per_int), "sf.size(-1) == ceil_div(k, gran_k * ...)")
+
+
+def _is_mn_major_tma_aligned(sf, mn):
+    return (sf.stride(-2) == 1 or mn == 1) and sf.stride(-1) == _tma_aligned_size(mn, sf.element_size())
+
+
+def _to_mn_major_tma_aligned(sf):
+    # get_mn_major_tma_aligned_tensor: the same values in a column-major buffer of M rounded up to 4.
+    mn, groups = sf.shape
+    if _is_mn_major_tma_aligned(sf, mn):
+        return sf
+    out = torch.empty_strided((mn, groups), (1, _tma_aligned_size(mn, 4)), dtype=sf.dtype, device=sf.device)
+    out.copy_(sf)
+    return out
+
+
+def transform_sf_into_required_layout(sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_ue8m0_cast=False):
+    # The shipped wrapper hands its arguments to _C positionally; so does this one, to the model below.
+    return _transform(sf, mn, k, recipe, num_groups, is_sfa, disable_ue8m0_cast)
+
+
+def _transform(sf, mn, k, recipe, num_groups, is_sfa, disable_ue8m0_cast):
+    """csrc/apis/layout.hpp's transform_sf_into_required_layout, on sm_90."""
+    if num_groups is not None:
+        raise NotImplementedError("fake deep_gemm: grouped scale factors are not modelled")
+    if len(recipe) == 3:
+        _check(is_sfa is not None, "is_sfa.has_value()")
+        gran_mn, gran_k = (recipe[0] if is_sfa else recipe[1]), recipe[2]
+    else:
+        _check(is_sfa is None, "not is_sfa.has_value()")
+        gran_mn, gran_k = recipe
+    _check_sf_layout(sf, mn, k, gran_mn, gran_k)
+    if ARCH_MAJOR != 9 and not disable_ue8m0_cast:
+        raise NotImplementedError("fake deep_gemm: the sm_100 UE8M0 packing is not modelled")
+    if sf.dtype == torch.float32 and (gran_mn, gran_k) == (1, 128):
+        return _to_mn_major_tma_aligned(sf)
+    if sf.dtype == torch.float32 and (gran_mn, gran_k) == (128, 128):
+        # check_sf_layout's sm90_sfb_check: contiguous, or contiguous after a transpose.
+        _check((sf.stride(-1) == 1 and sf.stride(-2) == sf.shape[-1])
+               or (sf.stride(-1) == sf.shape[-2] and sf.stride(-2) == 1),
+               "(sf.stride(-1) == 1 and sf.stride(-2) == sf.size(-1)) or (...)")
+        return sf
+    raise RuntimeError("Unknown SF transformation")
+
+
+def _check_tma(t, what):
+    # cuTensorMapEncodeTiled fails (a CUDA driver error) on a misaligned address or row stride.
+    if t.data_ptr() % TMA_BYTES or (t.stride(0) * t.element_size()) % TMA_BYTES:
+        raise RuntimeError(f"CUDA driver error: CUDA_ERROR_INVALID_VALUE (tensor map of {what})")
+
+
+def _parse_tensor_or_tuple(input):
+    if type(input) is tuple or type(input) is list:
+        return input[0], input[1]
+    raise AssertionError("fake deep_gemm: pass (tensor, scale factors)")
+
+
+def _gemm_1d2d(a, sfa, b, sfb, m, n, k):
+    """d = sum over K groups g of (a_g @ b_g.T) * sfa[:, g] * sfb[n // 128, g], in fp64."""
+    acc = torch.zeros(m, n, dtype=torch.float64)
+    rows_of_n = torch.arange(n) // 128
+    for g in range(_ceil_div(k, 128)):
+        lo, hi = g * 128, min(k, (g + 1) * 128)
+        partial = a[:, lo:hi].double().cpu() @ b[:, lo:hi].double().cpu().T
+        acc += partial * sfa[:, g].double().cpu()[:, None] * sfb[rows_of_n, g].double().cpu()[None, :]
+    return acc
+
+
+def fp8_fp4_gemm_nt(a, b, d, c=None, recipe=None, recipe_a=None, recipe_b=None, compiled_dims='',
+                    disable_ue8m0_cast=False):
+    (a_data, a_sf), (b_data, b_sf) = _parse_tensor_or_tuple(a), _parse_tensor_or_tuple(b)
+    if ARCH_MAJOR != 9:
+        raise NotImplementedError("fake deep_gemm: only the sm_90 path is modelled")
+    for t, name in ((a_data, "a"), (b_data, "b")):
+        _check(t.dim() == 2 and (t.stride(-1) == 1 or t.stride(-2) == 1), f"{name}: major_check")
+        _check(t.stride(-1) == 1, f"major_{name} == cute::UMMA::Major::K")  # fp8_requires_k_major on sm_90
+        _check(t.dtype == torch.float8_e4m3fn, f"{name}.scalar_type() == torch::kFloat8_e4m3fn")
+    _check(d.dim() == 2 and d.stride(-1) == 1, "check_major_type_cd(d): t.stride(-1) == 1")
+    m, k = a_data.shape
+    n, k_ = b_data.shape
+    _check(tuple(d.shape) == (m, n) and k == k_, "m == m_ and n == n_ and k == k_")
+    _check(d.dtype in (torch.bfloat16, torch.float32), "d.scalar_type() == torch::kBFloat16 or torch::kFloat")
+    if m == 0 or n == 0:
+        return
+    if c is not None:
+        _check(d.dtype == torch.float32 and c.dtype == torch.float32, "d.scalar_type() == torch::kFloat")
+    if recipe is None and recipe_a is None:
+        _check(a_sf.dtype == torch.float32 and b_sf.dtype == torch.float32,
+               "sfa_dtype == torch::kFloat and sfb_dtype == torch::kFloat")
+        recipe = (1, 128, 128)
+    _check((recipe_a is None) == (recipe_b is None), "recipe_a.has_value() == recipe_b.has_value()")
+    _check((recipe_a is None) != (recipe is None), "recipe_a.has_value() != recipe.has_value()")
+    if recipe is None or tuple(recipe) != (1, 128, 128):
+        raise NotImplementedError(f"fake deep_gemm: recipe {recipe} is not modelled")
+    was_ready = _is_mn_major_tma_aligned(a_sf, m)
+    sfa = _transform(a_sf, m, k, recipe, None, True, disable_ue8m0_cast)
+    sfb = _transform(b_sf, n, k, recipe, None, False, disable_ue8m0_cast)
+    # sm90_fp8_gemm_1d2d
+    _check(c is None and d.dtype == torch.bfloat16, "not c.has_value() and d.scalar_type() == torch::kBFloat16")
+    _check_tma(a_data, "a")
+    _check_tma(b_data, "b")
+    _check_tma(d, "d")
+    if n % 8:
+        raise RuntimeError("CUDA error: device-side trap (shape_n % 8 == 0)")
+    CALLS.append(dict(m=m, n=n, k=k, compiled_dims=compiled_dims, sfa_was_ready=was_ready))
+    d.copy_(_gemm_1d2d(a_data, sfa, b_data, sfb, m, n, k).to(d.dtype))
+
+
+fp8_gemm_nt = fp8_fp4_gemm_nt
+
+
+def ceil_div(x, y):
+    return _ceil_div(x, y)
+
+
+def align(x, y):
+    return _ceil_div(x, y) * y
+
+
+__all__ = ["fp8_gemm_nt", "fp8_fp4_gemm_nt", "transform_sf_into_required_layout", "ceil_div", "align"]
