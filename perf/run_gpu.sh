@@ -17,6 +17,8 @@
 #   tests-vendor  conformance of the vendor backends (flashinfer, deepgemm, torch) and their own tests,
 #                selected by -k "$VENDOR_K" (default: those three names), $VENDOR_TIMEOUT s (default 540);
 #                the first calls JIT-compile the vendors' kernels    -> pytest_vendor.txt
+#   warm-vendor  one bench case per vendor JIT module the bench needs, all at once (parallel nvcc), so a
+#                bench after it in the same call finds them compiled     -> warm_vendor.log
 #   profile-attention  Nsight Compute over one call per case of perf/diag/attention_profile.py
 #                ($PROFILE_CASES, default its list): speed of light, occupancy, warp states,
 #                memory and compute workload, launch stats      -> attention_profile.txt
@@ -101,6 +103,19 @@ for step in "$@"; do
         (cd /tmp && timeout "${VENDOR_TIMEOUT:-540}" python3 -m pytest "${vendor_tests[@]}" \
             -k "${VENDOR_K:-flashinfer or deepgemm or torch}" -n 8 --dist loadgroup -v -p no:cacheprovider -rfE \
             --durations=15 2>&1) > "$out/pytest_vendor.txt"; grep -E "FAILED|ERROR|passed|failed" "$out/pytest_vendor.txt" | tail -60 ;;
+    warm-vendor)
+        start=$SECONDS
+        for op_case in "paged_attention llama3_8b_prefill_t1024" "paged_attention gemma2_soft_cap" \
+                "paged_attention llama3_8b_decode_b8_ctx4096" "paged_attention llama3_70b_tp8_decode_b8_ctx4096" \
+                "paged_attention gpt_oss_120b_tp8_window_sinks_decode" "mla_decode deepseek_v3_h128_decode_b1_ctx512" \
+                "mla_decode deepseek_v3_h16_decode_b1_ctx512" "scaled_mm deepseek_v3_m1_n7168_k2048" \
+                "selective_state_update mamba2_2.7b_b1" "selective_state_update mamba2_2.7b_b8_bf16_state" \
+                "grouped_topk deepseek_v3_t64"; do
+            read -r op case <<< "$op_case"
+            timeout 300 python3 -m kernelmux bench "$op" --case "$case" --backend flashinfer --backend deepgemm \
+                --budget 0.01 > /dev/null 2>> "$out/warm_vendor.log" &
+        done
+        wait; echo "warm-vendor: $((SECONDS - start)) s"; grep -h "took" "$out/warm_vendor.log" | sort -u ;;
     profile-attention)
         timeout 400 ncu --profile-from-start off --clock-control none --nvtx --print-nvtx-rename kernel \
             --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \

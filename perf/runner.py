@@ -235,26 +235,33 @@ def run(
                   if plan.device == "cuda" else [kwargs])
         since = lap("inputs", since)
         answers = {impl.backend: reason for impl, reason in engine.explain(op, kwargs)}
+        implementations = _implementations(engine, op, plan)
         case_rows: list[dict[str, Any]] = []
-        for backend, fn in _implementations(engine, op, plan):
+        # Every implementation is checked before anything is timed: timing calls an in-place op
+        # (selective_state_update's state, a cache write) on ``inputs``, whose first entry is
+        # ``kwargs``, so a check after a timing would start from arguments the timing moved on.
+        for backend, fn in implementations:
             row: dict[str, Any] = {
                 "op": op, "case": case.name, "backend": backend, "status": "ok",
                 "flops": cost.flops, "bytes": cost.bytes, "matmul": rate_name,
             }
+            if backend != REFERENCE:  # the reference defines the expected outputs: no second check
+                _check(row, spec, fn, kwargs, expected, answers.get(backend), lap)
+            case_rows.append(row)
+        for row, (backend, fn) in zip(case_rows, implementations):
             since = time.perf_counter()
             if backend == REFERENCE:
-                # The reference defines the expected outputs: no error statistics, no second check.
                 if reference_call_s > REFERENCE_CALL_LIMIT_S:
                     row["not_timed"] = (f"one call took {reference_call_s:.1f} s; a reference is timed only "
                                         f"when its correctness call takes at most {REFERENCE_CALL_LIMIT_S:g} s")
                 else:
                     _time_row(row, fn, inputs, ref_method)
                 lap("reference_timing", since)
-            else:
-                _check_and_time(row, spec, fn, kwargs, expected, answers.get(backend), inputs, method, lap)
+            elif row["status"] == "ok":
+                _time_implementation(row, fn, inputs, method)
+                lap("implementation_timing", since)
             if "median_us" in row:
                 _place_on_roofline(row, cost, ceilings, rate, rate_name)
-            case_rows.append(row)
         _speedups(case_rows, plan.baseline)
         elapsed = time.perf_counter() - started
         left = elapsed / index * (len(work) - index)
@@ -313,11 +320,11 @@ def _time_metadata(row: dict[str, Any], fn: Callable[..., Any], inputs: list[dic
         row["metadata_us"] = timing.median_us
 
 
-def _check_and_time(row: dict[str, Any], spec, fn: Callable[..., Any], kwargs: dict[str, Any], expected: Any,
-                    reason: Optional[str], inputs: list[dict[str, Any]], method: Method,
-                    lap: Callable[[str, float], float]) -> None:
-    """An implementation's row: declined (its reason), else called once and checked against the
-    reference's outputs (wrong: never timed), then timed; a raise anywhere makes it an error."""
+def _check(row: dict[str, Any], spec, fn: Callable[..., Any], kwargs: dict[str, Any], expected: Any,
+           reason: Optional[str], lap: Callable[[str, float], float]) -> None:
+    """An implementation's row before timing: declined (its reason), else called once on a copy of
+    the inputs and checked against the reference's outputs (status wrong: never timed); a raise
+    makes it an error."""
     if reason is not None:
         row.update(status="declined", message=reason)
         return
@@ -331,14 +338,19 @@ def _check_and_time(row: dict[str, Any], spec, fn: Callable[..., Any], kwargs: d
             spec.check_close(actual, expected, kwargs)
         except AssertionError as error:
             row.update(status="wrong", message=str(error).splitlines()[0][:300])
-        since = lap("implementation_check", since)
-        if row["status"] == "ok":
-            _time_row(row, fn, inputs, method)
-            _time_metadata(row, fn, inputs, method)
-            lap("implementation_timing", since)
     except Exception as error:  # noqa: BLE001 - a crashing implementation is a result
         row.update(status="error", message=f"{type(error).__name__}: {error}"[:300])
-        lap("implementation_check", since)
+    lap("implementation_check", since)
+
+
+def _time_implementation(row: dict[str, Any], fn: Callable[..., Any], inputs: list[dict[str, Any]],
+                         method: Method) -> None:
+    """A checked row's time, and its metadata's; a raise while timing makes it an error."""
+    try:
+        _time_row(row, fn, inputs, method)
+        _time_metadata(row, fn, inputs, method)
+    except Exception as error:  # noqa: BLE001 - a crashing implementation is a result
+        row.update(status="error", message=f"{type(error).__name__}: {error}"[:300])
 
 
 def _place_on_roofline(row: dict[str, Any], cost, ceilings: dict[str, Any], rate: Optional[float],

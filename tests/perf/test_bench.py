@@ -490,3 +490,28 @@ def test_an_implementations_metadata_is_timed_apart_and_first_calls_are_reported
     assert first["vendor"] == "fakevendor" and first["variant"] == "('bf16', 256)"
     text = report.markdown(result)
     assert "grouped_topk/deepseek_v3_t64/planned" in text and "fakevendor grouped_topk ('bf16', 256)" in text
+
+
+def test_in_place_ops_are_checked_on_the_inputs_the_reference_saw():
+    # selective_state_update advances its state in place: timing the reference moves the case's
+    # inputs on, so an implementation checked after that timing would be compared with outputs of
+    # other inputs (every flashinfer row was "wrong" that way on the H100 at 220d0ef).
+    from kernelmux.specs import selective_state_update as ssu_spec
+
+    reference = ssu_spec.SPEC.reference
+
+    @functools.wraps(reference)
+    def same(*args, **kwargs):
+        return reference(*args, **kwargs)
+
+    class Same:
+        @hookimpl
+        def kernelmux_implementations(self):
+            return [Implementation(op="selective_state_update", backend="same", fn=same,
+                                   spec_version=ssu_spec.SPEC.version, priority=50)]
+
+    engine = Engine(ALL_SPECS, Settings(), plugins={"same": Same()})
+    plan = _plan(ops=["selective_state_update"], cases=["small_permuted"], baseline=None)
+    result = bench.run(plan, progress=lambda line: None, engine=engine, ceilings=dict(CEILINGS))
+    row = _row(result, "same")
+    assert row["status"] == "ok" and row["max_rel_err"] == 0.0, row

@@ -49,9 +49,12 @@ def _check(kwargs: dict, seed: int = 0) -> None:
     # K 144: a multiple of 16 whose last K group holds 16 elements.
     (spec._maker(4, 256, 144, "block"), "sm_90", "K a multiple of 128 only"),
     (spec._maker(4, 64, 64, "channel", out_dtype="float16"), "sm_89", "with float16 output on sm_90 only"),
-    (spec._maker(4, 64, 64, "channel", out_dtype="float32"), "sm_100", "with float32 output on sm_90 only"),
+    (spec._maker(4, 64, 64, "channel", out_dtype="float32"), "sm_100", "bf16 or fp16 output only"),
+    # fp32 outputs were up to 9 x 2^-14 sum_k |a||b| off on the H100 (test_odd_shapes_on_sm90 at 220d0ef).
+    (spec._maker(4, 64, 64, "tensor", out_dtype="float32", with_bias=True), "sm_90", "bf16 or fp16 output only"),
+    (spec._maker(4, 256, 256, "block", out_dtype="float32"), "sm_90", "bf16 or fp16 output only"),
 ], ids=["fnuz", "n_24", "k_200", "block_sm89", "block_sm100", "block_k_144", "rowwise_fp16_sm89",
-        "rowwise_fp32_sm100"])
+        "rowwise_fp32_sm100", "tensor_fp32_sm90", "block_fp32_sm90"])
 def test_declines_by_name(make, platform, reason):
     answer = ask(impl.supports, spec.SPEC, _build(make), simulate(platform))
     assert answer is not None and reason in answer, answer
@@ -60,10 +63,10 @@ def test_declines_by_name(make, platform, reason):
 @pytest.mark.parametrize("make, platform", [
     (spec._maker(4, 64, 64, "channel", out_dtype="float16", with_bias=True), "sm_90"),
     (spec._maker(4, 64, 64, "channel", out_dtype="bfloat16", with_bias=True), "sm_89"),
-    (spec._maker(4, 64, 64, "tensor", out_dtype="float32", with_bias=True), "sm_100"),
+    (spec._maker(4, 64, 64, "tensor", out_dtype="float16", with_bias=True), "sm_100"),
     (spec._maker(4, 208, 384, "block", with_bias=True), "sm_90"),  # N 208: a short last N block
     (spec._maker(1, 256, 128, "block", out_dtype="float16"), "sm_90"),
-], ids=["rowwise_fp16_sm90", "rowwise_bf16_sm89", "tensor_fp32_sm100", "block_n_208", "block_fp16"])
+], ids=["rowwise_fp16_sm90", "rowwise_bf16_sm89", "tensor_fp16_sm100", "block_n_208", "block_fp16"])
 def test_takes(make, platform):
     assert ask(impl.supports, spec.SPEC, _build(make), simulate(platform)) is None
 
@@ -128,9 +131,11 @@ def test_registered_through_the_entry_point():
 # 2-core CPU it measured 0.14 s against the reference's 0.12 s at 128 x 4096 x 4096).
 
 def _cpu_scaled_mm_runs() -> bool:
+    """Whether the installed torch runs the implementation's own call on the CPU (2.13 does; 2.11
+    has no CPU kernel for the scaled_mm_v2 that torch.nn.functional.scaled_mm calls)."""
     a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
     try:
-        torch._scaled_mm(a, a.t(), scale_a=torch.ones(()), scale_b=torch.ones(()), out_dtype=torch.bfloat16)
+        impl.scaled_mm(a, a, torch.ones(()), torch.ones(()))
     except (RuntimeError, NotImplementedError):
         return False
     return True
@@ -212,7 +217,7 @@ def test_named_cases_on_sm90(name):
 @pytest.mark.parametrize("channels, cols, layout", [
     (16, 16, "tensor"), (144, 48, "channel"), (208, 384, "block"), (144, 128, "block"), (256, 1024, "block"),
 ])
-@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16"])  # float32 is declined (test_supports)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 def test_odd_shapes_on_sm90(rows, channels, cols, layout, out_dtype, with_bias):
     seed = rows * 7 + channels + cols
