@@ -1,8 +1,8 @@
 """How a backend over a vendor library meets it: the library imported lazily and once, any exception
 at import (not only ImportError) turned into a reason naming the installed version; the installed
-version held to the range kernelmux was tested with; every vendor function kernelmux calls probed for
-the keywords it passes; and a vendor's first call per variant, which may compile for minutes, logged
-before it starts and timed."""
+version held to the range kernelmux was tested with; every vendor function an op calls probed for
+the keywords it passes (a failed probe rejects that op only); and a vendor's first call per variant,
+which may compile for minutes, logged before it starts and timed."""
 
 from __future__ import annotations
 
@@ -71,12 +71,11 @@ class VendorCall:
 @dataclass(frozen=True)
 class Vendor:
     """A vendor library: its import name, its distribution and the versions kernelmux was tested with,
-    ``tested[0] <= version < tested[1]`` (the range its extra pins), and the calls kernelmux makes."""
+    ``tested[0] <= version < tested[1]`` (the range its extra pins)."""
 
     name: str  # the import name, e.g. "flashinfer"
     distribution: str  # e.g. "flashinfer-python"
     tested: tuple[Version, Version]
-    calls: tuple[VendorCall, ...] = ()
     extra: str = ""  # kernelmux's extra that installs it (default: the import name)
 
     @property
@@ -90,13 +89,29 @@ class Vendor:
             return None
 
     def problem(self) -> Optional[str]:
-        """Why the library cannot serve (None when it can): not installed, a version outside the
-        tested range, an exception at import, or a call whose keywords it does not take. Asked once
-        per process; the answer is the backend's static check, so a broken vendor is quarantined."""
+        """Why the library cannot serve at all (None when it can): not installed, a version outside
+        the tested range, or an exception at import. Asked once per process."""
         with _lock:
             if self not in _problems:
                 _problems[self] = self._find_problem()
             return _problems[self]
+
+    def problem_for(self, calls: tuple[VendorCall, ...]) -> Optional[str]:
+        """``problem()``, else why one of ``calls`` (the functions one op calls) fails: missing, or
+        no longer taking a keyword kernelmux passes. An op's static check: a vendor release that
+        changes one API quarantines the ops that call it, not the whole backend."""
+        reason = self.problem()
+        if reason is not None or not calls:
+            return reason
+        with _lock:
+            if (self, calls) not in _problems:
+                found = next((r for r in (call.problem() for call in calls) if r is not None), None)
+                _problems[(self, calls)] = None if found is None else f"{self.distribution} {self.version()}: {found}"
+            return _problems[(self, calls)]
+
+    def static_check(self, calls: tuple[VendorCall, ...]) -> Callable[[Any], Optional[str]]:
+        """The static check of an implementation that makes ``calls``: ``problem_for(calls)``."""
+        return lambda platform: self.problem_for(calls)
 
     def _find_problem(self) -> Optional[str]:
         version = self.version()
@@ -112,10 +127,6 @@ class Vendor:
             if isinstance(error, KeyboardInterrupt):
                 raise
             return f"{self.distribution} {version}: import {self.name} failed: {type(error).__name__}: {error}"
-        for call in self.calls:
-            reason = call.problem()
-            if reason is not None:
-                return f"{self.distribution} {version}: {reason}"
         return None
 
     def module(self) -> ModuleType:
@@ -124,7 +135,7 @@ class Vendor:
 
 
 _lock = threading.Lock()
-_problems: dict[Vendor, Optional[str]] = {}
+_problems: dict[Hashable, Optional[str]] = {}  # Vendor -> problem(); (Vendor, calls) -> problem_for()
 
 
 class _FirstCalls:

@@ -4,11 +4,9 @@ Now: scaled_mm (fp8_gemm_nt, block scales, sm_90)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from kernelmux.backends._table import Defaults, Entry, implementations
 from kernelmux.backends._vendor import Vendor, VendorCall
-from kernelmux.platforms import Platform, PlatformKind
+from kernelmux.platforms import PlatformKind
 from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
 
 DEEPGEMM = Vendor(
@@ -16,24 +14,22 @@ DEEPGEMM = Vendor(
     distribution="sgl-deep-gemm",
     tested=((0, 1, 4), (0, 2)),  # 0.1.4.post1: SGLang's build for torch 2.11 + CUDA 13, measured on the H100
     extra="deepgemm",
-    # Both are Python wrappers in deep_gemm/__init__.py (over the tvm-ffi module _C, whose own
-    # functions inspect.signature cannot read), so their keywords can be probed.
-    calls=(
+)
+
+# Per op, the vendor functions its entry module calls (probed at startup as that op's static check).
+# Both are Python wrappers in deep_gemm/__init__.py (over the tvm-ffi module _C, whose own functions
+# inspect.signature cannot read), so their keywords can be probed.
+CALLS: dict[str, tuple[VendorCall, ...]] = {
+    "scaled_mm": (
         VendorCall("deep_gemm", "fp8_gemm_nt", ("a", "b", "d", "c", "recipe", "compiled_dims")),
         VendorCall("deep_gemm", "transform_sf_into_required_layout", ("sf", "mn", "k", "recipe", "is_sfa")),
     ),
-)
-
-
-def _vendor_problem(platform: Platform) -> Optional[str]:
-    return DEEPGEMM.problem()
-
+}
 
 _DEFAULTS = Defaults(
     priority=15,
     requirement=PlatformRequirement(kinds=frozenset({PlatformKind.CUDA})),
     devices=frozenset({"cuda"}),
-    static_check=_vendor_problem,
 )
 
 TABLE: tuple[Entry, ...] = (
@@ -49,5 +45,7 @@ TABLE: tuple[Entry, ...] = (
 @hookimpl
 def kernelmux_implementations() -> list[Implementation]:
     version = f"{DEEPGEMM.distribution} {DEEPGEMM.version() or '(not installed)'}: "
-    table = [Entry(entry.op, version + entry.description, entry.overrides) for entry in TABLE]
+    table = [Entry(entry.op, version + entry.description,
+                   {"static_check": DEEPGEMM.static_check(CALLS[entry.op]), **entry.overrides})
+             for entry in TABLE]
     return implementations(Backend.DEEPGEMM, __name__, _DEFAULTS, table)

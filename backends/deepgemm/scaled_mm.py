@@ -5,7 +5,7 @@ kept apart so the bench can time it on its own."""
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -14,7 +14,7 @@ from kernelmux.backends.deepgemm import DEEPGEMM
 from kernelmux.platforms import Platform
 from kernelmux.specs import scaled_mm as spec
 
-__all__ = ["prepare_scales", "scaled_mm", "supports"]
+__all__ = ["metadata", "prepare_scales", "scaled_mm", "supports"]
 
 # DeepGEMM's recipe (gran_m, gran_n, gran_k): one scale per 1 x 128 group of a and per 128 x 128
 # block of b, kernelmux's block layout. On sm_90 with fp32 scales it selects sm90_fp8_gemm_1d2d
@@ -96,6 +96,12 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 def _jit_where() -> str:
     cache = os.environ.get("DG_JIT_CACHE_DIR") or "~/.deep_gemm (DG_JIT_CACHE_DIR moves it)"
     return f"JIT with nvcc (NVRTC if DG_JIT_USE_NVRTC=1) into DeepGEMM's cache {cache}"
+
+
+def metadata(kwargs: Mapping[str, Any]) -> Any:
+    """What a call does before its GEMM, for the bench to time apart: the scale-layout conversion."""
+    (m, k), n = kwargs["a"].shape, kwargs["b"].shape[0]
+    return None if m == 0 else prepare_scales(kwargs["scale_a"], kwargs["scale_b"], m, n, k)
 
 
 def scaled_mm(

@@ -4,22 +4,34 @@ One module per op; _paged.py holds what the paged-attention entry points share."
 
 from __future__ import annotations
 
-from typing import Optional
-
 from kernelmux.backends._table import Defaults, Entry, implementations
 from kernelmux.backends._vendor import Vendor, VendorCall
-from kernelmux.platforms import Platform, PlatformKind
-from kernelmux.platforms import Feature  # the FP4 entries need FP4 MMA/cvt (sm_100, sm_103, sm_120, sm_121)
+from kernelmux.platforms import Feature, PlatformKind
 from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
 
 FLASHINFER = Vendor(
     name="flashinfer",
     distribution="flashinfer-python",
     tested=((0, 6, 14), (0, 7)),  # 0.6.14: the version measured on the H100 (its wheel fits the device carry)
-    calls=(
+)
+
+# Per op, the vendor functions its entry module calls and the keywords it passes: probed at startup
+# as that op's static check, so an API change rejects the ops that use it, not the backend.
+CALLS: dict[str, tuple[VendorCall, ...]] = {
+    "grouped_topk": (
         VendorCall("flashinfer.fused_moe", "fused_topk_deepseek",
                    ("scores", "bias", "n_group", "topk_group", "topk", "routed_scaling_factor", "topk_values",
                     "topk_indices")),
+    ),
+    "fused_moe": (
+        VendorCall("flashinfer.fused_moe", "cutlass_fused_moe",
+                   ("input", "token_selected_experts", "token_final_scales", "fc1_expert_weights",
+                    "fc2_expert_weights", "output_dtype", "quant_scales", "output",
+                    "use_deepseek_fp8_block_scale", "activation_type")),
+        VendorCall("flashinfer.fused_moe", "ActivationType.Swiglu", ()),
+        VendorCall("flashinfer.fused_moe", "ActivationType.Geglu", ()),
+    ),
+    "paged_attention": (
         VendorCall("flashinfer.decode", "trtllm_batch_decode_with_kv_cache",
                    ("query", "kv_cache", "workspace_buffer", "block_tables", "seq_lens", "max_seq_len", "bmm1_scale",
                     "bmm2_scale", "window_left", "out", "sinks", "kv_layout", "backend")),
@@ -29,51 +41,64 @@ FLASHINFER = Vendor(
                    ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "num_qo_heads",
                     "num_kv_heads", "head_dim_qk", "page_size", "causal", "sm_scale", "window_left",
                     "logits_soft_cap", "q_data_type", "kv_data_type")),
+    ),
+    "mla_decode": (
         VendorCall("flashinfer.mla", "BatchMLAPagedAttentionWrapper", ("float_workspace_buffer",)),
         VendorCall("flashinfer.mla", "BatchMLAPagedAttentionWrapper.plan",
                    ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr", "num_heads", "head_dim_ckv", "head_dim_kpe",
                     "page_size", "causal", "sm_scale", "q_data_type", "kv_data_type")),
         VendorCall("flashinfer.mla", "BatchMLAPagedAttentionWrapper.run",
                    ("q_nope", "q_pe", "ckv_cache", "kpe_cache", "return_lse", "return_lse_base_on_e")),
+        VendorCall("flashinfer.mla", "trtllm_batch_decode_with_kv_cache_mla",
+                   ("query", "kv_cache", "workspace_buffer", "qk_nope_head_dim", "kv_lora_rank", "qk_rope_head_dim",
+                    "block_tables", "seq_lens", "max_seq_len", "bmm1_scale", "bmm2_scale", "backend", "return_lse",
+                    "cum_seq_lens_q", "max_q_len")),
+    ),
+    "scaled_mm": (
         VendorCall("flashinfer.gemm", "fp8_blockscale_gemm_sm90",
                    ("input", "weight", "input_scale", "weight_scale", "out", "out_dtype")),
         VendorCall("flashinfer.gemm", "gemm_fp8_nt_groupwise",
                    ("a", "b", "a_scale", "b_scale", "scale_major_mode", "mma_sm", "scale_granularity_mnk", "out",
                     "backend")),
+    ),
+    "selective_state_update": (
         VendorCall("flashinfer.mamba", "selective_state_update",
                    ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias", "dt_softplus", "state_batch_indices",
                     "pad_slot_id", "out", "algorithm")),
+    ),
+    "fp4_mm": (
         VendorCall("flashinfer.gemm", "mm_fp4",
                    ("a", "b", "a_descale", "b_descale", "alpha", "out_dtype", "out", "block_size", "use_nvfp4",
                     "backend")),
-        VendorCall("flashinfer.fp4_quantization", "fp4_quantize",
-                   ("input", "global_scale", "sf_vec_size", "sf_use_ue8m0", "is_sf_swizzled_layout")),
     ),
+}
+_FP4_QUANTIZE = (
+    VendorCall("flashinfer.fp4_quantization", "fp4_quantize",
+               ("input", "global_scale", "sf_vec_size", "sf_use_ue8m0", "is_sf_swizzled_layout")),
 )
-
-
-def _vendor_problem(platform: Platform) -> Optional[str]:
-    return FLASHINFER.problem()
-
+CALLS["quantize_nvfp4"] = CALLS["quantize_mxfp4"] = _FP4_QUANTIZE
 
 # Below kernelmux's own triton and cuda kernels until selection by measurement decides per op.
 _DEFAULTS = Defaults(
     priority=15,
     requirement=PlatformRequirement(kinds=frozenset({PlatformKind.CUDA})),
     devices=frozenset({"cuda"}),
-    static_check=_vendor_problem,
 )
 
 TABLE = (
     Entry("grouped_topk",
           "fused_topk_deepseek: sigmoid + bias, group top-2 sums, top-k, renormalized and scaled, one kernel "
           "(sm_89, sm_90, sm_100, sm_103, sm_120, sm_121)"),
+    Entry("fused_moe",
+          "cutlass_fused_moe: bf16/fp16 experts (sm_89-sm_121), DeepSeek fp8 128-block weights with 1x128 "
+          "activations (sm_90); w1's gate/up halves swapped per call; declined until confirmed on a GPU"),
     Entry("paged_attention",
           "decode of 16-bit caches: xqa (trtllm_batch_decode_with_kv_cache) on the block table; prefill: "
           "BatchPrefillWithPagedKVCacheWrapper (fa3 on sm_90, fa2 elsewhere), planned per call"),
     Entry("mla_decode",
           "BatchMLAPagedAttentionWrapper (fa3 on sm_90, fa2 elsewhere) on the c_kv / k_pe views of 16-bit caches, "
-          "planned per call"),
+          "planned per call; on sm_100/103 and sm_120/121 trtllm_batch_decode_with_kv_cache_mla (trtllm-gen, "
+          "xqa) on the block table, bf16 only, no plan (graph-capturable)"),
     Entry("scaled_mm",
           "block scales (1x128 x 128x128), e4m3fn, no bias: fp8_blockscale_gemm_sm90 on sm_90 (bf16 out, "
           "N % 64, K % 128); gemm_fp8_nt_groupwise (CUTLASS) on sm_100/103/120/121 (bf16/fp16 out)",
@@ -101,5 +126,7 @@ TABLE = (
 def kernelmux_implementations() -> list[Implementation]:
     # The installed version leads each description, so `kernelmux info` and the report name it.
     version = f"{FLASHINFER.distribution} {FLASHINFER.version() or '(not installed)'}: "
-    table = [Entry(entry.op, version + entry.description, entry.overrides) for entry in TABLE]
+    table = [Entry(entry.op, version + entry.description,
+                   {"static_check": FLASHINFER.static_check(CALLS[entry.op]), **entry.overrides})
+             for entry in TABLE]
     return implementations(Backend.FLASHINFER, __name__, _DEFAULTS, table)

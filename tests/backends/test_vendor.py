@@ -21,23 +21,27 @@ FAKE = {
 }
 
 
-def _vendor(*calls, extra=""):
-    return Vendor("fakevendor", "fake-vendor", ((1, 0), (2, 0)), calls, extra=extra)
+def _problem(*calls):
+    return _vendor().problem_for(calls)
+
+
+def _vendor(extra=""):
+    return Vendor("fakevendor", "fake-vendor", ((1, 0), (2, 0)), extra=extra)
 
 
 def test_keywords_are_probed_on_functions_and_on_methods_by_dotted_path(monkeypatch, tmp_path):
     install_fake(monkeypatch, tmp_path, "fakevendor", "fake-vendor", "1.2", FAKE)
-    assert _vendor(VendorCall("fakevendor.api", "gemm", ("a", "b", "out")),
-                   VendorCall("fakevendor.api", "Wrapper.plan", ("indptr", "page_size", "causal"))).problem() is None
-    reason = _vendor(VendorCall("fakevendor.api", "Wrapper.plan", ("indptr", "window_left"))).problem()
+    assert _problem(VendorCall("fakevendor.api", "gemm", ("a", "b", "out")),
+                    VendorCall("fakevendor.api", "Wrapper.plan", ("indptr", "page_size", "causal"))) is None
+    reason = _problem(VendorCall("fakevendor.api", "Wrapper.plan", ("indptr", "window_left")))
     assert reason == ("fake-vendor 1.2: fakevendor.api.Wrapper.plan takes no keyword window_left "
                       "(its parameters: self, indptr, page_size, causal)")
 
 
 def test_a_function_whose_signature_cannot_be_read_is_only_checked_for_presence(monkeypatch, tmp_path):
     install_fake(monkeypatch, tmp_path, "fakevendor", "fake-vendor", "1.2", FAKE)
-    assert _vendor(VendorCall("fakevendor.api", "compiled", ("anything",))).problem() is None
-    missing = _vendor(VendorCall("fakevendor.api", "absent", ())).problem()
+    assert _problem(VendorCall("fakevendor.api", "compiled", ("anything",))) is None
+    missing = _problem(VendorCall("fakevendor.api", "absent", ()))
     assert missing.startswith("fake-vendor 1.2: fakevendor.api.absent: AttributeError")
 
 
@@ -45,3 +49,14 @@ def test_the_install_hint_names_kernelmux_extra(monkeypatch):
     monkeypatch.setattr(Vendor, "version", lambda self: None)
     assert _vendor(extra="fake").problem() == "fake-vendor is not installed (pip install 'kernelmux[fake]')"
     assert "kernelmux[fakevendor]" in _vendor().problem()
+
+
+def test_a_broken_call_rejects_only_the_ops_that_make_it(monkeypatch, tmp_path):
+    # One vendor API changing must not take the vendor's other ops down with it.
+    install_fake(monkeypatch, tmp_path, "fakevendor", "fake-vendor", "1.2", FAKE)
+    vendor = _vendor()
+    broken = (VendorCall("fakevendor.api", "gemm", ("a", "alpha")),)
+    fine = (VendorCall("fakevendor.api", "gemm", ("a", "b")),)
+    assert vendor.problem() is None and vendor.problem_for(fine) is None
+    assert "takes no keyword alpha" in vendor.problem_for(broken)
+    assert vendor.static_check(broken)(None) == vendor.problem_for(broken)

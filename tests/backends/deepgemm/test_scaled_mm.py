@@ -15,7 +15,7 @@ import torch
 
 from fakes import ask
 from kernelmux.backends import _vendor
-from kernelmux.backends.deepgemm import DEEPGEMM
+from kernelmux.backends.deepgemm import CALLS, DEEPGEMM
 from kernelmux.backends.deepgemm import scaled_mm as adapter
 from kernelmux.engine import Engine, Settings
 from kernelmux.platforms import simulate
@@ -159,7 +159,7 @@ def test_the_vendor_is_called_by_keyword(monkeypatch, tmp_path):
 ])
 def test_a_broken_vendor_is_quarantined_with_its_version_and_reason(monkeypatch, tmp_path, version, files, reason):
     _install(monkeypatch, tmp_path, version, files)
-    assert reason in DEEPGEMM.problem()
+    assert reason in DEEPGEMM.problem_for(CALLS["scaled_mm"])
     engine = Engine(ALL_SPECS, Settings(platform="sm_90"))
     rejected = {impl.backend: why for impl, why in engine.tables["scaled_mm"].rejected}
     assert reason in rejected["deepgemm"]
@@ -213,3 +213,12 @@ def test_real_deepgemm_matches_the_reference_on_sm90(m, n, k):
     assert DEEPGEMM.problem() is None, DEEPGEMM.problem()
     kwargs = _block_call(m, n, k, seed=11, device="cuda")
     spec.SPEC.check_close(adapter.scaled_mm(**kwargs), spec.SPEC.reference(**kwargs), kwargs)
+
+
+def test_metadata_is_the_scale_conversion_the_call_makes(vendor):
+    # The bench times metadata(kwargs) apart: it must be exactly the call's own conversion.
+    kwargs = _block_call(33, 256, 384, seed=4)
+    sfa, sfb = adapter.metadata(kwargs)
+    expected_a, expected_b = adapter.prepare_scales(kwargs["scale_a"], kwargs["scale_b"], 33, 256, 384)
+    assert torch.equal(sfa, expected_a) and sfa.stride() == expected_a.stride() and torch.equal(sfb, expected_b)
+    assert adapter.metadata(_block_call(0, 256, 384, seed=4)) is None

@@ -14,7 +14,7 @@ import torch
 
 from fakes import ask
 from kernelmux.backends import _vendor
-from kernelmux.backends.flashinfer import FLASHINFER, _paged
+from kernelmux.backends.flashinfer import CALLS, FLASHINFER, _paged
 from kernelmux.backends.flashinfer import mla_decode as adapter
 from kernelmux.engine import Engine, Settings
 from kernelmux.platforms import simulate
@@ -160,6 +160,8 @@ def _strided(tensor):
     (dict(cache_dtype=FP8, kv_scale=0.5), "sm_90",
      "a cache of q's dtype (torch.bfloat16) only; fp8 caches disagree with the reference, got torch.float8_e4m3fn"),
     (dict(cache_dtype=FP8), "sm_100", "fp8 caches disagree with the reference, got torch.float8_e4m3fn"),
+    (dict(cache_dtype=FP8, q_lens=(1, 1), num_heads=128, return_lse=False), "sm_120",
+     "fp8 caches disagree with the reference, got torch.float8_e4m3fn"),
     (dict(cache_dtype=FP8, dtype=torch.float16), "sm_90",
      "a cache of q's dtype (torch.float16) only; fp8 caches disagree with the reference"),
 ])
@@ -182,8 +184,9 @@ def test_declines_the_spec_cannot_reach():
 
 
 @pytest.mark.parametrize("changes, platform", [
-    ({}, "sm_80"), ({}, "sm_90"), ({}, "sm_100"), ({}, "sm_120"),
-    (dict(dtype=torch.float16), "sm_120"),
+    ({}, "sm_80"), ({}, "sm_90"), (dict(return_lse=False), "sm_100"), (dict(q_lens=(2, 2)), "sm_100"),
+    (dict(q_lens=(1, 1), num_heads=128, return_lse=False), "sm_120"),
+    (dict(dtype=torch.float16), "sm_90"),
     (dict(block_size=1), "sm_90"), (dict(q_lens=(4, 4), kv_lens=(4, 20)), "sm_90"),
 ])
 def test_supports_accepts(changes, platform):
@@ -232,7 +235,7 @@ def test_a_vendor_missing_a_keyword_is_quarantined(monkeypatch, tmp_path):
     assert fake[path].count(drop) == 1
     _install(monkeypatch, tmp_path, files={**fake, path: fake[path].replace(drop, "")})
     reason = "flashinfer.mla.BatchMLAPagedAttentionWrapper.run takes no keyword return_lse_base_on_e"
-    assert reason in FLASHINFER.problem()
+    assert reason in FLASHINFER.problem_for(CALLS["mla_decode"])
     rejected = {impl.backend: why for impl, why in
                 Engine(ALL_SPECS, Settings(platform="sm_90")).tables["mla_decode"].rejected}
     assert reason in rejected["flashinfer"]
@@ -297,3 +300,205 @@ def test_the_fake_refuses_what_flashinfer_refuses(vendor):
     mla.plan(**{**plan, "kv_data_type": torch.bfloat16})
     with pytest.raises(ValueError, match="ckv_cache.dtype=torch.float8_e4m3fn does not match"):
         mla.run(**views)
+
+
+# sm_100/sm_103 and sm_120/sm_121: trtllm_batch_decode_with_kv_cache_mla on the block table, asked for
+# by backend name; the fake picks and checks by the capability it is told, the adapter reads it through
+# _capability (CPU tensors here, so both are set together).
+TRTLLM = "trtllm_batch_decode_with_kv_cache_mla"
+SM100, SM120 = simulate("sm_100"), simulate("sm_120")
+
+
+@pytest.fixture
+def on(vendor, monkeypatch):
+    def device(platform):
+        capability = simulate(platform).capability
+        monkeypatch.setattr(vendor, "CAPABILITY", capability)
+        monkeypatch.setattr(adapter, "_capability", lambda device: capability)
+        vendor.CALLS.clear()
+        return simulate(platform)
+    return device
+
+
+def _check_trtllm(vendor, kwargs, platform, backend):
+    assert ask(adapter.supports, spec.SPEC, kwargs, platform) is None
+    vendor.CALLS.clear()
+    spec.SPEC.check_close(adapter.mla_decode(**kwargs), spec.SPEC.reference(**kwargs), kwargs)
+    assert all(call["entry"] == TRTLLM for call in vendor.CALLS), "no wrapper on this path"
+    calls = vendor.CALLS
+    assert len(calls) == (1 if kwargs["q"].shape[0] else 0)
+    assert all(call["backend"] == backend for call in calls)
+    return calls
+
+
+SM100_BATCHES = {
+    "decode_block_32_lse": dict(q_lens=(1, 1, 1), kv_lens=(1, 40, 97), num_heads=16, block_size=32),
+    "decode_block_64_no_lse": dict(q_lens=(1, 1), kv_lens=(300, 7), num_heads=8, return_lse=False, table_slack=5),
+    "mtp2_uniform_lse": dict(q_lens=(2, 2, 2), kv_lens=(2, 65, 130), num_heads=4, block_size=32),
+    "mtp_varlen_no_lse": dict(q_lens=(2, 1, 2), kv_lens=(33, 70, 4), num_heads=4, return_lse=False, block_size=32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SM100_BATCHES))
+def test_sm100_batches_take_trtllm_gen_and_match_the_reference(on, vendor, name):
+    platform = on("sm_100")
+    kwargs = _batch(seed=7, **SM100_BATCHES[name])
+    [call] = _check_trtllm(vendor, kwargs, platform, "trtllm-gen")
+    uniform = len(set(SM100_BATCHES[name]["q_lens"])) == 1
+    assert call["cum_seq_lens_q"] is not uniform and call["return_lse"] is kwargs["return_lse"]
+    assert (call["bmm1_scale"], call["bmm2_scale"]) == (kwargs["scale"], 1.0)
+    assert type(call["bmm1_scale"]) is float
+    # The table's width padded to a multiple of 128 / block_size, as _check_trtllm_gen_mla_shape asks.
+    assert call["block_tables_shape"][1] % (128 // kwargs["kv_cache"].shape[1]) == 0
+    if uniform:
+        q_len = SM100_BATCHES[name]["q_lens"][0]
+        assert call["query_shape"] == (len(SM100_BATCHES[name]["q_lens"]), q_len, kwargs["q"].shape[1], 576)
+    else:
+        assert call["max_q_len"] == kwargs["max_query_len"]
+
+
+SM120_BATCHES = {
+    "decode_block_16": dict(q_lens=(1, 1, 1), kv_lens=(1, 40, 17), num_heads=128, block_size=16, return_lse=False),
+    "decode_block_128": dict(q_lens=(1, 1), kv_lens=(200, 129), num_heads=128, block_size=128, return_lse=False,
+                             table_slack=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SM120_BATCHES))
+def test_sm120_batches_take_xqa_and_match_the_reference(on, vendor, name):
+    platform = on("sm_120")
+    kwargs = _batch(seed=8, **SM120_BATCHES[name])
+    [call] = _check_trtllm(vendor, kwargs, platform, "xqa")
+    assert call["query_shape"] == (kwargs["q"].shape[0], 1, 128, 576) and not call["cum_seq_lens_q"]
+
+
+@pytest.mark.parametrize("platform, backend", [("sm_100", "trtllm-gen"), ("sm_120", "xqa")])
+def test_the_spec_cases_either_match_or_are_declined(on, vendor, platform, backend):
+    taken = 0
+    for case in spec.SPEC.cases:
+        if not case.tags & {"random", "edge"} and case.name not in SPEC_CASES:
+            continue
+        kwargs = case.build(seed=1)
+        if ask(adapter.supports, spec.SPEC, kwargs, on(platform)) is None:
+            _check_trtllm(vendor, kwargs, simulate(platform), backend)
+            taken += 1
+    # xqa takes 128 heads without lse only, which none of the small cases are (SM120_BATCHES are).
+    assert taken >= (3 if platform == "sm_100" else 0)
+
+
+def test_the_trtllm_path_plans_nothing_and_may_be_captured(on, vendor, monkeypatch):
+    on("sm_100")
+    kwargs = _batch(**SM100_BATCHES["mtp2_uniform_lse"])
+    assert adapter.metadata(kwargs) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    spec.SPEC.check_close(adapter.mla_decode(**kwargs), spec.SPEC.reference(**kwargs), kwargs)
+    assert [call["entry"] for call in vendor.CALLS] == [TRTLLM]
+    assert vendor.CALLS[0]["workspace_buffer"] is _paged.workspace(torch.device("cpu"), "trtllm-mla")
+
+
+def test_sm90_keeps_the_wrapper(on, vendor):
+    platform = on("sm_90")
+    kwargs = _batch(**BATCHES["mtp_varlen_block_32"])
+    assert ask(adapter.supports, spec.SPEC, kwargs, platform) is None
+    spec.SPEC.check_close(adapter.mla_decode(**kwargs), spec.SPEC.reference(**kwargs), kwargs)
+    assert [call["entry"] for call in vendor.CALLS] == ["BatchMLAPagedAttentionWrapper",
+                                                        "BatchMLAPagedAttentionWrapper.plan", RUN]
+    assert vendor.CALLS[0]["backend"] == "auto" and TRTLLM not in {call["entry"] for call in vendor.CALLS}
+
+
+def _wide(tensor, pitch):
+    wide = torch.zeros(*tensor.shape[:-1], pitch, dtype=tensor.dtype)
+    wide[..., : tensor.shape[-1]] = tensor
+    return wide[..., : tensor.shape[-1]]
+
+
+@pytest.mark.parametrize("changes, platform, reason", [
+    (dict(dtype=torch.float16), "sm_100", "'trtllm-gen'): bf16 q and cache only (its out is bf16), got torch.float16"),
+    (dict(dtype=torch.float16, q_lens=(1, 1), num_heads=128), "sm_120",
+     "'xqa'): bf16 q and cache only (its out is bf16), got torch.float16"),
+    (dict(block_size=16), "sm_100", "trtllm-gen requires block_size in (32, 64), got 16"),
+    (dict(block_size=128), "sm_100", "trtllm-gen requires block_size in (32, 64), got 128"),
+    (dict(q_lens=(3, 3), kv_lens=(9, 20)), "sm_100", "up to 2 queries per sequence"),
+    (dict(q_lens=(1, 2)), "sm_100", "no lse with varying queries per sequence (cum_seq_lens_q)"),
+    (dict(q_lens=(1, 1)), "sm_120", "XQA MLA only supports 128 query heads, got 4"),
+    (dict(q_lens=(1, 1), num_heads=128, block_size=8), "sm_120", "block_size in (16, 32, 64, 128) only, got 8"),
+    (dict(q_lens=(1, 2), num_heads=128, return_lse=False), "sm_120",
+     "XQA MLA only supports q_len_per_request == 1 (one query per sequence), got max_query_len 2, uniform False"),
+    (dict(q_lens=(2, 2), num_heads=128, return_lse=False), "sm_120", "q_len_per_request == 1"),
+    (dict(q_lens=(1, 1), num_heads=128), "sm_120", "XQA MLA backend does not support return_lse/lse output"),
+])
+def test_trtllm_declines_by_name(changes, platform, reason):
+    assert reason in ask(adapter.supports, spec.SPEC, _kwargs(**changes), simulate(platform))
+
+
+@pytest.mark.parametrize("platform", ["sm_100", "sm_120"])
+def test_trtllm_declines_rows_tma_cannot_read(platform):
+    kwargs = _kwargs(q_lens=(1, 1), num_heads=128, return_lse=False)
+    kwargs["kv_cache"] = _wide(kwargs["kv_cache"], 580)[:, :, :576]  # 1160-byte rows: 8-byte aligned
+    assert "kv_cache needs 16-byte aligned rows (TMA)" in ask(adapter.supports, spec.SPEC, kwargs, simulate(platform))
+    assert ask(adapter.supports, spec.SPEC, kwargs, SM90) is None
+
+
+def test_trtllm_reads_a_wider_cache_view(on, vendor):
+    # 16-byte aligned rows 640 wide: the kernels take the cache's strides.
+    platform = on("sm_100")
+    kwargs = _batch(seed=9, **SM100_BATCHES["mtp2_uniform_lse"])
+    kwargs["kv_cache"] = _wide(kwargs["kv_cache"], 640)
+    kwargs["q"] = _wide(kwargs["q"], 640)
+    _check_trtllm(vendor, kwargs, platform, "trtllm-gen")
+
+
+def test_trtllm_is_called_by_keyword(monkeypatch, tmp_path):
+    fake = sources("flashinfer")
+    mla = _reversed_signature(fake["flashinfer/mla/__init__.py"], TRTLLM)
+    assert "    max_q_len=None,\n    cum_seq_lens_q=None," in mla
+    _install(monkeypatch, tmp_path, files={**fake, "flashinfer/mla/__init__.py": mla})
+    assert FLASHINFER.problem() is None
+    vendor = importlib.import_module("flashinfer.mla")
+    for platform, backend, batch in (("sm_100", "trtllm-gen", SM100_BATCHES["mtp2_uniform_lse"]),
+                                     ("sm_100", "trtllm-gen", SM100_BATCHES["mtp_varlen_no_lse"]),
+                                     ("sm_120", "xqa", SM120_BATCHES["decode_block_16"])):
+        capability = simulate(platform).capability
+        monkeypatch.setattr(vendor, "CAPABILITY", capability)
+        monkeypatch.setattr(adapter, "_capability", lambda device, capability=capability: capability)
+        _check_trtllm(vendor, _batch(**batch), simulate(platform), backend)
+
+
+def test_a_vendor_without_the_trtllm_keywords_is_quarantined(monkeypatch, tmp_path):
+    fake = sources("flashinfer")
+    path = "flashinfer/mla/__init__.py"
+    drop = "    cum_seq_lens_q=None,\n    max_q_len=None,\n"
+    assert fake[path].count(drop) == 1
+    _install(monkeypatch, tmp_path, files={**fake, path: fake[path].replace(drop, "").replace(
+        "if max_q_len is not None and cum_seq_lens_q is None", "if False")})
+    assert "flashinfer.mla.trtllm_batch_decode_with_kv_cache_mla takes no keyword cum_seq_lens_q" in FLASHINFER.problem_for(CALLS["mla_decode"])
+
+
+def test_the_fake_trtllm_refuses_what_flashinfer_refuses(on, vendor):
+    on("sm_100")
+    kwargs = _batch(**SM100_BATCHES["mtp2_uniform_lse"])
+    table = torch.nn.functional.pad(kwargs["block_table"], (0, 4 - kwargs["block_table"].shape[1] % 4))
+    call = dict(query=kwargs["q"].view(3, 2, 4, 576), kv_cache=kwargs["kv_cache"],
+                workspace_buffer=_paged.workspace(torch.device("cpu"), "trtllm-mla"), qk_nope_head_dim=128,
+                kv_lora_rank=512, qk_rope_head_dim=64, block_tables=table.int().contiguous(),
+                seq_lens=kwargs["seq_lens"], max_seq_len=kwargs["max_seq_len"], bmm1_scale=kwargs["scale"])
+    vendor.trtllm_batch_decode_with_kv_cache_mla(**call)
+    for changes, error in ((dict(block_tables=table.int()[:, :-1].contiguous()), "block_num % \\(128 / block_size\\)"),
+                           (dict(kv_cache=kwargs["kv_cache"][:, :16]), "block_size in \\(32, 64\\), got 16"),
+                           (dict(max_q_len=2), "max_q_len is only supported when cum_seq_lens_q"),
+                           (dict(bmm1_scale=torch.tensor([0.1], dtype=torch.float64)), "must have dtype torch.float32"),
+                           (dict(query=kwargs["q"], cum_seq_lens_q=kwargs["cu_seqlens_q"], return_lse=True),
+                            "does not support return_lse/lse with cum_seq_lens_q"),
+                           (dict(query=kwargs["q"], cum_seq_lens_q=kwargs["cu_seqlens_q"], max_q_len=7),
+                            "max_q_len cannot exceed"),
+                           (dict(backend="xqa"), "XQA MLA requires SM120a")):
+        with pytest.raises((TypeError, ValueError, NotImplementedError), match=error):
+            vendor.trtllm_batch_decode_with_kv_cache_mla(**{**call, **changes})
+    # "auto" is trtllm-gen on major 10 and xqa elsewhere, as the shipped one picks it.
+    on("sm_120")
+    with pytest.raises(ValueError, match="XQA MLA only supports q_len_per_request == 1"):
+        vendor.trtllm_batch_decode_with_kv_cache_mla(**call)
+    with pytest.raises(ValueError, match="only supports 128 query heads"):
+        vendor.trtllm_batch_decode_with_kv_cache_mla(**{**call, "query": kwargs["q"][::2].view(3, 1, 4, 576)})
+    assert [c["backend"] for c in vendor.CALLS] == ["xqa", "xqa"]

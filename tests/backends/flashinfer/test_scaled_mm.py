@@ -16,7 +16,7 @@ import torch
 
 from fakes import ask
 from kernelmux.backends import _vendor
-from kernelmux.backends.flashinfer import FLASHINFER
+from kernelmux.backends.flashinfer import CALLS, FLASHINFER
 from kernelmux.backends.flashinfer import scaled_mm as adapter
 from kernelmux.engine import Engine, Settings
 from kernelmux.platforms import simulate
@@ -204,7 +204,7 @@ def test_a_broken_vendor_is_quarantined_with_its_reason(monkeypatch, tmp_path, r
     fake = sources("flashinfer")
     assert replaced in fake[_GEMM]
     _install(monkeypatch, tmp_path, files={**fake, _GEMM: fake[_GEMM].replace(replaced, replacement)})
-    assert reason in FLASHINFER.problem()
+    assert reason in FLASHINFER.problem_for(CALLS["scaled_mm"])
     engine = Engine(ALL_SPECS, Settings(platform="sm_90"))
     rejected = {impl.backend: why for impl, why in engine.tables["scaled_mm"].rejected}
     assert reason in rejected["flashinfer"]
@@ -245,3 +245,14 @@ def test_real_fp8_blockscale_gemm_sm90_matches_the_reference(m, n, k):
     assert FLASHINFER.problem() is None, FLASHINFER.problem()
     kwargs = _block_call(m, n, k, seed=11, device="cuda")
     spec.SPEC.check_close(adapter.scaled_mm(**kwargs), spec.SPEC.reference(**kwargs), kwargs)
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
+def test_metadata_is_the_scale_conversion_the_call_makes(vendor, monkeypatch, capability):
+    # The bench times metadata(kwargs) apart: it must be exactly the call's own conversion.
+    _simulate(monkeypatch, capability)
+    kwargs = _block_call(33, 256, 384, seed=4)
+    sfa, sfb = adapter.metadata(kwargs)
+    expected_a, expected_b = adapter.prepare_scales(kwargs["scale_a"], kwargs["scale_b"], 33, capability)
+    assert torch.equal(sfa, expected_a) and sfa.stride() == expected_a.stride() and torch.equal(sfb, expected_b)
+    assert adapter.metadata(_block_call(0, 256, 384, seed=4)) is None

@@ -13,7 +13,7 @@ import torch
 
 from fakes import ask
 from kernelmux.backends import _vendor
-from kernelmux.backends.flashinfer import FLASHINFER
+from kernelmux.backends.flashinfer import CALLS, FLASHINFER
 from kernelmux.backends.flashinfer import selective_state_update as adapter
 from kernelmux.engine import Engine, Settings
 from kernelmux.platforms import simulate
@@ -160,7 +160,7 @@ def test_a_vendor_without_the_keywords_is_quarantined(monkeypatch, tmp_path):
     _install(monkeypatch, tmp_path, {**fake, "flashinfer/mamba/__init__.py":
                                      "def selective_state_update(state, x, dt, A, B, C, D, z=None):\n    pass\n"})
     reason = "selective_state_update takes no keyword dt_bias, dt_softplus, state_batch_indices, pad_slot_id"
-    assert reason in FLASHINFER.problem()
+    assert reason in FLASHINFER.problem_for(CALLS["selective_state_update"])
     rejected = {impl.backend: why for impl, why in
                 Engine(ALL_SPECS, Settings(platform="sm_90")).tables[spec.NAME].rejected}
     assert reason in rejected["flashinfer"]
