@@ -1,55 +1,55 @@
 """The flashinfer backend's fused_moe: FlashInfer's ``cutlass_fused_moe`` (TensorRT-LLM's CUTLASS MoE
 runner), unquantized bf16/fp16 experts on sm_89/sm_90/sm_100/sm_103/sm_110/sm_120/sm_121 and DeepSeek-V3
 128-block fp8 weights (``use_deepseek_fp8_block_scale``) on sm_90. Declined everywhere until a GPU run
-confirms it (``CONFIRMED``).
-
-What it takes, read from the flashinfer-python 0.6.14 wheel:
-- ``fused_moe/core.py`` ``cutlass_fused_moe``: keyword arguments input, token_selected_experts,
-  token_final_scales, fc1_expert_weights, fc2_expert_weights, output_dtype, quant_scales, output,
-  use_deepseek_fp8_block_scale, activation_type (``ActivationType``); it returns a list whose first
-  entry is ``output``. It raises for ``use_deepseek_fp8_block_scale`` unless the device is sm_90
-  ("FP8 block scaling not yet implemented for Blackwell") and CUDA >= 12.8; get_cutlass_fused_moe_module
-  builds modules for sm 89, 90, 100/110, 103, 120/121 only.
-- gate/up order: the activation kernels (csrc/fused_moe/cutlass_backend/cutlass_fused_moe_kernels.cuh,
-  doGatedActivationKernel and doActivationKernel: ``linear_value = gemm_result[i]``,
-  ``gate_value = gemm_result[i + inter_size]``, ``fn(gate) * linear``) read GEMM1's rows 0..I-1 as up
-  and I..2I-1 as the gate: kernelmux's w1 is [gate; up], so the halves are swapped
-  (``convert_weights``, a per-call copy the bench times apart through ``metadata``).
-- activations: Swiglu = ``GLUAdaptor<SiLu>``, Geglu = ``GLUAdaptor<GELU>``, cutlass's GELU being the erf
-  one (cutlass/epilogue/thread/activation.h), as the spec's "gelu".
-- token_selected_experts int32 and token_final_scales fp32 [T, k] (flashinfer_cutlass_fused_moe_binding.cu
-  runMoe CHECK_INPUT_TYPE); the scales multiply each expert's output in fp32 (finalizeMoeRoutingKernel).
-- expert parallelism: ids outside [ep_rank * E, (ep_rank + 1) * E) are skipped by the routing
-  (``is_valid_expert = expert >= start_expert && expert < end_expert``) and by the finalize
-  (``if (expert_id < 0 || expert_id >= num_experts_per_node) continue``), which writes zeros for tokens
-  with none (enable_alltoall False). So any expert_map is served exactly by gathering the local ids on
-  the device (``expert_map[topk_ids]``, -1 off-rank) and calling with ep_size 1: no host sync.
-- alignment: runMoe checks H and I multiples of ``128 / (8 * min(activation bytes, weight bytes))``:
-  8 for 16-bit weights, 16 for fp8.
-- DeepSeek fp8 block (``getQuantParams``): quant_scales = [fc1 scales, fc2 scales], fp32, read raw
-  (no shape check), 128 x 128 blocks [E, 2I/128, H/128] / [E, H/128, I/128] row-major per expert as
-  scale_128x128_kernel writes them (fp8_blockscale_gemm_kernel.cuh). Only the bf16-activation,
-  e4m3fn-weight runner exists (CutlassMoeFCRunner<__nv_bfloat16, __nv_fp8_e4m3>, block GEMM runner
-  <bf16, e4m3, bf16>). The GEMM quantizes its bf16 input itself, 1 x 128 per token
-  (scale_1x128_kernel: ``scale = amax != 0 ? 448 / amax : 1``, codes ``fp8(x * scale)``, dequant scale
-  ``1 / scale``), for the input and for the bf16 intermediate: the spec's per_group quantization up to
-  rounding (x * (448 / amax) against x / (amax / 448): a one-ulp fp8 code flip at most, inside
-  FP8_TOLERANCE) and the spec's 1e-4 amax floor (it differs only for groups with amax < 1e-4, where
-  FlashInfer keeps more precision; supports cannot see values). H and I must be multiples of 128 here
-  (the DeepSeek-V3 tiles; and a w1 scale block straddling gate and up could not be swapped).
-- fp8 per-tensor (``isFp8Quant``) takes a pre-quantized fp8 input and a *static* intermediate scale
-  (quant_scales[1], "gemm2 activation quant scale"); the spec's second quantization is dynamic (the
-  intermediate's own amax), known only inside the kernel: declined.
-- apply_router_weight_on_input: the runner has no such mode; the input is scaled by the router weight
-  in fp32 here, rounded to the hidden dtype, and the kernel gets unit final scales.
-
-Not wired: ``trtllm_bf16_moe`` / ``trtllm_fp8_block_scale_moe`` (sm_100) route inside the kernel from
-``routing_logits`` (RoutingMethodType), so they cannot take kernelmux's topk_ids/topk_weights. Their
-``*_routed_moe`` variants take precomputed routing only packed as ``(expert_id << 16) | bf16 weight``
-(the fp32 router weights rounded to bf16), with shuffled BlockMajorK weight layouts and a contiguous
-local_expert_offset/local_num_experts range; none of it has run here, so they wait for a GPU session."""
+confirms it (``CONFIRMED``)."""
 
 from __future__ import annotations
+
+# What it takes, read from the flashinfer-python 0.6.14 wheel:
+# - ``fused_moe/core.py`` ``cutlass_fused_moe``: keyword arguments input, token_selected_experts,
+#   token_final_scales, fc1_expert_weights, fc2_expert_weights, output_dtype, quant_scales, output,
+#   use_deepseek_fp8_block_scale, activation_type (``ActivationType``); it returns a list whose first
+#   entry is ``output``. It raises for ``use_deepseek_fp8_block_scale`` unless the device is sm_90
+#   ("FP8 block scaling not yet implemented for Blackwell") and CUDA >= 12.8; get_cutlass_fused_moe_module
+#   builds modules for sm 89, 90, 100/110, 103, 120/121 only.
+# - gate/up order: the activation kernels (csrc/fused_moe/cutlass_backend/cutlass_fused_moe_kernels.cuh,
+#   doGatedActivationKernel and doActivationKernel: ``linear_value = gemm_result[i]``,
+#   ``gate_value = gemm_result[i + inter_size]``, ``fn(gate) * linear``) read GEMM1's rows 0..I-1 as up
+#   and I..2I-1 as the gate: kernelmux's w1 is [gate; up], so the halves are swapped
+#   (``convert_weights``, a per-call copy the bench times apart through ``metadata``).
+# - activations: Swiglu = ``GLUAdaptor<SiLu>``, Geglu = ``GLUAdaptor<GELU>``, cutlass's GELU being the erf
+#   one (cutlass/epilogue/thread/activation.h), as the spec's "gelu".
+# - token_selected_experts int32 and token_final_scales fp32 [T, k] (flashinfer_cutlass_fused_moe_binding.cu
+#   runMoe CHECK_INPUT_TYPE); the scales multiply each expert's output in fp32 (finalizeMoeRoutingKernel).
+# - expert parallelism: ids outside [ep_rank * E, (ep_rank + 1) * E) are skipped by the routing
+#   (``is_valid_expert = expert >= start_expert && expert < end_expert``) and by the finalize
+#   (``if (expert_id < 0 || expert_id >= num_experts_per_node) continue``), which writes zeros for tokens
+#   with none (enable_alltoall False). So any expert_map is served exactly by gathering the local ids on
+#   the device (``expert_map[topk_ids]``, -1 off-rank) and calling with ep_size 1: no host sync.
+# - alignment: runMoe checks H and I multiples of ``128 / (8 * min(activation bytes, weight bytes))``:
+#   8 for 16-bit weights, 16 for fp8.
+# - DeepSeek fp8 block (``getQuantParams``): quant_scales = [fc1 scales, fc2 scales], fp32, read raw
+#   (no shape check), 128 x 128 blocks [E, 2I/128, H/128] / [E, H/128, I/128] row-major per expert as
+#   scale_128x128_kernel writes them (fp8_blockscale_gemm_kernel.cuh). Only the bf16-activation,
+#   e4m3fn-weight runner exists (CutlassMoeFCRunner<__nv_bfloat16, __nv_fp8_e4m3>, block GEMM runner
+#   <bf16, e4m3, bf16>). The GEMM quantizes its bf16 input itself, 1 x 128 per token
+#   (scale_1x128_kernel: ``scale = amax != 0 ? 448 / amax : 1``, codes ``fp8(x * scale)``, dequant scale
+#   ``1 / scale``), for the input and for the bf16 intermediate: the spec's per_group quantization up to
+#   rounding (x * (448 / amax) against x / (amax / 448): a one-ulp fp8 code flip at most, inside
+#   FP8_TOLERANCE) and the spec's 1e-4 amax floor (it differs only for groups with amax < 1e-4, where
+#   FlashInfer keeps more precision; supports cannot see values). H and I must be multiples of 128 here
+#   (the DeepSeek-V3 tiles; and a w1 scale block straddling gate and up could not be swapped).
+# - fp8 per-tensor (``isFp8Quant``) takes a pre-quantized fp8 input and a *static* intermediate scale
+#   (quant_scales[1], "gemm2 activation quant scale"); the spec's second quantization is dynamic (the
+#   intermediate's own amax), known only inside the kernel: declined.
+# - apply_router_weight_on_input: the runner has no such mode; the input is scaled by the router weight
+#   in fp32 here, rounded to the hidden dtype, and the kernel gets unit final scales.
+#
+# Not wired: ``trtllm_bf16_moe`` / ``trtllm_fp8_block_scale_moe`` (sm_100) route inside the kernel from
+# ``routing_logits`` (RoutingMethodType), so they cannot take kernelmux's topk_ids/topk_weights. Their
+# ``*_routed_moe`` variants take precomputed routing only packed as ``(expert_id << 16) | bf16 weight``
+# (the fp32 router weights rounded to bf16), with shuffled BlockMajorK weight layouts and a contiguous
+# local_expert_offset/local_num_experts range; none of it has run here, so they wait for a GPU session.
 
 from typing import Any, Mapping, NamedTuple, Optional
 
