@@ -12,7 +12,7 @@ from typing import Mapping, Optional
 from kernelmux.backends import _vendor
 from plugin_installs import Distribution, install
 
-__all__ = ["install_fake", "sources"]
+__all__ = ["install_fake", "reversed_signature", "sources"]
 
 _ROOT = pathlib.Path(__file__).parent
 
@@ -37,3 +37,23 @@ def install_fake(monkeypatch, tmp_path: pathlib.Path, name: str, distribution: s
         monkeypatch.delitem(sys.modules, module)
     monkeypatch.setattr(_vendor, "_problems", {})
     return site
+
+
+def reversed_signature(source: str, name: str) -> str:
+    """``source`` with ``def name(...)``'s parameters reversed within its required run and within its
+    defaulted run (``self`` and keyword-only ones stay put): still valid, and every positional caller
+    of it now passes its arguments to the wrong parameters."""
+    lines = source.split("\n")
+    start = lines.index(next(line for line in lines if line.strip() == f"def {name}(")) + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].strip().startswith(")"))
+    params = [line.strip() for line in lines[start:end]]
+    indent = lines[start][: len(lines[start]) - len(lines[start].lstrip())]
+    head = params[:1] if params[0] == "self," else []
+    stop = params.index("*,") if "*," in params else len(params)
+    middle, tail = params[len(head):stop], params[stop:]
+    required = [p for p in middle if "=" not in p]
+    defaulted = [p for p in middle if "=" in p]
+    assert middle == required + defaulted
+    reordered = head + required[::-1] + defaulted[::-1] + tail
+    assert reordered != params
+    return "\n".join(lines[:start] + [indent + p for p in reordered] + lines[end:])

@@ -20,7 +20,7 @@ from kernelmux.engine import Engine, Settings
 from kernelmux.platforms import simulate
 from kernelmux.specs import ALL_SPECS
 from kernelmux.specs import mla_decode as spec
-from vendors import install_fake, sources
+from vendors import install_fake, reversed_signature, sources
 
 FP8 = torch.float8_e4m3fn
 SM90 = simulate("sm_90")
@@ -193,31 +193,11 @@ def test_supports_accepts(changes, platform):
     assert ask(adapter.supports, spec.SPEC, _kwargs(**changes), simulate(platform)) is None
 
 
-def _reversed_signature(source: str, name: str) -> str:
-    """``source`` with ``def name(...)``'s parameters reversed within its required run and within its
-    defaulted run (``self`` and keyword-only ones stay put): still valid, and every positional caller
-    of it now passes its arguments to the wrong parameters."""
-    lines = source.split("\n")
-    start = lines.index(next(line for line in lines if line.strip() == f"def {name}(")) + 1
-    end = next(i for i in range(start, len(lines)) if lines[i].strip().startswith(")"))
-    params = [line.strip() for line in lines[start:end]]
-    indent = lines[start][: len(lines[start]) - len(lines[start].lstrip())]
-    head = params[:1] if params[0] == "self," else []
-    stop = params.index("*,") if "*," in params else len(params)
-    middle, tail = params[len(head):stop], params[stop:]
-    required = [p for p in middle if "=" not in p]
-    defaulted = [p for p in middle if "=" in p]
-    assert middle == required + defaulted
-    reordered = head + required[::-1] + defaulted[::-1] + tail
-    assert reordered != params
-    return "\n".join(lines[:start] + [indent + p for p in reordered] + lines[end:])
-
-
 def test_the_vendor_is_called_by_keyword(monkeypatch, tmp_path):
     fake = sources("flashinfer")
     mla = fake["flashinfer/mla/__init__.py"]
     for method in ("__init__", "plan", "run"):
-        mla = _reversed_signature(mla, method)
+        mla = reversed_signature(mla, method)
     assert "        kpe_cache,\n        ckv_cache,\n        q_pe,\n        q_nope," in mla
     _install(monkeypatch, tmp_path, files={**fake, "flashinfer/mla/__init__.py": mla})
     assert FLASHINFER.problem() is None
@@ -451,7 +431,7 @@ def test_trtllm_reads_a_wider_cache_view(on, vendor):
 
 def test_trtllm_is_called_by_keyword(monkeypatch, tmp_path):
     fake = sources("flashinfer")
-    mla = _reversed_signature(fake["flashinfer/mla/__init__.py"], TRTLLM)
+    mla = reversed_signature(fake["flashinfer/mla/__init__.py"], TRTLLM)
     assert "    max_q_len=None,\n    cum_seq_lens_q=None," in mla
     _install(monkeypatch, tmp_path, files={**fake, "flashinfer/mla/__init__.py": mla})
     assert FLASHINFER.problem() is None

@@ -23,7 +23,7 @@ from kernelmux.engine import Engine, Settings
 from kernelmux.platforms import simulate
 from kernelmux.specs import ALL_SPECS
 from kernelmux.specs import paged_attention as spec
-from vendors import install_fake, sources
+from vendors import install_fake, reversed_signature, sources
 
 FP8 = torch.float8_e4m3fn
 SM90 = simulate("sm_90")
@@ -333,32 +333,12 @@ def test_supports_accepts(changes, platform):
     assert ask(adapter.supports, spec.SPEC, _kwargs(**changes), simulate(platform)) is None
 
 
-def _reversed_signature(source: str, name: str) -> str:
-    """``source`` with ``def name(...)``'s parameters reversed within its required run and within its
-    defaulted run (``self`` and keyword-only ones stay put): still valid, and every positional caller
-    of it now passes its arguments to the wrong parameters."""
-    lines = source.split("\n")
-    start = lines.index(next(line for line in lines if line.strip() == f"def {name}(")) + 1
-    end = next(i for i in range(start, len(lines)) if lines[i].strip().startswith(")"))
-    params = [line.strip() for line in lines[start:end]]
-    indent = lines[start][: len(lines[start]) - len(lines[start].lstrip())]
-    head = params[:1] if params[0] == "self," else []
-    stop = params.index("*,") if "*," in params else len(params)
-    middle, tail = params[len(head):stop], params[stop:]
-    required = [p for p in middle if "=" not in p]
-    defaulted = [p for p in middle if "=" in p]
-    assert middle == required + defaulted
-    reordered = head + required[::-1] + defaulted[::-1] + tail
-    assert reordered != params
-    return "\n".join(lines[:start] + [indent + p for p in reordered] + lines[end:])
-
-
 def test_the_vendor_is_called_by_keyword(monkeypatch, tmp_path):
     fake = sources("flashinfer")
-    decode = _reversed_signature(fake["flashinfer/decode.py"], "trtllm_batch_decode_with_kv_cache")
+    decode = reversed_signature(fake["flashinfer/decode.py"], "trtllm_batch_decode_with_kv_cache")
     prefill = fake["flashinfer/prefill.py"]
     for method in ("__init__", "plan"):
-        prefill = _reversed_signature(prefill, method)
+        prefill = reversed_signature(prefill, method)
     assert "    bmm2_scale=1.0,\n    bmm1_scale=1.0," in decode
     _install(monkeypatch, tmp_path, files={**fake, "flashinfer/decode.py": decode, "flashinfer/prefill.py": prefill})
     assert FLASHINFER.problem() is None
