@@ -1,6 +1,7 @@
 """The deepgemm backend: DeepGEMM's FP8 GEMMs (sgl-deep-gemm, JIT-compiled per shape at first use)
 behind kernelmux's specs, called by keyword through the vendor mechanism (backends/_vendor.py).
-Now: scaled_mm (fp8_gemm_nt, block scales, sm_90)."""
+Now: scaled_mm (fp8_gemm_nt, block scales, sm_90); fused_moe (m_grouped_fp8_gemm_nt_contiguous, declined
+until a GPU run confirms it)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,20 @@ DEEPGEMM = Vendor(
 )
 
 # Per op, the vendor functions its entry module calls (probed at startup as that op's static check).
-# Both are Python wrappers in deep_gemm/__init__.py (over the tvm-ffi module _C, whose own functions
-# inspect.signature cannot read), so their keywords can be probed.
+# All are Python wrappers in deep_gemm/__init__.py or deep_gemm/utils/layout.py (over the tvm-ffi module
+# _C, whose own functions inspect.signature cannot read), so their keywords can be probed.
 CALLS: dict[str, tuple[VendorCall, ...]] = {
     "scaled_mm": (
         VendorCall("deep_gemm", "fp8_gemm_nt", ("a", "b", "d", "c", "recipe", "compiled_dims")),
         VendorCall("deep_gemm", "transform_sf_into_required_layout", ("sf", "mn", "k", "recipe", "is_sfa")),
+    ),
+    "fused_moe": (
+        VendorCall("deep_gemm", "m_grouped_fp8_gemm_nt_contiguous",
+                   ("a", "b", "d", "grouped_layout", "recipe", "compiled_dims")),
+        VendorCall("deep_gemm", "transform_sf_into_required_layout",
+                   ("sf", "mn", "k", "recipe", "num_groups", "is_sfa")),
+        # utils/layout.py's wrapper (re-exported by `from .utils import *`), no parameters.
+        VendorCall("deep_gemm", "get_mk_alignment_for_contiguous_layout", ()),
     ),
 }
 
@@ -39,6 +48,10 @@ TABLE: tuple[Entry, ...] = (
           # Ahead of flashinfer's (16) and torch's (15) block GEMMs: fastest of the three on every
           # DeepSeek-V3 case of the H100 bench (perf/decisions/scaled_mm.md).
           {"priority": 17}),
+    Entry("fused_moe",
+          "m_grouped_fp8_gemm_nt_contiguous (sm90 1D2D) for gate_up and down: DeepSeek-V3 fp8_block experts "
+          "(e4m3fn, bf16 hidden, H and I % 128 == 0, sm_90); routing, 1x128 quantization and activation in "
+          "torch, no host sync; declined until confirmed on a GPU"),
 )
 
 
