@@ -49,23 +49,41 @@ class VendorCall:
 
     def problem(self) -> Optional[str]:
         """None when the installed function takes every keyword (or its signature cannot be read,
-        as for a compiled tvm-ffi function: then only its presence is checked), else what is wrong."""
+        as for a compiled tvm-ffi function: then only its presence is checked), else what is wrong.
+        A torch op (``VendorCall("torch", "ops._moe_C.grouped_topk", ...)``) is probed through its
+        registered schema, whose argument names are its keywords."""
         try:
             function = self.resolve()
         except Exception as error:  # noqa: BLE001 - a vendor module may fail in any way
             return f"{self.module}.{self.function}: {type(error).__name__}: {error}"
-        try:
-            parameters = inspect.signature(function).parameters
-        except (TypeError, ValueError):
+        names = _parameter_names(function)
+        if names is None:
             _log.debug("kernelmux: %s.%s: no readable signature; keywords not probed", self.module, self.function)
             return None
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-            return None
-        missing = [k for k in self.keywords if k not in parameters]
+        missing = [k for k in self.keywords if k not in names]
         if missing:
             return (f"{self.module}.{self.function} takes no keyword {', '.join(missing)} "
-                    f"(its parameters: {', '.join(parameters)})")
+                    f"(its parameters: {', '.join(names)})")
         return None
+
+
+def _parameter_names(function: Any) -> Optional[list[str]]:
+    """The keywords ``function`` takes, in order; None when they cannot be read or it takes any
+    (``**kwargs``). A torch op's come from its schema (each overload's, for an overload packet)."""
+    import torch
+
+    if isinstance(function, torch._ops.OpOverloadPacket):
+        overloads = [getattr(function, name) for name in function.overloads()]
+        return list(dict.fromkeys(arg.name for op in overloads for arg in op._schema.arguments))
+    if isinstance(function, torch._ops.OpOverload):
+        return [arg.name for arg in function._schema.arguments]
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return list(parameters)
 
 
 @dataclass(frozen=True)
@@ -154,8 +172,8 @@ class _FirstCalls:
         with self._lock:  # one thread compiles, the others wait for it
             if key in self._seconds:
                 return call()
-            _log.warning("kernelmux: %s %s: first call for %s may compile the vendor's kernel (%s)",
-                         vendor.name, op, variant, where)
+            _log.warning("kernelmux: %s %s: first call for %s on %s may compile the vendor's kernel (%s)",
+                         vendor.name, op, variant, _arch(), where)
             start = time.perf_counter()
             result = call()
             self._seconds[key] = time.perf_counter() - start
@@ -166,6 +184,16 @@ class _FirstCalls:
     def seconds(self) -> dict[tuple[str, str, Hashable], float]:
         """(vendor, op, variant) -> the first call's wall time in seconds."""
         return dict(self._seconds)
+
+
+def _arch() -> str:
+    """The architecture a first call compiles for: the current device's (sm_90, gfx942, x86_64)."""
+    from kernelmux.platforms import detect
+
+    try:
+        return detect().arch
+    except Exception as error:  # noqa: BLE001 - a log line must not fail the call it announces
+        return f"an undetected arch ({type(error).__name__})"
 
 
 first_calls = _FirstCalls()

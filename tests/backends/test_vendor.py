@@ -45,6 +45,25 @@ def test_a_function_whose_signature_cannot_be_read_is_only_checked_for_presence(
     assert missing.startswith("fake-vendor 1.2: fakevendor.api.absent: AttributeError")
 
 
+def test_a_torch_op_is_probed_through_its_schema(monkeypatch, tmp_path):
+    # Vendors that register torch ops (vllm-xpu-kernels' _moe_C, _xpu_C) are called by the schema's
+    # argument names; a release that renames one rejects the op, as for a Python function.
+    import torch
+
+    install_fake(monkeypatch, tmp_path, "fakevendor", "fake-vendor", "1.2", FAKE)
+    library = torch.library.Library("kernelmux_vendor_probe", "DEF")
+    library.define("gemm(Tensor a, Tensor b, float alpha=1.0) -> Tensor")
+    try:
+        assert _problem(VendorCall("torch", "ops.kernelmux_vendor_probe.gemm", ("a", "b", "alpha"))) is None
+        assert _problem(VendorCall("torch", "ops.kernelmux_vendor_probe.gemm.default", ("a", "b"))) is None
+        reason = _problem(VendorCall("torch", "ops.kernelmux_vendor_probe.gemm", ("a", "beta")))
+        assert reason == ("fake-vendor 1.2: torch.ops.kernelmux_vendor_probe.gemm takes no keyword beta "
+                          "(its parameters: a, b, alpha)")
+        assert "AttributeError" in _problem(VendorCall("torch", "ops.kernelmux_vendor_probe.absent", ()))
+    finally:
+        library._destroy()
+
+
 def test_the_install_hint_names_kernelmux_extra(monkeypatch):
     monkeypatch.setattr(Vendor, "version", lambda self: None)
     assert _vendor(extra="fake").problem() == "fake-vendor is not installed (pip install 'kernelmux[fake]')"
