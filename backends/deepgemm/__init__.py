@@ -5,9 +5,11 @@ until a GPU run confirms it)."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from kernelmux.backends._table import Defaults, Entry, implementations
 from kernelmux.backends._vendor import Vendor, VendorCall
-from kernelmux.platforms import PlatformKind
+from kernelmux.platforms import Platform, PlatformKind
 from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
 
 DEEPGEMM = Vendor(
@@ -35,6 +37,27 @@ CALLS: dict[str, tuple[VendorCall, ...]] = {
     ),
 }
 
+SM90 = (9, 0)
+
+
+def arch_problem(platform: Platform) -> Optional[str]:
+    """Why DeepGEMM's kernels for fp32 scales cannot run on ``platform`` (None on sm_90): a static
+    check of every deepgemm implementation, so `info --platform sm_100` does not list them."""
+    if platform.capability == SM90:
+        return None
+    if platform.capability is not None and platform.capability[0] == 10:
+        # transform_sf_into_required_layout packs fp32 scales into UE8M0 on sm_100 by keeping their
+        # exponent bits (x >> 23 in smxx_layout.cuh): exact only for power-of-two scales, a property
+        # of the values that no dispatch key holds.
+        return ("on sm_100 DeepGEMM takes UE8M0 scales only: it truncates fp32 scales to their power of "
+                "two, exact only when every scale is one (not known from the key)")
+    return f"DeepGEMM's FP8 GEMMs with fp32 scales run on sm_90 only, not {platform.arch}"
+
+
+def _static_check(op: str):
+    return lambda platform: DEEPGEMM.problem_for(CALLS[op]) or arch_problem(platform)
+
+
 _DEFAULTS = Defaults(
     priority=15,
     requirement=PlatformRequirement(kinds=frozenset({PlatformKind.CUDA})),
@@ -59,6 +82,6 @@ TABLE: tuple[Entry, ...] = (
 def kernelmux_implementations() -> list[Implementation]:
     version = f"{DEEPGEMM.distribution} {DEEPGEMM.version() or '(not installed)'}: "
     table = [Entry(entry.op, version + entry.description,
-                   {"static_check": DEEPGEMM.static_check(CALLS[entry.op]), **entry.overrides})
+                   {"static_check": _static_check(entry.op), **entry.overrides})
              for entry in TABLE]
     return implementations(Backend.DEEPGEMM, __name__, _DEFAULTS, table)

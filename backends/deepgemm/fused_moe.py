@@ -46,7 +46,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 import torch
 
 from kernelmux.backends._vendor import first_calls
-from kernelmux.backends.deepgemm import DEEPGEMM
+from kernelmux.backends.deepgemm import DEEPGEMM, arch_problem
 from kernelmux.platforms import Platform
 from kernelmux.specs import fused_moe as spec
 from kernelmux.specs.quantize_fp8 import quantize_fp8
@@ -55,7 +55,6 @@ __all__ = ["CONFIRMED", "WeightScales", "fused_moe", "metadata", "prepare_weight
 
 BLOCK = spec.BLOCK
 RECIPE = (1, BLOCK, BLOCK)  # 1 x 128 activation groups, 128 x 128 weight blocks: the 1D2D kernel
-SM90 = (9, 0)
 SCALE_ROWS = 4  # sfa's column stride: M rounded up to 16 bytes of fp32 (get_tma_aligned_size(M, 4))
 # The variants confirmed against the reference on a GPU. Empty: nothing of this adapter has run on one.
 CONFIRMED: frozenset[str] = frozenset()
@@ -68,13 +67,9 @@ def variant(key: spec.Key) -> str:
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     """None when the two grouped GEMMs compute calls with this key as the spec defines them, else why not."""
-    if platform.capability != SM90:
-        if platform.capability is not None and platform.capability[0] == 10:
-            return ("on sm_100 DeepGEMM takes UE8M0 scales only: transform_sf_into_required_layout keeps "
-                    "the exponent bits of fp32 scales, exact only when every scale is a power of two "
-                    "(not known from the key)")
-        return (f"DeepGEMM's m_grouped_fp8_gemm_nt_contiguous with fp32 block scales runs on sm_90 only, "
-                f"not {platform.arch}")
+    reason = arch_problem(platform)
+    if reason is not None:
+        return reason
     if key.quantization != "fp8_block":
         return (f"fp8_block only (DeepGEMM's 1D2D grouped GEMM takes 1 x 128 activation and 128 x 128 "
                 f"weight block scales, recipe (1, 128, 128)), got quantization {key.quantization!r}")

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from kernelmux.backends._vendor import first_calls
-from kernelmux.backends.deepgemm import DEEPGEMM
+from kernelmux.backends.deepgemm import DEEPGEMM, arch_problem
 from kernelmux.platforms import Platform
 from kernelmux.specs import scaled_mm as spec
 
@@ -20,7 +20,6 @@ __all__ = ["metadata", "prepare_scales", "scaled_mm", "supports"]
 # block of b, kernelmux's block layout. On sm_90 with fp32 scales it selects sm90_fp8_gemm_1d2d
 # (csrc/apis/gemm.hpp, fp8_fp4_gemm_nt: gran_n 128 -> 1D2D).
 RECIPE = (1, spec.BLOCK, spec.BLOCK)
-SM90 = (9, 0)
 # The 1D2D kernel traps unless shape_n % 8 == 0 (DG_TRAP_ONLY_DEVICE_ASSERT in
 # sm90_fp8_gemm_1d2d.cuh); it is also what a 16-byte TMA row stride of the bf16 output needs.
 N_MULTIPLE = 8
@@ -33,14 +32,9 @@ TMA_BYTES = 16  # TMA: global address and every row stride a multiple of 16 byte
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     """None when fp8_gemm_nt computes this call exactly as the spec defines it, else why not."""
-    if platform.capability != SM90:
-        if platform.capability is not None and platform.capability[0] == 10:
-            # transform_sf_into_required_layout packs fp32 scales into UE8M0 on sm_100 by keeping
-            # their exponent bits (x >> 23 in smxx_layout.cuh): exact only for power-of-two scales,
-            # a property of the values that the dispatch key does not hold.
-            return ("on sm_100 DeepGEMM takes UE8M0 scales only: it truncates fp32 scales to their "
-                    "power of two, exact only when every scale is one (not known from the key)")
-        return f"DeepGEMM's FP8 GEMM with fp32 block scales runs on sm_90 only, not {platform.arch}"
+    reason = arch_problem(platform)
+    if reason is not None:
+        return reason
     if key.scaling != "block":
         return (f"block scales only (1 x 128 groups of a, 128 x 128 blocks of b), got {key.scaling} "
                 "scales")
