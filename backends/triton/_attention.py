@@ -165,8 +165,8 @@ def _table_for(device: torch.device) -> dict:
     """The plan table for launches on ``device``."""
     if device.type == "cpu":
         return _TABLE  # the interpreter's
-    rocm = probes.is_rocm()
-    return _table_for_gpu(device.type == "cuda" and not rocm, None if rocm else _capability(device))
+    nvidia = device.type == "cuda" and not probes.is_rocm()
+    return _table_for_gpu(nvidia, _capability(device) if nvidia else None)  # torch.cuda knows no XPU
 
 
 def _table_for_platform(platform: Platform) -> dict:

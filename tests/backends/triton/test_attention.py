@@ -37,6 +37,16 @@ def test_plan_table_follows_shared_memory(monkeypatch, capability, table):
     assert _attention._base_plan("mla", torch.device("cuda")) == _attention._COMPACT_TABLE["mla"]
 
 
+def test_an_xpu_plan_asks_no_cuda_capability(monkeypatch):
+    # torch.cuda.get_device_capability raises for an XPU device: launches there must not ask it.
+    def cuda_only(device):
+        raise AssertionError(f"asked the CUDA capability of {device}")
+
+    monkeypatch.setattr(_attention, "_capability", cuda_only)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert _attention._base_plan("decode", torch.device("xpu")) == _attention._COMPACT_TABLE["decode"]
+
+
 def test_plan_uses_host_ints_only_and_splits_small_grids():
     device = torch.device(DEVICE)
     sms = _attention._sm_count(device)
