@@ -2,18 +2,20 @@
 ``Implementation`` records by ``implementations``. An op's entry module is
 ``backends/<backend>/<op>.py``, holding the function named after the op and, where the backend
 declines some calls, ``supports(key, platform)``; it is imported when the backend's hook runs at
-engine startup, never when kernelmux itself is imported."""
+engine startup, never when kernelmux itself is imported. A ``Gap`` row names an op the backend's
+library has no kernel for, and why, so `kernelmux explain` says it instead of saying nothing."""
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
+from kernelmux.errors import ImplementationError
 from kernelmux.registry import Implementation, PlatformRequirement, StaticCheckFn
 from kernelmux.specs import ALL_SPECS
 
-__all__ = ["Defaults", "Entry", "implementations"]
+__all__ = ["Defaults", "Entry", "Gap", "implementations"]
 
 _SPECS = {spec.name: spec for spec in ALL_SPECS}
 
@@ -47,12 +49,43 @@ class Entry:
                              f"expected fields of Defaults: {', '.join(Defaults.__dataclass_fields__)}")
 
 
+@dataclass(frozen=True)
+class Gap:
+    """An op the backend does not serve on any platform, and why (the library has no such kernel).
+    It registers as an implementation whose static check is that reason, so on the backend's
+    platforms `kernelmux info` and `explain` list it as not viable, with the reason; it never runs."""
+
+    op: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        if self.op not in _SPECS:
+            raise ValueError(f"Gap op {self.op!r}: no such spec; known: {', '.join(_SPECS)}")
+
+
+def _never_runs(backend: str, gap: Gap) -> Callable[..., Any]:
+    """A function with the op's signature that raises: a Gap's static check rejects it everywhere."""
+    def absent(*args: Any, **kwargs: Any) -> Any:
+        raise ImplementationError(gap.op, backend, backend, "kernelmux", f"has no kernel for it: {gap.reason}")
+
+    absent.__signature__ = _SPECS[gap.op].signature  # type: ignore[attr-defined]
+    return absent
+
+
 def implementations(backend: str, package: str, defaults: Defaults,
-                    table: Iterable[Entry]) -> list[Implementation]:
+                    table: Iterable[Union[Entry, Gap]]) -> list[Implementation]:
     """The ``Implementation`` of every row of ``table``, for ``backend`` whose entry modules are
     ``<package>.<op>`` (the backend's ``__name__``)."""
     records = []
     for entry in table:
+        if isinstance(entry, Gap):
+            reason = f"no kernel for {entry.op}: {entry.reason}"
+            records.append(Implementation(
+                op=entry.op, backend=backend, fn=_never_runs(backend, entry), spec_version=_SPECS[entry.op].version,
+                description=f"none: {entry.reason}", requirement=defaults.requirement, devices=defaults.devices,
+                static_check=lambda platform, reason=reason: reason,
+            ))
+            continue
         module = importlib.import_module(f"{package}.{entry.op}")
         fields = {**defaults.__dict__, **entry.overrides}
         records.append(Implementation(

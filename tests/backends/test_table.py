@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from kernelmux.backends._table import Defaults, Entry, implementations
+from kernelmux.backends._table import Defaults, Entry, Gap, implementations
 from kernelmux.specs import ALL_SPECS
 
 BACKENDS = pathlib.Path(__file__).resolve().parents[2] / "backends"
@@ -27,7 +27,10 @@ def test_every_builtin_backend_is_listed():
 def test_table_rows_are_the_entry_modules(backend):
     package = importlib.import_module(f"kernelmux.backends.{backend}")
     entries = {p.stem for p in (BACKENDS / backend).glob("*.py") if p.stem in OPS}
-    assert [entry.op for entry in package.TABLE] and {entry.op for entry in package.TABLE} == entries
+    rows = [row.op for row in package.TABLE if isinstance(row, Entry)]
+    gaps = [row.op for row in package.TABLE if isinstance(row, Gap)]
+    assert rows and set(rows) == entries
+    assert len(set(rows + gaps)) == len(rows + gaps), "an op is both served and a gap, or listed twice"
 
 
 def test_an_entry_names_a_spec_and_fields_of_defaults():
@@ -44,3 +47,28 @@ def test_implementations_take_the_entry_modules_function_and_supports():
                                [Entry("paged_attention", "d", {"devices": frozenset({"cpu"})})])
     assert (record.fn, record.supports, record.priority, record.devices) == (
         entry.paged_attention, getattr(entry, "supports", None), 7, frozenset({"cpu"}))
+
+
+def test_a_gap_is_never_viable_and_says_why():
+    from kernelmux.engine import Engine, Settings
+    from kernelmux.errors import ImplementationError
+    from kernelmux.platforms import PlatformKind
+    from kernelmux.registry import PlatformRequirement, hookimpl
+
+    class Plugin:
+        @staticmethod
+        @hookimpl
+        def kernelmux_implementations():
+            defaults = Defaults(priority=99, requirement=PlatformRequirement(kinds=frozenset({PlatformKind.CPU})))
+            return implementations("gappy", "unused", defaults, [Gap("ssd_scan", "no Mamba2 kernel in the library")])
+
+    engine = Engine(ALL_SPECS, Settings.from_env().with_changes(platform="x86_64", allow_plugins=("reference",)),
+                    plugins={"gappy": Plugin()})
+    [rejected] = [impl for impl, reason in engine.tables["ssd_scan"].rejected if impl.backend == "gappy"]
+    reasons = dict((impl.backend, reason) for impl, reason in engine.tables["ssd_scan"].rejected)
+    assert reasons["gappy"] == "no kernel for ssd_scan: no Mamba2 kernel in the library"
+    assert all(c.impl.backend != "gappy" for c in engine.tables["ssd_scan"].candidates)
+    with pytest.raises(ImplementationError, match="has no kernel for it: no Mamba2 kernel"):
+        rejected.fn()
+    with pytest.raises(ValueError, match="no such spec"):
+        Gap("ssd", "typo")
