@@ -30,6 +30,21 @@ CALLS: dict[str, tuple[VendorCall, ...]] = {
                     "use_deepseek_fp8_block_scale", "activation_type")),
         VendorCall("flashinfer.fused_moe", "ActivationType.Swiglu", ()),
         VendorCall("flashinfer.fused_moe", "ActivationType.Geglu", ()),
+        VendorCall("flashinfer.fused_moe", "trtllm_bf16_routed_moe",
+                   ("topk_ids", "hidden_states", "gemm1_weights", "gemm2_weights", "num_experts", "top_k", "n_group",
+                    "topk_group", "intermediate_size", "local_expert_offset", "local_num_experts",
+                    "routed_scaling_factor", "routing_method_type", "use_shuffled_weight", "weight_layout",
+                    "do_finalize", "activation_type", "output")),
+        VendorCall("flashinfer.fused_moe", "trtllm_fp8_block_scale_routed_moe",
+                   ("topk_ids", "routing_bias", "hidden_states", "hidden_states_scale", "gemm1_weights",
+                    "gemm1_weights_scale", "gemm2_weights", "gemm2_weights_scale", "num_experts", "top_k", "n_group",
+                    "topk_group", "intermediate_size", "local_expert_offset", "local_num_experts",
+                    "routed_scaling_factor", "routing_method_type", "use_shuffled_weight", "weight_layout",
+                    "do_finalize", "output", "fp8_quantization_type", "activation_type")),
+        VendorCall("flashinfer.fused_moe", "RoutingMethodType.TopK", ()),
+        VendorCall("flashinfer.fused_moe", "WeightLayout.BlockMajorK", ()),
+        VendorCall("flashinfer.fused_moe", "WeightLayout.MajorK", ()),
+        VendorCall("flashinfer.fused_moe", "Fp8QuantizationType.DeepSeekFp8", ()),
     ),
     "paged_attention": (
         VendorCall("flashinfer.decode", "trtllm_batch_decode_with_kv_cache",
@@ -91,7 +106,10 @@ TABLE = (
           "(sm_89, sm_90, sm_100, sm_103, sm_120, sm_121)"),
     Entry("fused_moe",
           "cutlass_fused_moe: bf16/fp16 experts (sm_89-sm_121), DeepSeek fp8 128-block weights with 1x128 "
-          "activations (sm_90); w1's gate/up halves swapped per call; declined until confirmed on a GPU"),
+          "activations (sm_90); w1's gate/up halves swapped per call. On sm_100/sm_103 trtllm_bf16_routed_moe "
+          "(bf16, silu, H and I % 128; weights shuffled and blocked per call, routing packed with bf16 weights) "
+          "and trtllm_fp8_block_scale_routed_moe (declined: e4m3 gate/up), wired, dry-run only. Declined until "
+          "confirmed on a GPU"),
     Entry("paged_attention",
           "decode of 16-bit caches: xqa (trtllm_batch_decode_with_kv_cache) on the block table; prefill: "
           "BatchPrefillWithPagedKVCacheWrapper (fa3 on sm_90, fa2 elsewhere), planned per call"),
