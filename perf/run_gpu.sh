@@ -17,6 +17,9 @@
 #   tests-vendor  conformance of the vendor backends (flashinfer, deepgemm, torch) and their own tests,
 #                selected by -k "$VENDOR_K" (default: those three names), $VENDOR_TIMEOUT s (default 540);
 #                the first calls JIT-compile the vendors' kernels    -> pytest_vendor.txt
+#   jit-vendor-moe  starts the build of FlashInfer's sm_90 CUTLASS MoE module (15-25 min) in a process of its
+#                own session that outlives the call; jit-vendor-moe-wait waits up to $MOE_WAIT_S s (500) for it
+#                (in a later call on the same warm machine)                 -> flashinfer_moe_jit.log
 #   warm-vendor  one bench case per vendor JIT module the bench needs, all at once (parallel nvcc), so a
 #                bench after it in the same call finds them compiled     -> warm_vendor.log
 #   profile-attention  Nsight Compute over one call per case of perf/diag/attention_profile.py
@@ -103,6 +106,20 @@ for step in "$@"; do
         (cd /tmp && timeout "${VENDOR_TIMEOUT:-540}" python3 -m pytest "${vendor_tests[@]}" \
             -k "${VENDOR_K:-flashinfer or deepgemm or torch}" -n 8 --dist loadgroup -v -p no:cacheprovider -rfE \
             --durations=15 2>&1) > "$out/pytest_vendor.txt"; grep -E "FAILED|ERROR|passed|failed" "$out/pytest_vendor.txt" | tail -60 ;;
+    jit-vendor-moe)
+        # FlashInfer's CUTLASS MoE module for sm_90 is ~180 CUTLASS sources (15-25 min on 16 cores), longer
+        # than one device call: built by a process in its own session, which outlives this call (the
+        # machine stays while calls follow each other within 30 s). jit-vendor-moe-wait waits for it.
+        (cd /tmp && setsid nohup env MAX_JOBS=16 python3 -c "import time; t = time.time(); \
+from flashinfer.fused_moe.core import get_cutlass_fused_moe_module; get_cutlass_fused_moe_module('90'); \
+print(f'built in {time.time() - t:.0f} s')" > /tmp/flashinfer_moe_jit.log 2>&1 < /dev/null &)
+        echo "building FlashInfer's sm_90 CUTLASS MoE in the background: /tmp/flashinfer_moe_jit.log" ;;
+    jit-vendor-moe-wait)
+        waited=0
+        until grep -qE "built in|Error" /tmp/flashinfer_moe_jit.log 2>/dev/null || [ "$waited" -ge "${MOE_WAIT_S:-500}" ]; do
+            sleep 10; waited=$((waited + 10))
+        done
+        cp /tmp/flashinfer_moe_jit.log "$out/" 2>/dev/null; tail -3 /tmp/flashinfer_moe_jit.log ;;
     warm-vendor)
         start=$SECONDS
         for op_case in "paged_attention llama3_8b_prefill_t1024" "paged_attention gemma2_soft_cap" \
