@@ -13,6 +13,7 @@ __all__ = [
     "fp4_mm",
     "fused_moe",
     "grouped_topk",
+    "int4_mm",
     "kv_cache_write",
     "mla_decode",
     "paged_attention",
@@ -38,3 +39,4 @@ quantize_mxfp4 = ALL_OPS["quantize_mxfp4"]
 fp4_mm = ALL_OPS["fp4_mm"]
 ssd_scan = ALL_OPS["ssd_scan"]
 selective_state_update = ALL_OPS["selective_state_update"]
+int4_mm = ALL_OPS["int4_mm"]

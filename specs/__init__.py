@@ -7,6 +7,7 @@ from kernelmux.specs import (
     fp4_mm,
     fused_moe,
     grouped_topk,
+    int4_mm,
     kv_cache_write,
     mla_decode,
     paged_attention,
@@ -33,4 +34,5 @@ ALL_SPECS = (
     fp4_mm.SPEC,
     ssd_scan.SPEC,
     selective_state_update.SPEC,
+    int4_mm.SPEC,
 )

@@ -9,9 +9,9 @@ from kernelmux.specs._spec import Tolerance
 
 __all__ = ["ATTENTION_OUTPUT", "GEMM_OUTPUT"]
 
-# Matmuls over quantized operands (scaled_mm, fp4_mm): |actual - expected| <= atol * mag + rtol *
-# |expected|, where mag[m, n] = sum_k |A_mk| |B_nk| over the dequantized operands (+ |bias_n|) is
-# the accumulation's own scale; ``atol`` is relative to mag, so one number holds for every K.
+# Matmuls over quantized operands (scaled_mm, fp4_mm, int4_mm): |actual - expected| <= atol * mag +
+# rtol * |expected|, where mag[m, n] = sum_k |A_mk| |B_nk| over the dequantized operands (+ |bias_n|)
+# is the accumulation's own scale; ``atol`` is relative to mag, so one number holds for every K.
 # - atol 2^-12 (every dtype): the dequantized products are exact or nearly so in every sane kernel
 #   (fp8 x fp8 and e2m1 x e4m3 products are exact in fp32; a W4A4 kernel's alpha 1/(gs_a gs_b) is
 #   ~2^-23 relative from the reference's per-element division). What differs is the summation:
@@ -27,6 +27,18 @@ __all__ = ["ATTENTION_OUTPUT", "GEMM_OUTPUT"]
 # - rtol: the single output rounding: values that differ by the accumulation error may round one
 #   output ulp apart: bf16 1 ulp <= 2^-7 |x|, take 1e-2; fp16 <= 2^-10 |x|, take 2e-3; fp32 output
 #   rounding (2^-23) is negligible beside the accumulation term, take 1e-6.
+# - int4_mm: A is the int8-quantized activations (W4A8) or a (W4A16), and mag adds 2^-6 recip |zp|
+#   sum_k |W| (specs/int4_mm.py ZERO_POINT_WEIGHT): W4A8 kernels sum q * w and subtract zp * sum(w),
+#   terms that cancel in fp32. Measured on int4_mm's random, edge and M = 1 model cases, 5 seeds
+#   each: torch 2.13's _dyn_quant_matmul_4bit (x86: its reference path), fp32 in and out as the
+#   torch backend calls it, is bit-identical to the reference (its own bf16 path truncates its
+#   output: one ulp, inside rtol); the KleidiAI formulation emulated in fp32 (q * w per group, zp * row sums apart,
+#   groups summed forward and backward) stays within 0.12 of the bound (a bf16 output one ulp
+#   away), and needs 2^-25.6 of recip |zp| sum |W| on rows whose only non-zero q - zp meets a zero
+#   weight (2^-18 allowed). Bugs land far outside: a W4A16 result for a W4A8 call >= 4.2x the
+#   bound, one group's scale doubled >= 5.6x, a weight code off by one >= 19x, the neighbouring
+#   group's scales >= 62x, the neighbouring channel's >= 102x, swapped nibbles >= 312x. The real
+#   KleidiAI kernels (aarch64) are not measured here.
 GEMM_OUTPUT = {
     torch.bfloat16: Tolerance(atol=2.0**-12, rtol=1e-2),
     torch.float16: Tolerance(atol=2.0**-12, rtol=2e-3),

@@ -1,6 +1,6 @@
 """What the installed torch offers the torch backend: its version, which scaled-mm API it has
-(``torch.nn.functional.scaled_mm``, else ``torch._scaled_mm``) and ``torch._grouped_mm``; and the
-static checks built on them, asked once per platform."""
+(``torch.nn.functional.scaled_mm``, else ``torch._scaled_mm``), ``torch._grouped_mm`` and the KleidiAI
+int4 ops; and the static checks built on them, asked once per platform."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from typing import Optional
 
 import torch
 
+from kernelmux.backends._vendor import VendorCall
 from kernelmux.platforms import Platform
 
-__all__ = ["MIN_TORCH", "V1", "V2", "grouped_mm_problem", "scaled_mm_api", "scaled_mm_problem", "torch_version"]
+__all__ = ["INT4_CALLS", "MIN_TORCH", "V1", "V2", "grouped_mm_problem", "kleidiai_problem", "scaled_mm_api",
+           "scaled_mm_problem", "torch_version"]
 
 # The scale layouts and the grouped_mm fast path were read from torch's source of the 2.10-2.12
 # era (aten/src/ATen/native/cuda/ScaledBlas.cpp, GroupedBlas.cpp, GroupedMMUtils.h); the scaled-mm
@@ -68,4 +70,30 @@ def grouped_mm_problem(platform: Platform) -> Optional[str]:
     if capability is None or capability[0] not in (9, 10):
         return (f"torch's grouped_mm runs without a host sync on sm_90/sm_100 only (its CUTLASS path); "
                 f"on {platform.arch} it loops over experts reading offsets on the host")
+    return None
+
+
+# The torch ops int4_mm calls and the keywords it passes (their schema names), probed at startup.
+INT4_CALLS = (
+    VendorCall("torch", "ops.aten._dyn_quant_pack_4bit_weight",
+               ("weights", "scales_zeros", "bias", "block_size", "in_features", "out_features")),
+    VendorCall("torch", "ops.aten._dyn_quant_matmul_4bit",
+               ("inp", "packed_weights", "block_size", "in_features", "out_features")),
+)
+
+
+def kleidiai_problem(platform: Platform) -> Optional[str]:
+    """Why torch cannot run KleidiAI's int4 GEMM on ``platform`` (None when it can): the installed
+    torch lacks an op or a keyword kernelmux passes, or, on real (not simulated) hardware, it was
+    built without KleidiAI, where both ops run a scalar reference path instead."""
+    for call in INT4_CALLS:
+        reason = call.problem()
+        if reason is not None:
+            return f"torch {torch.__version__}: {reason}"
+    if platform.simulated:
+        return None
+    kleidiai = getattr(torch.backends, "kleidiai", None)
+    if kleidiai is None or not kleidiai.is_available():
+        return (f"torch {torch.__version__} was built without KleidiAI (torch.backends.kleidiai.is_available() "
+                "is False): its int4 ops would run their scalar reference path")
     return None
