@@ -28,7 +28,7 @@ class Backend(str, enum.Enum):
     FLASHINFER = "flashinfer"
     DEEPGEMM = "deepgemm"
     TORCH = "torch"
-    ROCM = "rocm"
+    AITER = "aiter"  # AMD's AITER on ROCm
     XPU = "xpu"
 
 

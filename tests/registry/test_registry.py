@@ -240,12 +240,12 @@ def test_a_reserved_entry_point_name_from_another_distribution_is_quarantined(in
 
 
 def test_a_reserved_entry_point_name_is_quarantined_even_without_its_builtin(installed):
-    impostor = entry_point("rocm", "vendor_turbo", VENDOR, FakePlugin(fake_impl("rocm", Counter())))
+    impostor = entry_point("aiter", "vendor_turbo", VENDOR, FakePlugin(fake_impl("aiter", Counter())))
     installed(impostor)
     registry = Registry(SPECS)
     registry.load_entry_points()
     assert impostor.loads == 0
-    assert [(q.name, q.distribution) for q in registry.quarantined] == [("rocm", "vendor-turbo")]
+    assert [(q.name, q.distribution) for q in registry.quarantined] == [("aiter", "vendor-turbo")]
     assert not registry.plugins and not registry.implementations
 
 

@@ -1,0 +1,1 @@
+"""Fake aiter.jit (a package of the fake aiter)."""

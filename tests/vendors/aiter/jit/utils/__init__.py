@@ -1,0 +1,1 @@
+"""Fake aiter.jit.utils (a package of the fake aiter)."""

@@ -1,0 +1,1 @@
+"""Fake aiter.ops (a package of the fake aiter)."""

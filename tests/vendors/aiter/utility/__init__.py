@@ -1,0 +1,1 @@
+"""Fake aiter.utility (a package of the fake aiter)."""
