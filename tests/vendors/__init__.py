@@ -12,9 +12,18 @@ from typing import Mapping, Optional
 from kernelmux.backends import _vendor
 from plugin_installs import Distribution, install
 
-__all__ = ["install_fake", "reversed_signature", "sources"]
+__all__ = ["FAKES", "install_all", "install_fake", "reversed_signature", "sources"]
 
 _ROOT = pathlib.Path(__file__).parent
+
+# Every fake here: import name -> (distribution, the version it is installed as: the one whose
+# source the fake was written against).
+FAKES: dict[str, tuple[str, str]] = {
+    "flashinfer": ("flashinfer-python", "0.6.14"),
+    "deep_gemm": ("sgl-deep-gemm", "0.1.4.post1"),
+    "aiter": ("amd-aiter", "0.1.21.dev46+ge4048607a"),  # setuptools_scm's name for ROCm/aiter e4048607
+    "vllm_xpu_kernels": ("vllm-xpu-kernels", "0.1.16.2"),
+}
 
 
 def sources(name: str) -> dict[str, str]:
@@ -36,6 +45,14 @@ def install_fake(monkeypatch, tmp_path: pathlib.Path, name: str, distribution: s
     for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
         monkeypatch.delitem(sys.modules, module)
     monkeypatch.setattr(_vendor, "_problems", {})
+    return site
+
+
+def install_all(site: pathlib.Path) -> pathlib.Path:
+    """Every fake in FAKES installed into ``site`` as its distribution (for a subprocess's PYTHONPATH:
+    the dry run of every vendor backend at once)."""
+    for name, (distribution, version) in FAKES.items():
+        install(site, Distribution(distribution, version, {}, sources(name)))
     return site
 
 
