@@ -16,6 +16,9 @@ import sys
 import tempfile
 from typing import Any, Mapping, Optional, Sequence
 
+from plugin_installs import pythonpath_env  # tests/ is on sys.path: pytest's pythonpath, or this script's folder
+from vendors import install_all
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 BASELINES = ROOT / "perf" / "baselines"
@@ -45,10 +48,6 @@ print(json.dumps(out))
 
 def selections(platforms: Sequence[str] = PLATFORMS) -> dict[str, dict[str, Any]]:
     """Platform -> `kernelmux info --json --platform` of it, with every fake vendor installed."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from plugin_installs import pythonpath_env
-    from vendors import install_all
-
     with tempfile.TemporaryDirectory() as folder:
         site = install_all(pathlib.Path(folder))
         # The table is the default selection: no user settings, no Triton interpreter (tests set it).
