@@ -35,15 +35,16 @@ def _dotted(version: Version) -> str:
 
 @dataclass(frozen=True)
 class VendorCall:
-    """A vendor function kernelmux calls: where it lives and the keywords every call passes."""
+    """A vendor function kernelmux calls: where it lives and the keywords every call passes. With no
+    function it is a module that must import (a compiled extension whose import registers torch ops)."""
 
     module: str  # e.g. "flashinfer.fused_moe"
-    function: str  # a name in the module, or a dotted path to a method: "BatchMLAPagedAttentionWrapper.plan"
-    keywords: tuple[str, ...]
+    function: str = ""  # a name in the module, or a dotted path to a method: "BatchMLAPagedAttentionWrapper.plan"
+    keywords: tuple[str, ...] = ()
 
     def resolve(self) -> Callable[..., Any]:
         found: Any = importlib.import_module(self.module)
-        for name in self.function.split("."):
+        for name in filter(None, self.function.split(".")):
             found = getattr(found, name)
         return found
 
@@ -55,7 +56,11 @@ class VendorCall:
         try:
             function = self.resolve()
         except Exception as error:  # noqa: BLE001 - a vendor module may fail in any way
+            if not self.function:  # OSError for a missing shared library, ImportError for a symbol
+                return f"import {self.module} failed: {type(error).__name__}: {error}"
             return f"{self.module}.{self.function}: {type(error).__name__}: {error}"
+        if not self.function:
+            return None
         names = _parameter_names(function)
         if names is None:
             _log.debug("kernelmux: %s.%s: no readable signature; keywords not probed", self.module, self.function)

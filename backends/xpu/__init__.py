@@ -5,7 +5,6 @@ Python wrappers) behind kernelmux's specs, called by keyword through the vendor 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Optional
 
 from kernelmux.backends._table import Defaults, Entry, Gap, implementations
@@ -13,7 +12,7 @@ from kernelmux.backends._vendor import Vendor, VendorCall
 from kernelmux.platforms import PlatformKind
 from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
 
-__all__ = ["CALLS", "DECLINED", "Extension", "TABLE", "XPU_KERNELS", "kernelmux_implementations"]
+__all__ = ["CALLS", "DECLINED", "TABLE", "XPU_KERNELS", "kernelmux_implementations"]
 
 XPU_KERNELS = Vendor(
     name="vllm_xpu_kernels",
@@ -25,29 +24,14 @@ XPU_KERNELS = Vendor(
 )
 
 
-@dataclass(frozen=True)
-class Extension(VendorCall):
-    """A compiled extension module of the vendor, imported for the torch ops its import registers.
-    ``import vllm_xpu_kernels`` loads only the flash-attention one (vllm_xpu_kernels/__init__.py);
-    vLLM imports ``vllm_xpu_kernels._C`` and the others itself. Probing the import first turns a
-    missing libsycl or a torch-xpu ABI mismatch into the op's reason, instead of an AttributeError
-    from ``torch.ops``."""
-
-    function: str = ""
-    keywords: tuple[str, ...] = ()
-
-    def problem(self) -> Optional[str]:
-        try:
-            importlib.import_module(self.module)
-        except Exception as error:  # noqa: BLE001 - an extension may fail in any way (OSError, undefined symbol)
-            return f"import {self.module} failed: {type(error).__name__}: {error}"
-        return None
-
-
-_C = Extension("vllm_xpu_kernels._C")
-_MOE_C = Extension("vllm_xpu_kernels._moe_C")
-_XPU_C = Extension("vllm_xpu_kernels._xpu_C")
-_FA2_C = Extension("vllm_xpu_kernels._vllm_fa2_C")
+# The compiled extensions, each imported for the torch ops its import registers: ``import
+# vllm_xpu_kernels`` loads only the flash-attention one (vllm_xpu_kernels/__init__.py); vLLM imports
+# ``vllm_xpu_kernels._C`` and the others itself. Probing the import first turns a missing libsycl or a
+# torch-xpu ABI mismatch into the op's reason, instead of an AttributeError from ``torch.ops``.
+_C = VendorCall("vllm_xpu_kernels._C")
+_MOE_C = VendorCall("vllm_xpu_kernels._moe_C")
+_XPU_C = VendorCall("vllm_xpu_kernels._xpu_C")
+_FA2_C = VendorCall("vllm_xpu_kernels._vllm_fa2_C")
 
 # Per op, the vendor functions its entry module calls and the keywords it passes (a torch op's are its
 # schema's argument names), probed at startup as that op's static check, each after the extension that

@@ -64,6 +64,16 @@ def test_a_torch_op_is_probed_through_its_schema(monkeypatch, tmp_path):
         library._destroy()
 
 
+def test_a_call_without_a_function_probes_that_its_module_imports(monkeypatch, tmp_path):
+    # A compiled extension whose import registers torch ops (vllm-xpu-kernels' _C): a failed import
+    # is the op's reason, whatever it raises.
+    files = {**FAKE, "fakevendor/_ext.py": "raise OSError('libsycl.so.9: cannot open shared object file')\n"}
+    install_fake(monkeypatch, tmp_path, "fakevendor", "fake-vendor", "1.2", files)
+    assert _problem(VendorCall("fakevendor.api")) is None
+    assert _problem(VendorCall("fakevendor._ext")) == (
+        "fake-vendor 1.2: import fakevendor._ext failed: OSError: libsycl.so.9: cannot open shared object file")
+
+
 def test_the_install_hint_names_kernelmux_extra(monkeypatch):
     monkeypatch.setattr(Vendor, "version", lambda self: None)
     assert _vendor(extra="fake").problem() == "fake-vendor is not installed (pip install 'kernelmux[fake]')"
