@@ -74,7 +74,7 @@ TABLE: tuple[Entry, ...] = (
     Entry("fused_moe",
           "m_grouped_fp8_gemm_nt_contiguous (sm90 1D2D) for gate_up and down: DeepSeek-V3 fp8_block experts "
           "(e4m3fn, bf16 hidden, H and I % 128 == 0, sm_90); routing, 1x128 quantization and activation in "
-          "torch, no host sync; declined until confirmed on a GPU"),
+          "torch, no host sync, CUDA-graph capturable"),
 )
 
 

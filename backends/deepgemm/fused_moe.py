@@ -1,6 +1,6 @@
 """The deepgemm backend's fused_moe: DeepSeek-V3 fp8_block experts on DeepGEMM's grouped GEMM
 ``m_grouped_fp8_gemm_nt_contiguous`` (sm_90), routing, quantization and activation in torch on the
-device with no host sync. Declined everywhere until a GPU run confirms it (``CONFIRMED``)."""
+device with no host sync (CUDA-graph capturable). Serves the variants a GPU run confirmed (``CONFIRMED``)."""
 
 from __future__ import annotations
 
@@ -145,8 +145,8 @@ def contiguous_layout(local_ids: torch.Tensor, experts: int, alignment: int) -> 
     key = torch.where(flat >= 0, flat, experts)  # off-rank sorts last, as group E
     counts = torch.zeros(experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts + (alignment - 1)) // alignment * alignment
-    padded[experts] = 0
+    # Group E (off-rank) takes no rows; a new zero rather than padded[E] = 0, a host copy no graph captures.
+    padded = torch.cat(((counts[:experts] + (alignment - 1)) // alignment * alignment, counts.new_zeros(1)))
     segment_start = torch.cumsum(padded, 0) - padded  # [E + 1]; group E starts at the used rows' end
     count_start = torch.cumsum(counts, 0) - counts
     order = torch.sort(key, stable=True).indices

@@ -151,9 +151,6 @@ def test_a_smaller_vendor_alignment_is_followed(vendor, monkeypatch):
 
 
 @pytest.mark.parametrize("changes, platform, reason", [
-    ("small_fp8_block", "sm_90", "fp8_block: not yet confirmed against the reference on a GPU (confirm with "
-                                 "perf/run_gpu.sh tests-vendor)"),
-    ("top1_weight_on_input_fp8_block", "sm_90", "fp8_block: not yet confirmed"),
     ("small_fp8_block", "sm_100", "on sm_100 DeepGEMM takes UE8M0 scales only"),
     ("small_fp8_block", "sm_120", "run on sm_90 only, not sm_120"),
     ("small_fp8_block", "sm_89", "run on sm_90 only, not sm_89"),
@@ -166,6 +163,15 @@ def test_a_smaller_vendor_alignment_is_followed(vendor, monkeypatch):
 def test_supports_declines_by_name(changes, platform, reason):
     # CONFIRMED as shipped: the not-confirmed decline comes after every other rule.
     assert reason in ask(adapter.supports, spec.SPEC, CASES[changes].build(), simulate(platform))
+
+
+def test_shipped_confirmed_serves_fp8_block_on_sm90_and_an_unconfirmed_variant_is_declined(monkeypatch):
+    # fp8_block confirmed on an H100 (tests-vendor, bench); emptied, the not-confirmed rule applies.
+    for name in SERVED:
+        assert ask(adapter.supports, spec.SPEC, CASES[name].build(), SM90) is None, name
+    monkeypatch.setattr(adapter, "CONFIRMED", frozenset())
+    assert ("fp8_block: not yet confirmed against the reference on a GPU (confirm with perf/run_gpu.sh "
+            "tests-vendor)") in ask(adapter.supports, spec.SPEC, CASES["small_fp8_block"].build(), SM90)
 
 
 def test_fp16_hidden_is_declined(monkeypatch):
@@ -267,3 +273,22 @@ def test_real_deepgemm_matches_the_reference_on_sm90(monkeypatch, name):
     monkeypatch.setattr(adapter, "CONFIRMED", ALL)
     kwargs = CASES[name].build(device=torch.device("cuda"), seed=11)
     spec.SPEC.check_close(adapter.fused_moe(**kwargs), spec.SPEC.reference(**kwargs), kwargs)
+
+
+@pytest.mark.skipif(not (_REAL and _H100), reason="needs an sm_90 GPU (H100/H200) with sgl-deep-gemm installed")
+def test_real_deepgemm_captures_in_a_cuda_graph_and_replays_new_inputs():
+    # A host copy inside the routing (padded[E] = 0 from a CPU scalar) once broke capture: the
+    # bench fell back to per-call events and a serving engine's decode graph could not hold the op.
+    kwargs = CASES["deepseek_v3_t16_fp8_block_ep256"].build(device=torch.device("cuda"), seed=3)
+    adapter.fused_moe(**kwargs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = adapter.fused_moe(**kwargs)
+    fresh = CASES["deepseek_v3_t16_fp8_block_ep256"].build(device=torch.device("cuda"), seed=4)
+    for name in ("hidden", "topk_weights", "topk_ids"):
+        kwargs[name].copy_(fresh[name])
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    spec.SPEC.check_close(out, spec.SPEC.reference(**kwargs), kwargs)
