@@ -1,4 +1,4 @@
-"""The `kernelmux` command: `info` (platform, plugins, selection per op), `explain OP` and `bench`.
+"""The `kernelmux` command: `info` (platform, plugins, selection per op), `explain OP`, `bench` and `tune`.
 A usage error (unknown op, case or platform, bad settings or arguments) exits 2 with one line."""
 
 from __future__ import annotations
@@ -140,6 +140,17 @@ def _parser() -> argparse.ArgumentParser:
 
     bench_module.add_arguments(bench)
     bench.set_defaults(run=_bench)
+    tune = sub.add_parser(
+        "tune", help="measure every implementation (the reference too) per shape bucket and write this "
+        "device's tuning table, which orders its calls",
+        description="Runs the bench's checks and timers on the ops' cases (or reads saved runs) and writes "
+        "$KERNELMUX_CACHE_DIR/tuning/<device>.json; the engine then tries, per call, the implementations "
+        "in the order measured on the call's bucket.",
+    )
+    from kernelmux.perf import tune as tune_module
+
+    tune_module.add_arguments(tune)
+    tune.set_defaults(run=tune_module.main)
     return parser
 
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple
 
 import torch
 
+from kernelmux.engine import tuning
 from kernelmux.engine.settings import Settings
 from kernelmux.errors import ConfigurationError, ImplementationError, NoImplementationError, UnknownOpError
 from kernelmux.platforms import Platform, detect, simulate
@@ -56,6 +57,7 @@ class Decision:
     fallback: bool
     answers: tuple[tuple[str, str | None], ...]  # (backend, None if accepted else reason)
     platform: str = ""  # the platform the key was decided for (Platform.describe())
+    tuned: str = ""  # the tuning table's measurement that ordered the candidates ("" : priorities)
 
 
 class _Choice(NamedTuple):
@@ -111,11 +113,17 @@ class Dispatcher:
     per dispatch key, in ``_select``; an implementation that raises is reported as an
     ``ImplementationError`` naming it."""
 
-    __slots__ = ("_cache", "_decisions", "_engine", "_lock", "_validate", "table")
+    __slots__ = ("_cache", "_decisions", "_engine", "_lock", "_reference", "_validate", "table")
 
     def __init__(self, engine: "Engine", table: OpTable) -> None:
         self._engine = engine
         self.table = table
+        # The reference as a candidate a tuning table can rank first (it is fallback-only otherwise):
+        # the reference backend's record, or the spec's function where that backend is not loaded.
+        self._reference = next((impl for impl, _ in table.rejected if impl.backend == Backend.REFERENCE), None) \
+            or Implementation(op=table.spec.name, backend=Backend.REFERENCE, fn=table.spec.reference,
+                              spec_version=table.spec.version, priority=-1000,
+                              description="the spec's pure-torch reference (fp32 math); the fallback")
         self._validate = table.spec.validate
         self._cache: dict[Hashable, _Choice] = {}
         self._lock = threading.Lock()
@@ -164,19 +172,51 @@ class Dispatcher:
             result.append((impl, reason))
         return result
 
+    def measured(self, key: Any, platform: Platform) -> tuple[tuning.Measurement, bool] | None:
+        """The tuning tables' measurement for ``key`` and whether it is the key's own bucket; None
+        where no table applies (another device than the one measured, or no bucket like it)."""
+        if platform is not self._engine.platform:
+            return None
+        return self._engine.tuning.lookup(self.table.spec.name, key)
+
+    def ordered_answers(self, key: Any, platform: Platform
+                        ) -> tuple[list[tuple[Implementation, str | None]], str]:
+        """``answers`` in the order a call tries them, and the measurement behind it ("" when the
+        priorities decide): preferred backends first, then the tuning table's ranking for the key's
+        bucket (the reference where it ranked, accepting every call), then the unmeasured rest."""
+        answers = self.answers(key, platform)
+        found = self.measured(key, platform)
+        if found is None:
+            return answers, ""
+        measurement, exact = found
+        times = measurement.times_us
+        preferred = [(impl, r) for (impl, r), c in zip(answers, self.table.candidates) if c.preferred]
+        rest = [(impl, r) for (impl, r), c in zip(answers, self.table.candidates) if not c.preferred]
+        if Backend.REFERENCE in times and all(impl.backend != Backend.REFERENCE for impl, _ in answers):
+            rest.append((self._reference, None))
+        # Fastest first; those within TIE of the fastest keep priority order (the reference last): a
+        # difference the timer cannot tell from noise does not override the priorities.
+        measured = [a for a in rest if a[0].backend in times]
+        best = min((times[a[0].backend] for a in measured), default=0.0)
+        measured.sort(key=lambda a: (times[a[0].backend] > best * (1 + tuning.TIE),
+                                     0.0 if times[a[0].backend] <= best * (1 + tuning.TIE) else times[a[0].backend],
+                                     a[0].backend == Backend.REFERENCE))
+        unmeasured = [a for a in rest if a[0].backend not in times]
+        return preferred + measured + unmeasured, measurement.describe(exact)
+
     def _select(self, key: Hashable) -> _Choice:
         with self._lock:
             choice = self._cache.get(key)
             if choice is not None:
                 return choice
             platform = self._engine.platform_for(key.device)  # type: ignore[attr-defined]
-            answers = self.answers(key, platform)
+            answers, tuned = self.ordered_answers(key, platform)
             chosen = next((impl for impl, reason in answers if reason is None), None)
             summary = tuple((impl.backend, reason) for impl, reason in answers)
             spec = self.table.spec
             if chosen is not None:
                 choice = _Choice(chosen.fn, chosen.backend, chosen.plugin)
-                self._decisions[key] = Decision(chosen.backend, False, summary, platform.describe())
+                self._decisions[key] = Decision(chosen.backend, False, summary, platform.describe(), tuned)
             else:
                 declined = [(b, r or "") for b, r in summary] + [
                     (impl.backend, f"rejected at startup: {why}")
@@ -266,6 +306,7 @@ class Engine:
         self._platforms: dict[torch.device, Platform] = {}
         self._platform_lock = threading.Lock()
         self.tables = {name: self._build_table(spec) for name, spec in self.specs.items()}
+        self.tuning = tuning.load(self.platform, self.registry, enabled=self.settings.tuning)
         dispatcher = CheckedDispatcher if self.settings.check else Dispatcher
         self.dispatchers = {name: dispatcher(self, table) for name, table in self.tables.items()}
 
@@ -370,12 +411,17 @@ class Engine:
         return self.dispatcher(op).resolve(*args, **kwargs)
 
     def explain(self, op: str, kwargs: Mapping[str, Any]) -> list[tuple[Implementation, str | None]]:
-        """Every candidate's answer to a call with ``kwargs``, without running or caching it. On
-        a simulated platform the inputs live on this machine but the key says they are on the
-        simulated device: implementations decide from the key and the platform alone, so the
-        answer is the one the real machine gives."""
+        """Every candidate's answer to a call with ``kwargs`` in the order the call tries them (the
+        first that accepts runs), without running or caching it. On a simulated platform the inputs
+        live on this machine but the key says they are on the simulated device: implementations
+        decide from the key and the platform alone, so the answer is the one the real machine gives."""
+        return self.explain_tuned(op, kwargs)[0]
+
+    def explain_tuned(self, op: str, kwargs: Mapping[str, Any]
+                      ) -> tuple[list[tuple[Implementation, str | None]], str]:
+        """``explain``, and the tuning table's measurement that ordered it ("" : the priorities)."""
         dispatcher = self.dispatcher(op)
         key = dispatcher.table.spec.validate(**kwargs)
         if self.platform.simulated:
             key = key._replace(device=self.platform.device)
-        return dispatcher.answers(key, self.platform_for(key.device))
+        return dispatcher.ordered_answers(key, self.platform_for(key.device))

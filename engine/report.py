@@ -51,6 +51,7 @@ def report(engine: "Engine") -> dict[str, Any]:
                     "fallback": decision.fallback,
                     "answers": [{"backend": b, "reason": r} for b, r in decision.answers],
                     "platform": decision.platform,
+                    "tuned": decision.tuned,
                 }
                 for key, decision in dispatcher.decisions.items()  # a snapshot: safe while others dispatch
             ],
@@ -81,6 +82,8 @@ def report(engine: "Engine") -> dict[str, Any]:
             {"plugin": r.plugin, "op": r.op, "backend": r.backend, "reason": r.reason}
             for r in registry.rejections
         ],
+        "tuning": {"tables": list(engine.tuning.sources), "notes": list(engine.tuning.notes),
+                   "measurements": len(engine.tuning.measurements())},
         "ops": ops,
     }
 
@@ -114,6 +117,12 @@ def render_report(data: Mapping[str, Any]) -> Any:
     for name in data["skipped_plugins"]:
         plugins.add_row(escape(name), "", "", "-", "not in KERNELMUX_PLUGINS allow-list")
     parts: list[Any] = [header, plugins]
+    tuning = data["tuning"]
+    lines = [f"tuning tables: {', '.join(tuning['tables']) or 'none for this device'}"
+             + (f" ({tuning['measurements']} measured buckets; each call is ordered by its bucket's ranking)"
+                if tuning["tables"] else " (priorities order every call)")]
+    lines += [f"  note: {note}" for note in tuning["notes"]]
+    parts.append(Text("\n".join(lines)))
     if data["rejected_registrations"]:
         rejected = Table(title="implementations rejected at registration", title_justify="left")
         for column in ("plugin", "implementation", "reason"):
@@ -144,14 +153,27 @@ def explain_report(
     entry = next(o for o in data["ops"] if o["op"] == op)
     result: dict[str, Any] = {"platform": data["platform"], "op": op, "case": case_name,
                               "rejected": entry["rejected"], "viable": entry["viable"]}
+    result["tuning"] = data["tuning"]
     if kwargs is not None:
-        answers = engine.explain(op, kwargs)
+        answers, tuned = engine.explain_tuned(op, kwargs)
         chosen = next((impl.backend for impl, reason in answers if reason is None), None)
         result["answers"] = [{"backend": impl.backend, "reason": reason} for impl, reason in answers]
         result["chosen"] = chosen or "reference (fallback)"
+        result["tuned"] = tuned
     else:
         result["chosen"] = entry["chosen"]
     return result
+
+
+def _order(data: Mapping[str, Any]) -> str:
+    """What ordered the candidates in an explain report: a tuning table's measurement or priority."""
+    if data.get("tuned"):
+        return f"tuning table {data['tuned']}"
+    if not data["tuning"]["tables"]:
+        return "priority (no tuning table for this device)"
+    if "answers" in data:
+        return "priority (no tuning table measured a bucket like this call's)"
+    return "priority here; a tuning table orders each call by its bucket (pass --case)"
 
 
 def render_explain(data: Mapping[str, Any]) -> Any:
@@ -166,20 +188,29 @@ def render_explain(data: Mapping[str, Any]) -> Any:
         f" on {platform['kind']} {platform['arch']}" + (" [simulated]" if platform["simulated"] else ""),
         f", case {data['case']}" if data["case"] else " (no case: static selection only)",
         "\nchosen: ", (data["chosen"], "bold green"),
+        "\nordered by: " + _order(data),
     )
     table = Table()
     for column in ("backend", "implementation", "stage", "verdict"):
         table.add_column(column)
-    answers = {a["backend"]: a["reason"] for a in data.get("answers", [])}
-    for v in data["viable"]:
-        if "answers" in data:
-            reason = answers.get(v["backend"])
+    viable = {v["backend"]: v for v in data["viable"]}
+    rejected = {r["backend"]: r for r in data["rejected"]}
+    if "answers" in data:  # in the order the call tries them
+        for answer in data["answers"]:
+            v = viable.get(answer["backend"]) or rejected.get(answer["backend"], {})
+            reason = answer["reason"]
             verdict = "[green]accepts[/green]" if reason is None else f"declines: {escape(reason)}"
-        else:
-            verdict = "[green]viable[/green] (supports() is asked per call; pass --case)"
-        table.add_row(escape(v["backend"]), escape(v.get("description", "")),
-                      f"candidate (priority {v['priority']})", verdict)
+            stage = (f"candidate (priority {v['priority']})" if answer["backend"] in viable
+                     else "ranked by the tuning table")
+            table.add_row(escape(answer["backend"]), escape(v.get("description", "")), stage, verdict)
+    else:
+        for v in data["viable"]:
+            table.add_row(escape(v["backend"]), escape(v.get("description", "")),
+                          f"candidate (priority {v['priority']})",
+                          "[green]viable[/green] (supports() is asked per call; pass --case)")
     for r in data["rejected"]:
+        if any(a["backend"] == r["backend"] for a in data.get("answers", ())):
+            continue  # the reference, listed above where the tuning table ranked it
         table.add_row(escape(r["backend"]), escape(r.get("description", "")), "startup",
                       f"[red]not viable[/red]: {escape(r['reason'])}")
     return Group(title, table)

@@ -25,7 +25,8 @@ ENV_VARS: Mapping[str, str] = {
     "KERNELMUX_CHECK": "1: checked mode, for debugging an integration: index tensors' contents are "
     "validated before each call (one device pass and a host sync) and outputs checked against the spec",
     "KERNELMUX_PLATFORM": "simulate a platform: sm_90, sm_100, gfx942, aarch64, s390x, ...",
-    "KERNELMUX_CACHE_DIR": "where compiled kernels are kept between processes (default ~/.cache/kernelmux)",
+    "KERNELMUX_CACHE_DIR": "where compiled kernels and the user's tuning tables are kept (default ~/.cache/kernelmux)",
+    "KERNELMUX_TUNING": "0: no tuning tables, priorities alone order each call's candidates (default 1: this device's tables)",
     "KERNELMUX_COMMIT": "the commit a perf record names, where the tree has no .git (the GPU machines)",
 }
 
@@ -78,6 +79,8 @@ class Settings:
     - ``platform``: simulate this platform instead of detecting one.
     - ``check``: checked mode (``CheckedDispatcher``): every call's index data and outputs are
       checked, at the cost of a host sync per call.
+    - ``tuning``: order each call's candidates by this device's tuning tables (engine/tuning.py);
+      off, priorities alone order them.
 
     Names in ``prefer``, ``deny`` and ``allow_plugins`` are checked against what is installed
     when an engine is built from them (``Engine``), whichever way they were given.
@@ -89,6 +92,7 @@ class Settings:
     strict: bool = False
     platform: str | None = None
     check: bool = False
+    tuning: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -101,6 +105,7 @@ class Settings:
             strict=_flag(env, "KERNELMUX_STRICT"),
             check=_flag(env, "KERNELMUX_CHECK"),
             platform=env.get("KERNELMUX_PLATFORM", "").strip() or None,
+            tuning=_flag(env, "KERNELMUX_TUNING") if env.get("KERNELMUX_TUNING", "").strip() else True,
         )
 
     def with_changes(self, **changes: Any) -> "Settings":

@@ -16,7 +16,7 @@ from kernelmux.errors import ConfigurationError, UnknownOpError
 from kernelmux.specs import ALL_SPECS
 from kernelmux.perf import records, summary
 from kernelmux.perf.plots import plot, roofline_ceilings, roofline_points, speedup_path, speedups
-from kernelmux.perf.report import compare, fmt_us, markdown, roofline_cell, vs_reference_cell
+from kernelmux.perf.report import compare, fmt_us, markdown, roofline_cell, selection_line, vs_reference_cell
 from kernelmux.perf.runner import (REFERENCE_BUDGET_S, REFERENCE_CALL_LIMIT_S, WALL_PHASES, Plan, environment,
                                    error_stats, reference_method, run)
 from kernelmux.perf.schema import (ABOVE_CEILING, FAILED, REFERENCE, SCHEMA, SCHEMA_V1, above_ceiling, failures,
@@ -185,6 +185,9 @@ def _summary(result: dict[str, Any]) -> None:
                       roofline if timed else "-", vs_reference_cell(r))
     console = Console(width=160)
     console.print(table)
+    line = selection_line(result)
+    if line:
+        console.print(line, markup=False)
     above = above_ceiling(result)
     if above:
         console.print(f"[bold yellow]{len(above)} row(s) ran faster than their ceiling allows: the ceiling is "

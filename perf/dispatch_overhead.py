@@ -64,7 +64,11 @@ def measure(calls: int, repeats: int) -> dict[str, Any]:
     positional = tuple(args[name] for name in SPEC.signature.parameters)
     results = {}
     for label, plugins in (("noop", {"noop": _NoopPlugin()}), ("chosen", None)):
-        engine = configure(plugins=plugins, from_env=False)
+        # Tuning tables on, as a server runs: the noop is preferred by name, as a table would rank an
+        # implementation it never measured after the ones it did.
+        engine = configure(plugins=plugins, prefer={"grouped_topk": ["noop"]} if plugins else None, tuning=True,
+                           from_env=False)
+        tables = list(engine.tuning.sources)
         resolved = resolve("grouped_topk", *positional)
         # What dispatch chose for these (CPU) tensors: on a GPU host, not the triton backend that
         # startup ranks first.
@@ -88,6 +92,7 @@ def measure(calls: int, repeats: int) -> dict[str, Any]:
         medians = {name: statistics.median(s) / 1e3 for name, s in samples.items()}
         results[label] = {
             "backend": impl.backend,
+            "tuning_tables": tables,
             "resolved_is_chosen": resolved is impl.fn,
             "median_us": medians,
             "added_us_ops_vs_direct": medians["kernelmux.ops"] - medians["direct"],
@@ -146,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     for label in ("noop", "chosen"):
         r = results[label]
         times = ", ".join(f"{k} {v:.2f} us" for k, v in r["median_us"].items())
-        print(f"{label:6s} ({r['backend']}): {times}; added by kernelmux.ops "
+        print(f"{label:6s} ({r['backend']}, tuning tables: {', '.join(r['tuning_tables']) or 'none here'}): "
+              f"{times}; added by kernelmux.ops "
               f"{r['added_us_ops_vs_direct']:.2f} us, by the resolved function "
               f"{r['added_us_resolved_vs_direct']:.2f} us")
     checked = results["checked"]

@@ -104,6 +104,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "Vendor first calls (JIT compiles, not in any row): "
                       + ", ".join(f"{c['vendor']} {c['op']} {c['variant']} {c['seconds']:.1f} s"
                                   for c in result["first_calls"]) + "."]
+    line = selection_line(result)
+    if line:
+        lines += ["", line]
     if result.get("wall_s"):
         lines += ["", "Wall time: " + ", ".join(f"{k} {v:.1f} s" for k, v in result["wall_s"].items()) + "."]
     return "\n".join(lines) + "\n"
@@ -143,3 +146,18 @@ def compare(new: dict[str, Any], old: dict[str, Any], threshold_pct: float,
             f"min {min(ratios):.3f}, max {max(ratios):.3f}; {regressions} past the threshold")
     return regressions
 
+
+def selection_line(result: dict[str, Any]) -> str:
+    """Chosen against fastest: how many cases the engine's choice (tuning table or priority) was the
+    fastest timed row on, within 3%, and each case where it was not ("" for a run before /2 had it)."""
+    selection = result.get("selection")
+    if not selection:
+        return ""
+    missed = [s for s in selection if s["mismatch"]]
+    text = (f"Selection: on {len(selection) - len(missed)} of {len(selection)} cases with two or more timed rows "
+            "the engine's choice was the fastest (within 3%)")
+    if not missed:
+        return text + "."
+    return text + "; slower on " + ", ".join(
+        f"{s['op']}/{s['case']} ({s['chosen']} {fmt_us(s['chosen_us'])}, {s['fastest']} {fmt_us(s['fastest_us'])}, "
+        f"{s['ratio']:.2f}x)" for s in missed) + "."

@@ -16,6 +16,7 @@ import torch
 
 from kernelmux.backends._vendor import first_calls
 from kernelmux.engine import Engine, Settings
+from kernelmux.engine import tuning
 from kernelmux.engine.report import distribution_version
 from kernelmux.specs import ALL_SPECS
 from kernelmux.perf import ceilings as ceilings_module
@@ -85,6 +86,9 @@ def environment(engine: Engine, device: str) -> dict[str, Any]:
         "driver": None,
         "cuda": torch.version.cuda,
         "l2_bytes": None,
+        # What a tuning table made from this run is for (kernelmux tune --load).
+        "tuning_device": tuning.device_identity(engine.platform),
+        "versions": tuning.versions(engine.registry),
     }
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
@@ -197,6 +201,8 @@ def run(
     l2_bytes = env["l2_bytes"] or 0
     method = plan.method(l2_bytes)
     env["threads"] = method.threads
+    if env["tuning_device"] is not None and plan.device == "cpu":
+        env["tuning_device"]["units"] = method.threads  # a CPU's units are the threads it was timed on
     ref_method = reference_method(method)
     work = [(op, case) for op in plan.ops for case in _cases(engine.specs[op], plan)]
     progress(f"kernelmux bench on {env['device_name']} ({plan.device}): {len(work)} cases of "
@@ -215,6 +221,8 @@ def run(
         f"{k} {v:.3g}" for k, v in ceilings.items() if isinstance(v, (int, float))))
 
     rows: list[dict[str, Any]] = []
+    buckets: dict[str, dict[str, Any]] = {}
+    selection: list[dict[str, Any]] = []
     for index, (op, case) in enumerate(work, 1):
         spec = engine.specs[op]
         since = time.perf_counter()
@@ -234,7 +242,9 @@ def run(
         inputs = (rotated_inputs(lambda _seed: _clone(kwargs), l2_bytes, cap=8, first=kwargs)
                   if plan.device == "cuda" else [kwargs])
         since = lap("inputs", since)
-        answers = {impl.backend: reason for impl, reason in engine.explain(op, kwargs)}
+        ordered = engine.explain(op, kwargs)
+        answers = {impl.backend: reason for impl, reason in ordered}
+        buckets[f"{op}/{case.name}"] = tuning.bucket(spec.validate(**kwargs))
         implementations = _implementations(engine, op, plan)
         case_rows: list[dict[str, Any]] = []
         # Every implementation is checked before anything is timed: timing calls an in-place op
@@ -263,6 +273,9 @@ def run(
             if "median_us" in row:
                 _place_on_roofline(row, cost, ceilings, rate, rate_name)
         _speedups(case_rows, plan.baseline)
+        choice = _selection(op, case.name, case_rows, ordered)
+        if choice is not None:
+            selection.append(choice)
         elapsed = time.perf_counter() - started
         left = elapsed / index * (len(work) - index)
         for row in case_rows:
@@ -282,11 +295,31 @@ def run(
             "ceilings": ceilings_how,
         },
         "rows": rows,
+        "buckets": buckets,
+        "selection": selection,
         "wall_s": wall,
         # Vendor first calls (JIT compiles) this process made, kept apart from the rows' times.
         "first_calls": [{"vendor": vendor, "op": op, "variant": str(variant), "seconds": round(seconds, 2)}
                         for (vendor, op, variant), seconds in first_calls.seconds().items()],
     }
+
+
+SELECTION_SLACK = 0.03  # chosen within 3% of the fastest counts as the fastest (issue 27's goal)
+
+
+def _selection(op: str, case: str, case_rows: list[dict[str, Any]],
+               ordered: list[tuple[Any, Optional[str]]]) -> Optional[dict[str, Any]]:
+    """What the engine runs on this case (the first implementation that accepts, in the order the
+    call tries them; the reference when none does) against the fastest timed row, or None when
+    fewer than two rows were timed or the chosen one was not run (``--backend``)."""
+    times = {r["backend"]: r["median_us"] for r in case_rows if "median_us" in r}
+    chosen = next((impl.backend for impl, reason in ordered if reason is None), REFERENCE)
+    if len(times) < 2 or chosen not in times:
+        return None
+    fastest = min(times, key=times.__getitem__)
+    ratio = times[chosen] / times[fastest]
+    return {"op": op, "case": case, "chosen": chosen, "fastest": fastest, "chosen_us": times[chosen],
+            "fastest_us": times[fastest], "ratio": round(ratio, 4), "mismatch": ratio > 1 + SELECTION_SLACK}
 
 
 def _method_line(method: Method) -> str:
