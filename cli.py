@@ -1,4 +1,5 @@
-"""The `kernelmux` command: `info` (platform, plugins, selection per op), `explain OP`, `bench` and `tune`.
+"""The `kernelmux` command: `info` (platform, plugins, selection per op), `explain OP`, `bench`, `tune`
+and `check` (the conformance kit).
 A usage error (unknown op, case or platform, bad settings or arguments) exits 2 with one line."""
 
 from __future__ import annotations
@@ -88,6 +89,25 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_module.main(args)
 
 
+def _check(args: argparse.Namespace) -> int:
+    """The conformance kit on one backend: a line per failure as found, the summary, exit 1 on any."""
+    from kernelmux.conformance import FAIL, check
+
+    def progress(finding) -> None:
+        if finding.status == FAIL or args.verbose:
+            print(f"{finding.status:8s} {finding.op} / {finding.case} / {finding.check}"
+                  + (f": {finding.message}" if finding.message else ""), flush=True)
+
+    report = check(args.backend, args.ops or None, cases=args.cases, seed=args.seed,
+                   max_bytes=args.max_mib << 20 if args.max_mib is not None else None, progress=progress)
+    print(report.summary())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"backend": report.backend, "device": report.device,
+                       "findings": [vars(finding) for finding in report.findings]}, f, indent=1)
+    return 1 if report.failures else 0
+
+
 def _version() -> str:
     """The installed kernelmux distribution's version and torch's."""
     import importlib.metadata
@@ -140,6 +160,20 @@ def _parser() -> argparse.ArgumentParser:
 
     bench_module.add_arguments(bench)
     bench.set_defaults(run=_bench)
+    check = sub.add_parser(
+        "check", help="the conformance kit: run a backend's implementations against the specs' references",
+        description="Every implementation BACKEND registers that can run here, on every spec case: outputs "
+        "against the reference (poisoned output memory), the spec's fake, strided inputs, CUDA-graph replay on "
+        "new inputs (CUDA), and per op torch.compile(fullgraph=True) and opcheck. Exits 1 on any failure.",
+    )
+    check.add_argument("ops", nargs="*", help="ops to check (default: every op the backend registers)")
+    check.add_argument("--backend", required=True, help="the backend's name, as it registers it")
+    check.add_argument("--case", action="append", dest="cases", help="only these cases (repeatable)")
+    check.add_argument("--seed", type=int, help="the inputs' seed (default: a fresh one, printed)")
+    check.add_argument("--max-mib", type=int, help="skip cases that move more than this many MiB")
+    check.add_argument("--json", help="write every finding here")
+    check.add_argument("-v", "--verbose", action="store_true", help="print every finding, not only failures")
+    check.set_defaults(run=_check)
     tune = sub.add_parser(
         "tune", help="measure every implementation (the reference too) per shape bucket and write this "
         "device's tuning table, which orders its calls",

@@ -33,6 +33,7 @@ __all__ = [
     "Settings",
     "configure",
     "current",
+    "install",
     "report",
     "reset",
     "resolve",
@@ -57,6 +58,12 @@ def _install(engine: Engine) -> Engine:
     global _engine
     _engine = engine
     return engine
+
+
+def install(engine: Engine) -> Engine:
+    """Make ``engine`` the current one (one that ``current()`` or ``configure`` returned earlier)."""
+    with _lock:
+        return _install(engine)
 
 
 def configure(

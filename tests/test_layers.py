@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Lowest first. A module may import its own layer and the ones below it.
-LAYERS = ("errors", "platforms", "specs", "registry", "engine", "ops", "backends", "perf", "<top>")
+LAYERS = ("errors", "platforms", "specs", "registry", "engine", "ops", "backends", "perf", "conformance", "<top>")
 _TOP = {"", "cli", "__main__"}  # kernelmux/__init__.py, cli.py, __main__.py
 
 

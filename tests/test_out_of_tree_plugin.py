@@ -130,6 +130,7 @@ def _run(argv: list, site: pathlib.Path, env_vars: dict) -> subprocess.Completed
         for k, v in os.environ.items()
         if not k.startswith("KERNELMUX_") and k != "TRITON_INTERPRET"
     }
+    env["KERNELMUX_TUNING"] = "0"  # priorities: a tuning table matching this machine would reorder
     env.update(env_vars)
     # cwd outside the repository: the repository root is the kernelmux package's own directory.
     result = subprocess.run(
@@ -499,3 +500,15 @@ def test_the_documented_test_command_does_not_install_the_test_plugins():
     assert command in ci, f"README's test command {command!r} is not in .ci/run"
     installs = [line for line in ci + [command] if "pip install" in line and not line.startswith("#")]
     assert installs and not any("plugin_pkg" in line for line in installs), installs
+
+
+def test_the_conformance_kit_passes_the_example_plugin(example_site):
+    """A plugin author's check: `kernelmux check --backend example` over the plugin's one op exits 0,
+    its fp16/bf16 cases declined by its supports(), never failed."""
+    result = _run([sys.executable, "-m", "kernelmux", "check", "--backend", "example", "--seed", "3", "-v"],
+                  example_site, {})
+    assert "0 fail" not in result.stdout and " fail " not in result.stdout, result.stdout
+    summary = result.stdout.strip().splitlines()[-1]
+    assert summary.startswith("kernelmux check --backend example on cpu"), summary
+    assert "pass" in summary and "declined" in summary and "fail" not in summary, summary
+    assert "pass     grouped_topk / deepseek_v3_t64 / strided" in result.stdout, result.stdout
