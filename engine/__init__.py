@@ -40,23 +40,23 @@ __all__ = [
 ]
 
 _lock = threading.Lock()
-_engine: Engine | None = None
+_current: Engine | None = None  # not _engine: that name is the submodule's
 
 
 def current() -> Engine:
     """The process's engine, built at first use."""
-    engine = _engine
+    engine = _current
     if engine is None:
         with _lock:
-            engine = _engine
+            engine = _current
             if engine is None:
                 engine = _install(Engine(ALL_SPECS))
     return engine
 
 
 def _install(engine: Engine) -> Engine:
-    global _engine
-    _engine = engine
+    global _current
+    _current = engine
     return engine
 
 
@@ -102,9 +102,9 @@ def configure(
 
 def reset() -> None:
     """Forget the current engine; the next call builds one from the environment again."""
-    global _engine
+    global _current
     with _lock:
-        _engine = None
+        _current = None
 
 
 def resolve(op: str, *args: Any, **kwargs: Any):

@@ -14,6 +14,7 @@ from kernelmux.engine.settings import Settings
 from kernelmux.errors import ConfigurationError, ImplementationError, NoImplementationError, UnknownOpError
 from kernelmux.platforms import Platform, detect, simulate
 from kernelmux.registry import Backend, Implementation, Registry
+from kernelmux.specs._key import MAX_ALIGNMENT
 from kernelmux.specs._spec import OpSpec
 
 __all__ = [
@@ -108,12 +109,41 @@ def output_problem(actual: Any, expected: Any, where: str = "output") -> str | N
     return None
 
 
+_ALIGNMENT_BITS = MAX_ALIGNMENT - 1
+_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype})
+_FINGERPRINTS = 4096  # calls remembered per op; past it the memo starts over (a bound, not an LRU)
+
+
+def _fingerprint(args: tuple, kwargs: dict, _tensor: type = torch.Tensor, _plain: frozenset = _PLAIN) -> tuple | None:
+    """What a spec's validate reads of a call: per tensor its dtype, shape, strides, device and
+    address modulo the largest alignment a Layout holds; per other argument its type and value (so
+    True and 1 differ). Validation reads metadata, never data, so calls with equal fingerprints have
+    equal dispatch keys and are equally valid. None where an argument is neither a tensor nor a plain
+    value (a list, an object): such a call is validated every time, and no tensor is ever held.
+    On every call's path: the globals are bound as defaults, plain values tested first."""
+    parts: list = []
+    append = parts.append
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        kind = type(value)
+        if kind in _plain:
+            append(kind)
+            append(value)
+        elif isinstance(value, _tensor):
+            append((value.dtype, value.shape, value.stride(), value.device, value.data_ptr() & _ALIGNMENT_BITS))
+        else:
+            return None
+    if kwargs:
+        append(tuple(kwargs))  # the keywords' names, in order: f(x, y) and f(x, b=y) stay apart
+    return tuple(parts)
+
+
 class Dispatcher:
     """The per-call path of one op: validate, look the key up, run. Everything slow happens once
-    per dispatch key, in ``_select``; an implementation that raises is reported as an
+    per dispatch key, in ``_select``; a call whose arguments' metadata were seen before skips
+    validation (``_fingerprint``); an implementation that raises is reported as an
     ``ImplementationError`` naming it."""
 
-    __slots__ = ("_cache", "_decisions", "_engine", "_lock", "_reference", "_validate", "table")
+    __slots__ = ("_cache", "_decisions", "_engine", "_known", "_lock", "_reference", "_validate", "table")
 
     def __init__(self, engine: "Engine", table: OpTable) -> None:
         self._engine = engine
@@ -126,14 +156,22 @@ class Dispatcher:
                               description="the spec's pure-torch reference (fp32 math); the fallback")
         self._validate = table.spec.validate
         self._cache: dict[Hashable, _Choice] = {}
+        self._known: dict[tuple, _Choice] = {}  # fingerprint -> the choice its key resolved to
         self._lock = threading.Lock()
         self._decisions: dict[Hashable, Decision] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key = self._validate(*args, **kwargs)
-        choice = self._cache.get(key)
+        fingerprint = _fingerprint(args, kwargs)
+        choice = self._known.get(fingerprint) if fingerprint is not None else None
         if choice is None:
-            choice = self._select(key)
+            key = self._validate(*args, **kwargs)
+            choice = self._cache.get(key)
+            if choice is None:
+                choice = self._select(key)
+            if fingerprint is not None:
+                if len(self._known) >= _FINGERPRINTS:
+                    self._known.clear()
+                self._known[fingerprint] = choice
         try:
             return choice.fn(*args, **kwargs)
         except Exception as error:
@@ -197,12 +235,12 @@ class Dispatcher:
         # Fastest first; those within TIE of the fastest keep priority order (the reference last): a
         # difference the timer cannot tell from noise does not override the priorities.
         measured = [a for a in rest if a[0].backend in times]
-        best = min((times[a[0].backend] for a in measured), default=0.0)
-        measured.sort(key=lambda a: (times[a[0].backend] > best * (1 + tuning.TIE),
-                                     0.0 if times[a[0].backend] <= best * (1 + tuning.TIE) else times[a[0].backend],
-                                     a[0].backend == Backend.REFERENCE))
+        limit = min((times[a[0].backend] for a in measured), default=0.0) * (1 + tuning.TIE)
+        tied = sorted((a for a in measured if times[a[0].backend] <= limit),
+                      key=lambda a: a[0].backend == Backend.REFERENCE)  # stable: priority order
+        slower = sorted((a for a in measured if times[a[0].backend] > limit), key=lambda a: times[a[0].backend])
         unmeasured = [a for a in rest if a[0].backend not in times]
-        return preferred + measured + unmeasured, measurement.describe(exact)
+        return preferred + tied + slower + unmeasured, measurement.describe(exact)
 
     def _select(self, key: Hashable) -> _Choice:
         with self._lock:

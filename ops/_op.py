@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 
+from kernelmux import engine
 from kernelmux.specs._spec import OpSpec
 
 __all__ = ["Op"]
@@ -36,9 +37,7 @@ class Op:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _is_compiling():
             return self.custom_op(*args, **kwargs)
-        from kernelmux.engine import current
-
-        return current().dispatchers[self.name](*args, **kwargs)
+        return engine.current().dispatchers[self.name](*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<kernelmux op {self.name} v{self.spec.version}>"

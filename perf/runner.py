@@ -87,7 +87,7 @@ def environment(engine: Engine, device: str) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "l2_bytes": None,
         # What a tuning table made from this run is for (kernelmux tune --load).
-        "tuning_device": tuning.device_identity(engine.platform),
+        "tuning_device": tuning.device_identity(engine.platform_for(torch.device(device))),
         "versions": tuning.versions(engine.registry),
     }
     if device == "cuda":
@@ -304,9 +304,6 @@ def run(
     }
 
 
-SELECTION_SLACK = 0.03  # chosen within 3% of the fastest counts as the fastest (issue 27's goal)
-
-
 def _selection(op: str, case: str, case_rows: list[dict[str, Any]],
                ordered: list[tuple[Any, Optional[str]]]) -> Optional[dict[str, Any]]:
     """What the engine runs on this case (the first implementation that accepts, in the order the
@@ -319,7 +316,7 @@ def _selection(op: str, case: str, case_rows: list[dict[str, Any]],
     fastest = min(times, key=times.__getitem__)
     ratio = times[chosen] / times[fastest]
     return {"op": op, "case": case, "chosen": chosen, "fastest": fastest, "chosen_us": times[chosen],
-            "fastest_us": times[fastest], "ratio": round(ratio, 4), "mismatch": ratio > 1 + SELECTION_SLACK}
+            "fastest_us": times[fastest], "ratio": round(ratio, 4), "mismatch": ratio > 1 + tuning.TIE}
 
 
 def _method_line(method: Method) -> str:

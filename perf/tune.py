@@ -24,7 +24,7 @@ from kernelmux.perf.runner import Plan, run
 from kernelmux.perf.timing import default_budget_s
 from kernelmux.specs import ALL_SPECS
 
-__all__ = ["add_arguments", "main", "table_of_run"]
+__all__ = ["add_arguments", "compatible", "main", "merge", "table_of_run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,10 +54,15 @@ def table_of_run(result: dict[str, Any], source: str = "this run") -> dict[str, 
                              env.get("timestamp", ""))
 
 
+def compatible(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether two tables are of one device and one set of versions (and so can be merged)."""
+    return old.get("device") == new["device"] and old.get("versions") == new["versions"]
+
+
 def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """``new`` with the measurements of ``old`` it does not replace (same op and bucket), when both
     are of one device and versions; else ``new`` alone."""
-    if old.get("device") != new["device"] or old.get("versions") != new["versions"]:
+    if not compatible(old, new):
         return new
     replaced = {(m["op"], json.dumps(m["bucket"], sort_keys=True)) for m in new["measurements"]}
     kept = [m for m in old.get("measurements", ())
@@ -74,11 +79,10 @@ def main(args: argparse.Namespace) -> int:
         table: dict[str, Any] | None = None
         for path in args.load:
             made = table_of_run(_read_run(path), path)
+            if table is not None and not compatible(table, made):
+                raise ConfigurationError(f"{path} ran on another device or with other versions than the runs "
+                                         "before it: one table is one device and one set of versions")
             table = made if table is None else merge(table, made)
-            if table is not made:
-                print(f"kernelmux tune: {path} is of another device or versions than the runs before it",
-                      file=sys.stderr)
-                return 2
     else:
         engine = Engine(ALL_SPECS, Settings.from_env())
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
         except ValueError:
             old = {}
         merged = merge(old, table)
-        if merged is table and old:
+        if old and not compatible(old, table):
             print(f"kernelmux tune: {path} was measured with other versions or on another device: replaced",
                   file=sys.stderr)
         table = merged

@@ -98,7 +98,7 @@ def test_usage_errors_exit_2_with_one_line(capsys, monkeypatch, name):
     argv, env, says = USAGE_ERRORS[name]
     for variable, value in env.items():
         monkeypatch.setenv(variable, value)
-    monkeypatch.setattr(engine, "_engine", None)  # as in a new process: built from this environment
+    monkeypatch.setattr(engine, "_current", None)  # as in a new process: built from this environment
 
     def started(*args, **kwargs):
         raise AssertionError("the benchmark started instead of refusing its arguments")

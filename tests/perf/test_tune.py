@@ -144,3 +144,23 @@ def test_the_bench_with_a_table_chooses_the_measured_fastest(tmp_path, monkeypat
     # sleeping fake, 2 ms behind, never does).
     assert [s["chosen"] for s in second["selection"]] == [s["fastest"] for s in first["selection"]]
     assert all(s["chosen"] != "slow_fake" for s in second["selection"])
+
+
+def test_tune_loads_several_runs_of_one_device_and_refuses_a_mix(run_result, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tuning, "user_dir", lambda: tmp_path / "tuning")
+    first = json.loads(json.dumps(run_result))
+    first["rows"] = [r for r in first["rows"] if r["case"] == "deepseek_v3_t1"]
+    second = json.loads(json.dumps(run_result))
+    second["rows"] = [r for r in second["rows"] if r["case"] == "deepseek_v3_t64"]
+    other = json.loads(json.dumps(run_result))
+    other["environment"]["versions"]["torch"] = "0.0.1"
+    for name, run in (("first", first), ("second", second), ("other", other)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(run))
+    assert cli.main(["tune", "--load", str(tmp_path / "first.json"), "--load", str(tmp_path / "second.json"),
+                     "--out", str(tmp_path / "t.json")]) == 0
+    cases = {m["case"] for m in json.loads((tmp_path / "t.json").read_text())["measurements"]}
+    assert cases == {"deepseek_v3_t1", "deepseek_v3_t64"}
+    capsys.readouterr()
+    assert cli.main(["tune", "--load", str(tmp_path / "first.json"), "--load", str(tmp_path / "other.json"),
+                     "--out", str(tmp_path / "u.json")]) == 2
+    assert "other versions than the runs before it" in capsys.readouterr().err
