@@ -136,9 +136,13 @@ class _Checker:
 
         kwargs = case.build(self.device, self.seed)
         if self.max_bytes is not None and spec.cost(kwargs).bytes > self.max_bytes:
-            finding("reference", SKIPPED, f"moves {spec.cost(kwargs).bytes >> 20} MiB > --max-bytes")
+            finding("reference", SKIPPED, f"moves {spec.cost(kwargs).bytes >> 20} MiB, over the size limit")
             return found
-        reason = self._answer(impl, kwargs)
+        try:
+            reason = self._answer(impl, kwargs)
+        except Exception as error:  # noqa: BLE001 - a supports() that raises is a defect, not a decline
+            finding("reference", FAIL, f"supports() raised {_failure(error)}")
+            return found
         if reason is not None:
             finding("reference", DECLINED, reason)
             return found

@@ -148,3 +148,20 @@ def test_the_command_exits_0_when_clean_and_writes_every_finding(tmp_path, capsy
     found = json.loads(out.read_text())
     assert {f["check"] for f in found["findings"]} >= {"reference", "fake", "strided"}
     assert cli.main(["check", "--backend", "nope"]) == 2
+
+
+def test_a_supports_that_raises_is_a_failure_not_a_crash():
+    def raising(key, platform):
+        raise RuntimeError("probe failed")
+
+    class _Raising:
+        @hookimpl
+        def kernelmux_implementations(self):
+            impl = _impl("raising_supports", SPEC.reference)
+            return [Implementation(op=impl.op, backend=impl.backend, fn=impl.fn, spec_version=impl.spec_version,
+                                   supports=raising)]
+
+    report = check("raising_supports", ["grouped_topk"], cases=["deepseek_v3_t1"], plugins={"r": _Raising()},
+                   checks=("reference",))
+    (failure,) = report.failures
+    assert "supports() raised RuntimeError: probe failed" in failure.message
