@@ -35,7 +35,7 @@ from kernelmux.errors import ConfigurationError
 from kernelmux.platforms import detect
 from kernelmux.specs import ALL_SPECS
 
-__all__ = ["CASE_CHECKS", "OP_CHECKS", "Finding", "Report", "check"]
+__all__ = ["CASE_CHECKS", "OP_CHECKS", "Finding", "Report", "check", "poison_freed_memory"]
 
 CASE_CHECKS = ("reference", "fake", "strided", "graph")
 OP_CHECKS = ("compile", "opcheck")
@@ -82,7 +82,7 @@ class Report:
         return "\n".join(f"  {f.op} / {f.case} / {f.check}: {f.message}" for f in self.failures)
 
 
-def _poison(device: str, nbytes: int) -> None:
+def poison_freed_memory(device: str, nbytes: int) -> None:
     """NaN-filled blocks freed into the allocator, so outputs allocated next start as NaN."""
     blocks = [torch.full((max(nbytes // 4, 1) + extra,), float("nan"), device=device) for extra in (0, 64, 4096)]
     del blocks
@@ -122,7 +122,7 @@ def _failure(error: BaseException) -> str:
 class _Checker:
     def __init__(self, backend: str, engine: Engine, device: str, seed: int, plugins: Optional[Mapping[str, Any]],
                  max_bytes: Optional[int]) -> None:
-        self.backend, self.engine, self.device, self.seed = backend, engine, device, seed
+        self.engine, self.device, self.seed = engine, device, seed
         self.plugins, self.max_bytes = plugins, max_bytes
         self.platform = detect(torch.device(device))
         self.specs = engine.specs
@@ -149,7 +149,7 @@ class _Checker:
         ref_kwargs = _clone(kwargs)
         expected = spec.outputs(spec.reference(**ref_kwargs), ref_kwargs)
         call = _clone(kwargs)
-        _poison(self.device, sum(v.numel() * 8 for v in kwargs.values() if isinstance(v, torch.Tensor)))
+        poison_freed_memory(self.device, sum(v.numel() * 8 for v in kwargs.values() if isinstance(v, torch.Tensor)))
         try:
             raw = impl.fn(**call)
             actual = spec.outputs(raw, call)

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 from kernelmux.errors import ConfigurationError
 
-__all__ = ["ENV_VARS", "Settings", "env_value"]
+__all__ = ["ENV_VARS", "Settings", "cache_root", "env_value"]
 
 # The environment variables kernelmux reads, with what each holds (documented in README.md).
 ENV_VARS: Mapping[str, str] = {
@@ -29,6 +29,11 @@ ENV_VARS: Mapping[str, str] = {
     "KERNELMUX_TUNING": "0: no tuning tables, priorities alone order each call's candidates (default 1: this device's tables)",
     "KERNELMUX_COMMIT": "the commit a perf record names, where the tree has no .git (the GPU machines)",
 }
+
+
+def cache_root() -> str:
+    """Where kernelmux keeps files between processes: $KERNELMUX_CACHE_DIR, else ~/.cache/kernelmux."""
+    return env_value("KERNELMUX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kernelmux")
 
 
 def env_value(name: str) -> str:

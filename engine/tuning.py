@@ -21,14 +21,13 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 import torch
 
-from kernelmux.engine.settings import env_value
+from kernelmux.engine.settings import cache_root
 
 if TYPE_CHECKING:
     from kernelmux.platforms import Platform
@@ -68,8 +67,7 @@ def shipped_dir() -> Path:
 
 def user_dir() -> Path:
     """The user's tables: $KERNELMUX_CACHE_DIR/tuning, else ~/.cache/kernelmux/tuning."""
-    root = env_value("KERNELMUX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kernelmux")
-    return Path(root) / "tuning"
+    return Path(cache_root()) / "tuning"
 
 
 def device_identity(platform: "Platform") -> Optional[dict[str, Any]]:

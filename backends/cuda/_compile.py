@@ -208,10 +208,9 @@ def cache_dir() -> str:
     """Where compiled cubins are kept between processes: $KERNELMUX_CACHE_DIR/cuda, else
     ~/.cache/kernelmux/cuda. Created owner-only (0700); not used when another user owns it or it
     is group- or world-writable."""
-    from kernelmux.engine.settings import env_value
+    from kernelmux.engine.settings import cache_root
 
-    root = env_value("KERNELMUX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kernelmux")
-    return os.path.join(root, "cuda")
+    return os.path.join(cache_root(), "cuda")
 
 
 def _open_cache_dir() -> Optional[int]:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import kernelmux
 from conftest import DEVICE
+from kernelmux.conformance import poison_freed_memory
 from kernelmux.engine import Engine, Settings
 from kernelmux.platforms import detect
 from kernelmux.specs import ALL_SPECS
@@ -50,13 +51,6 @@ def _interpreted(impl) -> bool:
     return INTERPRETED and impl.backend == "triton"
 
 
-def _poison(device: str, nbytes: int) -> None:
-    """Leave NaN-filled blocks in the allocator's free lists so outputs the implementation
-    allocates start as NaN, not zeros: an unwritten element then fails the comparison."""
-    blocks = [torch.full((max(nbytes // 4, 1) + extra,), float("nan"), device=device) for extra in (0, 64, 4096)]
-    del blocks
-
-
 def _answer(impl, kwargs) -> str | None:
     """``impl``'s answer to a call with ``kwargs``, as dispatch would ask it: from the dispatch key
     and the platform of the inputs' device."""
@@ -76,7 +70,7 @@ def _check(impl, kwargs, seed, *, drawn: bool = False):
         pytest.skip(f"{impl.key} declines: {reason}")
     # In-place ops write their arguments: the reference runs on its own copy of the inputs.
     ref_kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-    _poison(DEVICE, sum(v.numel() * 8 for v in kwargs.values() if isinstance(v, torch.Tensor)))
+    poison_freed_memory(DEVICE, sum(v.numel() * 8 for v in kwargs.values() if isinstance(v, torch.Tensor)))
     actual = spec.outputs(impl.fn(**kwargs), kwargs)
     expected = spec.outputs(spec.reference(**ref_kwargs), ref_kwargs)
     try:
