@@ -278,10 +278,18 @@ def check(backend: str, ops: Optional[Iterable[str]] = None, *, cases: Optional[
           plugins: Optional[Mapping[str, Any]] = None, max_bytes: Optional[int] = None,
           progress: Callable[[Finding], None] = lambda finding: None) -> Report:
     """Check every implementation ``backend`` registers (of ``ops``, default all) that can run here
-    on every spec case (or those named) on ``device`` (default: CUDA when there is one). ``plugins``
+    on every spec case (or those named) on ``device`` (default: CUDA when there is one and the
+    backend runs there, else the CPU). ``plugins``
     are plugin objects registered beside the installed ones. A fresh random seed unless given."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = Engine(ALL_SPECS, Settings(tuning=False), platform=detect(torch.device(device)), plugins=plugins)
+    chosen = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = Engine(ALL_SPECS, Settings(tuning=False), platform=detect(torch.device(chosen)), plugins=plugins)
+    if device is None and chosen == "cuda":
+        # A backend whose implementations all run on CPU tensors is checked there, GPU or not.
+        mine = [impl for (_, name), impl in engine.registry.implementations.items() if name == backend]
+        if mine and all(impl.devices and "cuda" not in impl.devices for impl in mine):
+            chosen = "cpu"
+            engine = Engine(ALL_SPECS, Settings(tuning=False), platform=detect(torch.device(chosen)), plugins=plugins)
+    device = chosen
     known = sorted({impl.backend for impl in engine.registry.implementations.values()})
     if backend not in known:
         raise ConfigurationError(f"no backend {backend!r} is registered; backends: {', '.join(known)}")

@@ -6,7 +6,9 @@
 #   tests-core   pytest on everything but the slow tests below         -> pytest_core.txt
 #   tests-slow   opcheck/compile tests and Triton launch configs
 #                (tests/test_torch_integration.py, tests/backends/triton) -> pytest_slow.txt
-#   bench        kernelmux bench over every op's model cases          -> bench.json, bench.md, bench.log
+#   bench        kernelmux bench over every op's model cases ($BENCH_BUDGET s per row if set, $BENCH_TIMEOUT
+#                s in all, default 300)                               -> bench.json, bench.md, bench.log
+#   tune         the tuning table of the bench before it, into the user's tables -> tuning.json
 #   bench-attention  the same for paged_attention, mla_decode and kv_cache_write only (0.25 s
 #                budget per row)                                     -> bench.json, bench.md, bench.log
 #   compare      perf/diag/compare_demo.py on triton grouped_topk     -> compare.txt, compare_demo_*.json
@@ -57,8 +59,14 @@ echo "outputs in $out"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 repo=$(pwd)
 if compgen -G "$repo/.whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "$repo"/.whl/*.whl || exit 1
+    # Installed once per machine: a reinstall gives FlashInfer's headers new mtimes and ninja then rebuilds its JIT
+    # modules in the next call (the prefill module alone took 75 s), so a warm machine keeps the first install.
+    stamp=$(cd "$repo/.whl" && sha1sum ./*.whl | sha1sum | cut -c1-16)
+    if [ "$(cat /tmp/site/.wheels 2>/dev/null)" != "$stamp" ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            "$repo"/.whl/*.whl || exit 1
+        echo "$stamp" > /tmp/site/.wheels
+    fi
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer
 fi
 # pip builds in the source folder (build/, *.egg-info): build from a copy so the tree stays as it came.
@@ -80,8 +88,14 @@ for step in "$@"; do
         (cd /tmp && timeout 420 python3 -m pytest "${slow[@]/#/$repo/}" -q -n 8 --dist loadgroup -p no:cacheprovider \
             -rfE --durations=15 2>&1) | tee "$out/pytest_slow.txt" | tail -25 ;;
     bench)
-        timeout 300 python3 -m kernelmux bench --json "$out/bench.json" --md "$out/bench.md" \
-            2> "$out/bench.log" | tail -5 ;;
+        timeout "${BENCH_TIMEOUT:-300}" python3 -m kernelmux bench ${BENCH_BUDGET:+--budget $BENCH_BUDGET} \
+            --json "$out/bench.json" --md "$out/bench.md" 2> "$out/bench.log" | tail -5 ;;
+    tune)
+        # The tuning table of this call's bench, into the user's tables (so a later bench on this machine
+        # orders by it) and $out/tuning.json (for kernelmux tune --load or --ship here).
+        python3 -m kernelmux tune --load "$out/bench.json" --out "$out/tuning.json" 2>&1 | tail -3
+        mkdir -p "${KERNELMUX_CACHE_DIR:-$HOME/.cache/kernelmux}/tuning"
+        cp "$out/tuning.json" "${KERNELMUX_CACHE_DIR:-$HOME/.cache/kernelmux}/tuning/" ;;
     bench-attention)
         timeout 400 python3 -m kernelmux bench paged_attention mla_decode kv_cache_write --budget 0.25 \
             --json "$out/bench.json" --md "$out/bench.md" 2> "$out/bench.log" | tail -5 ;;

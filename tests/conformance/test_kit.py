@@ -51,7 +51,7 @@ def _assumes_contiguous(logits, *rest):
 
 def _on_the_host(logits, *rest):
     # A host round trip: fine eagerly, refused by CUDA-graph capture.
-    weights, ids = SPEC.reference(logits.cpu(), *rest)
+    weights, ids = SPEC.reference(logits.cpu(), *(r.cpu() if isinstance(r, torch.Tensor) else r for r in rest))
     return weights.to(logits.device), ids.to(logits.device)
 
 
