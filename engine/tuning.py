@@ -193,7 +193,11 @@ class Tables:
         entries = self._index.get(op, {}).get(exact)
         if not entries:
             return None
-        distance, measurement = min(((_distance(classes, c), m) for c, m in entries), key=lambda e: e[0])
+        # Entries with other size classes were measured under another version of the op's key.
+        near = [(_distance(classes, c), m) for c, m in entries if c.keys() == classes.keys()]
+        if not near:
+            return None
+        distance, measurement = min(near, key=lambda e: e[0])
         return measurement, distance == 0
 
     def measurements(self) -> list[Measurement]:
@@ -253,7 +257,7 @@ def make_table(rows: Iterable[Mapping[str, Any]], buckets: Mapping[tuple[str, st
                identity: Mapping[str, Any], installed: Mapping[str, Any], commit: str = "",
                timestamp: str = "") -> dict[str, Any]:
     """A table from bench rows (``perf/runner.py``'s): per (op, bucket), the median of every ``ok``
-    row that was timed. Cases that share a bucket (the key holds no context length, say) are one
+    row that was timed. Cases that share a bucket (two batches of one size class, say) are one
     measurement: each backend timed on all of them at the geometric mean of its times, so every
     case weighs the same."""
     times: dict[tuple[str, str], dict[str, float]] = {}

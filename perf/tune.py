@@ -61,12 +61,15 @@ def compatible(old: dict[str, Any], new: dict[str, Any]) -> bool:
 
 def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """``new`` with the measurements of ``old`` it does not replace (same op and bucket), when both
-    are of one device and versions; else ``new`` alone."""
+    are of one device and versions; else ``new`` alone. Old measurements of an op whose key has
+    other fields now (a spec's key grew) are dropped."""
     if not compatible(old, new):
         return new
     replaced = {(m["op"], json.dumps(m["bucket"], sort_keys=True)) for m in new["measurements"]}
+    fields = {m["op"]: set(m["bucket"]) for m in new["measurements"]}  # an op's key fields, as measured now
     kept = [m for m in old.get("measurements", ())
-            if (m["op"], json.dumps(m["bucket"], sort_keys=True)) not in replaced]
+            if (m["op"], json.dumps(m["bucket"], sort_keys=True)) not in replaced
+            and fields.get(m["op"], set(m["bucket"])) == set(m["bucket"])]
     return {**new, "measurements": kept + new["measurements"]}
 
 

@@ -117,6 +117,7 @@ class Key(NamedTuple):
     num_tokens_class: int
     num_seqs_class: int
     max_query_len: int
+    max_seq_len_class: int  # the longest context (host int): not read by kernels, it buckets tuning tables
     uniform_queries: bool
     scale: float
     return_lse: bool
@@ -162,7 +163,7 @@ def validate(
     return Key(
         device=device, q_dtype=q.dtype, cache_dtype=kv_cache.dtype, num_heads=num_heads, width=head_dim,
         kv_lora_rank=kv_lora_rank, block_size=kv_cache.shape[1], num_tokens_class=size_class(num_tokens),
-        num_seqs_class=size_class(batch), max_query_len=max_query_len,
+        num_seqs_class=size_class(batch), max_query_len=max_query_len, max_seq_len_class=size_class(max_seq_len),
         uniform_queries=num_tokens == batch * max_query_len, scale=scale, return_lse=return_lse,
         q_layout=layout(q), kv_cache_layout=layout(kv_cache), cu_seqlens_q_layout=layout(cu_seqlens_q),
         block_table_layout=layout(block_table), seq_lens_layout=layout(seq_lens), kv_scale_layout=layout(kv_scale),

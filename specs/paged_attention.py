@@ -133,6 +133,7 @@ class Key(NamedTuple):
     num_tokens_class: int
     num_seqs_class: int
     max_query_len_class: int
+    max_seq_len_class: int  # the longest context (host int): not read by kernels, it buckets tuning tables
     uniform_queries: bool
     scale: float
     causal: bool
@@ -215,7 +216,7 @@ def validate(
         device=device, query_dtype=query.dtype, cache_dtype=k_cache.dtype, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=k_cache.shape[1],
         num_tokens_class=size_class(query.shape[0]), num_seqs_class=size_class(seq_lens.shape[0]),
-        max_query_len_class=size_class(max_query_len),
+        max_query_len_class=size_class(max_query_len), max_seq_len_class=size_class(max_seq_len),
         uniform_queries=query.shape[0] == seq_lens.shape[0] * max_query_len, scale=scale, causal=causal,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, query_layout=layout(query),
         k_cache_layout=layout(k_cache), v_cache_layout=layout(v_cache),

@@ -145,6 +145,35 @@ def test_the_nearest_size_class_serves_an_unmeasured_batch(tables):
     assert decision.backend == "slow" and "case near (the nearest measured batch-size class)" in decision.tuned
 
 
+def test_a_measurement_of_an_older_key_orders_nothing(tables):
+    # A table measured before the op's key grew a size class: its bucket cannot be matched to the new
+    # key's, so priorities order the call (no KeyError, no nearest class made up).
+    registry = _registry(fake_impl("fast", Counter(), priority=1), fake_impl("slow", Counter(), priority=9))
+    old = tuning.bucket(SPEC.validate(**SPEC.case(CASE).build()))
+    del old["num_tokens_class"]
+    identity, installed = tuning.device_identity(HERE), tuning.versions(registry)
+    path = tables({}, name="old.json", registry=registry)
+    path.write_text(json.dumps({"schema": tuning.SCHEMA, "device": identity, "versions": installed, "measurements": [
+        {"op": "grouped_topk", "case": CASE, "bucket": old, "times_us": {"fast": 1.0, "slow": 5.0}}]}))
+    decision = _decide(Engine(ALL_SPECS, Settings(), platform=HERE, registry=registry))
+    assert decision.backend == "slow" and decision.tuned == ""
+
+
+def test_attention_buckets_keep_contexts_apart():
+    # 70B-TP8 B8 at 4096 and 32768 tokens of context: one batch class, opposite winners on an H100.
+    from kernelmux.specs.mla_decode import SPEC as MLA
+    from kernelmux.specs.paged_attention import SPEC as PAGED
+
+    for spec in (PAGED, MLA):
+        short, long = (next(c for c in spec.cases if "ctx" not in c.name and "random" in c.tags).build()
+                       for _ in range(2))
+        long["max_seq_len"] = 8 * short["max_seq_len"] + 8
+        a, b = tuning.bucket(spec.validate(**short)), tuning.bucket(spec.validate(**long))
+        assert a["max_seq_len_class"] < b["max_seq_len_class"]
+        assert {k: v for k, v in a.items() if k != "max_seq_len_class"} == \
+            {k: v for k, v in b.items() if k != "max_seq_len_class"}
+
+
 def test_another_shape_is_not_ordered_by_the_table(tables):
     registry = _registry(fake_impl("fast", Counter(), priority=1), fake_impl("slow", Counter(), priority=9))
     tables({"small_softmax": {"fast": 1.0, "slow": 5.0, "reference": 9.0}}, registry=registry)

@@ -101,6 +101,14 @@ def test_a_second_tune_of_other_ops_keeps_the_first_ones_measurements(run_result
     assert replaced["measurements"] == made["measurements"] and replaced["versions"] == {"torch": "0"}
 
 
+def test_a_retune_after_the_key_grew_drops_the_ops_older_measurements(run_result):
+    made = tune.table_of_run(run_result)
+    older = {**made, "measurements": [{**m, "bucket": {k: v for k, v in m["bucket"].items()
+                                                       if k != "num_tokens_class"}} for m in made["measurements"]]}
+    merged = tune.merge(older, made)
+    assert merged["measurements"] == made["measurements"]
+
+
 def test_a_run_before_tuning_fields_is_refused_by_name(run_result):
     old = {k: v for k, v in run_result.items() if k != "buckets"}
     with pytest.raises(ConfigurationError, match="old.json has no buckets"):

@@ -330,7 +330,9 @@ def test_scale_rejected_for_bf16_cache():
 
 def test_key_reflects_dispatch_properties():
     key = SPEC.validate(**_good())
-    assert key == SPEC.validate(**_good(max_seq_len=4000))
+    # The longest context enters as its power-of-two class: it buckets tuning tables.
+    assert key == SPEC.validate(**_good(max_seq_len=(key.max_seq_len_class + 1) // 2 + 1))
+    assert key != SPEC.validate(**_good(max_seq_len=4 * key.max_seq_len_class + 8))
     assert key != SPEC.validate(**_good(return_lse=False))
     assert key != SPEC.validate(**_good(kv_scale=None))
     assert key != SPEC.validate(**_good(max_query_len=3))

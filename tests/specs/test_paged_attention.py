@@ -326,12 +326,13 @@ def test_scales_are_rejected_for_bf16_caches():
 
 
 def test_good_input_passes_and_key_reflects_dispatch_properties():
-    key = SPEC.validate(**_good())  # T = 8, B = 3, max_query_len = 5
-    # Sizes that change per batch enter as power-of-two classes (T 8 and 14 share one), lengths
-    # not at all: a handful of keys serve every batch.
+    key = SPEC.validate(**_good())  # T = 8, B = 3, max_query_len = 5, max_seq_len = 9
+    # Sizes that change per batch enter as power-of-two classes (T 8 and 14 share one; so do
+    # contexts of 9 and 12 tokens): a handful of keys serve every batch.
     assert key == SPEC.validate(**_good(query=torch.randn(14, 4, 16, dtype=torch.bfloat16),
-                                        max_seq_len=4000))
+                                        max_seq_len=12))
     assert key.num_tokens_class == 15 and key.num_seqs_class == 3 and key.max_query_len_class == 7
+    assert key.max_seq_len_class == 15 and key != SPEC.validate(**_good(max_seq_len=4000))
     assert key != SPEC.validate(**_good(query=torch.randn(16, 4, 16, dtype=torch.bfloat16)))
     assert key != SPEC.validate(**_good(max_query_len=1))  # decode vs prefill is
     assert SPEC.validate(**_good(max_query_len=1)).decode and not key.decode
