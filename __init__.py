@@ -11,15 +11,17 @@ from kernelmux.engine import (
     report,
     reset,
     resolve,
+    warmup,
 )
 from kernelmux.platforms import Feature, Platform, PlatformKind, simulate
-from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
+from kernelmux.registry import Backend, Implementation, JitCache, PlatformRequirement, hookimpl
 from kernelmux import ops
 
 __all__ = [
     "Backend",
     "Feature",
     "Implementation",
+    "JitCache",
     "Platform",
     "PlatformKind",
     "PlatformRequirement",
@@ -33,4 +35,5 @@ __all__ = [
     "reset",
     "resolve",
     "simulate",
+    "warmup",
 ]

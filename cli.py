@@ -1,5 +1,5 @@
-"""The `kernelmux` command: `info` (platform, plugins, selection per op), `explain OP`, `bench`, `tune`
-and `check` (the conformance kit).
+"""The `kernelmux` command: `info` (platform, plugins, selection per op, warm starts), `explain OP`,
+`bench`, `tune`, `check` (the conformance kit) and `warmup`.
 A usage error (unknown op, case or platform, bad settings or arguments) exits 2 with one line."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import NoReturn, Sequence
 
 __all__ = ["main"]
@@ -108,6 +109,33 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if report.failures else 0
 
 
+def _warmup(args: argparse.Namespace) -> int:
+    """Warm starts: each op's cases through selection, a line before each call, a summary after."""
+    from dataclasses import asdict
+
+    from kernelmux.engine import current
+    from kernelmux.engine.warm_start import record_path, warmup
+
+    engine = current()
+    cases = args.cases
+    if args.tuned:
+        cases = sorted({case for m in engine.tuning.measurements() for case in m.case.split(", ")})
+        if not cases:
+            return _usage_error("--tuned: no tuning table measured this device (kernelmux tune makes one)")
+    start = time.perf_counter()
+    warmed = warmup(engine, args.ops or None, cases=cases, quick=args.quick, log=lambda line: print(line, flush=True))
+    total = time.perf_counter() - start
+    failed = [w for w in warmed if w.error]
+    compiled = sum(w.compile_s for w in warmed)
+    print(f"warmed {len(warmed) - len(failed)} call(s) of {len({w.op for w in warmed})} op(s) in {total:.1f} s "
+          f"(first calls {sum(w.first_s for w in warmed):.1f} s, about {compiled:.1f} s of it compiling)"
+          + (f"; {len(failed)} failed" if failed else "") + f"; recorded in {record_path(engine)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dict(asdict(w), compile_s=w.compile_s) for w in warmed], f, indent=1)
+    return 1 if failed else 0
+
+
 def _version() -> str:
     """The installed kernelmux distribution's version and torch's."""
     import importlib.metadata
@@ -174,6 +202,21 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--json", help="write every finding here")
     check.add_argument("-v", "--verbose", action="store_true", help="print every finding, not only failures")
     check.set_defaults(run=_check)
+    warm = sub.add_parser(
+        "warmup", help="run what selection picks on each op's cases once, so its compilations are cached "
+        "before serving",
+        description="For each op's model cases (or --quick ones, --case ones, or the buckets this device's tuning "
+        "table measured), the call goes through selection, so the implementation that would serve it runs: its "
+        "Triton, NVRTC or vendor JIT compilations land in their on-disk caches. Each call is logged before it "
+        "starts and timed; kernelmux info then says which ops are warm.",
+    )
+    warm.add_argument("ops", nargs="*", help="ops to warm (default: all)")
+    which = warm.add_mutually_exclusive_group()
+    which.add_argument("--case", action="append", dest="cases", help="only these cases (repeatable)")
+    which.add_argument("--quick", action="store_true", help="the quick model cases")
+    which.add_argument("--tuned", action="store_true", help="the cases this device's tuning tables measured")
+    warm.add_argument("--json", help="write each warmed call here")
+    warm.set_defaults(run=_warmup)
     tune = sub.add_parser(
         "tune", help="measure every implementation (the reference too) per shape bucket and write this "
         "device's tuning table, which orders its calls",

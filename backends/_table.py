@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
 from kernelmux.errors import ImplementationError
-from kernelmux.registry import Implementation, PlatformRequirement, StaticCheckFn
+from kernelmux.registry import Implementation, JitCache, PlatformRequirement, StaticCheckFn
 from kernelmux.specs import ALL_SPECS
 
 __all__ = ["Defaults", "Entry", "Gap", "implementations"]
@@ -29,6 +29,7 @@ class Defaults:
     devices: frozenset[str] = frozenset()
     packages: tuple[str, ...] = ()
     static_check: Optional[StaticCheckFn] = None
+    jit: Optional[JitCache] = None
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ __all__ = [
     "report",
     "reset",
     "resolve",
+    "warmup",
 ]
 
 _lock = threading.Lock()
@@ -116,3 +117,12 @@ def resolve(op: str, *args: Any, **kwargs: Any):
 def report() -> dict[str, Any]:
     """The current engine's selection report as JSON-ready data."""
     return _report_data(current())
+
+
+def warmup(ops: Iterable[str] | None = None, *, cases: Iterable[str] | None = None, quick: bool = False,
+           log: Any = None) -> list:
+    """Run what the current engine selects on each op's model cases (or ``cases``), so compilations
+    are done before serving (``kernelmux warmup``; engine/warm_start.py says how)."""
+    from kernelmux.engine.warm_start import warmup as run
+
+    return run(current(), ops, cases=cases, quick=quick, log=log or (lambda line: None))

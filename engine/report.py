@@ -34,6 +34,8 @@ def _impl_json(impl: "Implementation") -> dict[str, Any]:
 
 def report(engine: "Engine") -> dict[str, Any]:
     """The report as JSON-ready data."""
+    from kernelmux.engine.warm_start import warm_state
+
     registry = engine.registry
     ops = []
     for name, table in engine.tables.items():
@@ -84,8 +86,33 @@ def report(engine: "Engine") -> dict[str, Any]:
         ],
         "tuning": {"tables": list(engine.tuning.sources), "notes": list(engine.tuning.notes),
                    "measurements": len(engine.tuning.measurements())},
+        "warm_start": warm_state(engine),
         "ops": ops,
     }
+
+
+def _render_warm_start(warm: Mapping[str, Any]) -> Any:
+    """What the first calls here would compile, and the compile caches."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="warm start: what a first call compiles (kernelmux warmup runs them ahead)",
+                  title_justify="left", caption=escape(warm["note"] or f"warm-up record: {warm['record']}"),
+                  caption_justify="left")
+    for column in ("op", "implementation", "compiles with", "warmed buckets"):
+        table.add_column(column)
+    for op, impls in warm["ops"].items():
+        for impl in impls:
+            warmed = impl["warmed_buckets"]
+            table.add_row(op, impl["backend"], escape(f"{impl['jit']}: {impl['variant']}"),
+                          str(warmed) if warmed else "-" if not warm["record"]
+                          else "[yellow]none: the first call compiles[/yellow]")
+    if not any(warm["ops"].values()):
+        table.add_row("-", "-", "no implementation viable here compiles at its first call", "-")
+    for cache in warm["caches"]:
+        state = (f"{cache['files']} files, {cache['bytes'] / 2**20:.1f} MiB" if cache["exists"] else "empty")
+        table.caption += escape(f"\n{cache['name']} ({', '.join(cache['backends'])}): {cache['directory']}: {state}")
+    return table
 
 
 def render_report(data: Mapping[str, Any]) -> Any:
@@ -123,6 +150,7 @@ def render_report(data: Mapping[str, Any]) -> Any:
                 if tuning["tables"] else " (priorities order every call)")]
     lines += [f"  note: {note}" for note in tuning["notes"]]
     parts.append(Text("\n".join(lines)))
+    parts.append(_render_warm_start(data["warm_start"]))
     if data["rejected_registrations"]:
         rejected = Table(title="implementations rejected at registration", title_justify="left")
         for column in ("plugin", "implementation", "reason"):

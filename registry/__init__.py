@@ -4,6 +4,7 @@ from kernelmux.registry._hookspecs import hookimpl, hookspec
 from kernelmux.registry._implementation import (
     Backend,
     Implementation,
+    JitCache,
     PlatformRequirement,
     StaticCheckFn,
     SupportsFn,
@@ -23,6 +24,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "Backend",
     "Implementation",
+    "JitCache",
     "PlatformRequirement",
     "PluginInfo",
     "QuarantinedPlugin",

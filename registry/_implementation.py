@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 if TYPE_CHECKING:
     from kernelmux.platforms import Feature, Platform, PlatformKind
 
-__all__ = ["Backend", "Implementation", "PlatformRequirement", "StaticCheckFn", "SupportsFn"]
+__all__ = ["Backend", "Implementation", "JitCache", "PlatformRequirement", "StaticCheckFn", "SupportsFn"]
 
 # supports(key, platform): the spec's dispatch key and the platform of the call's device.
 SupportsFn = Callable[[Any, "Platform"], Optional[str]]
@@ -30,6 +30,22 @@ class Backend(str, enum.Enum):
     TORCH = "torch"
     AITER = "aiter"  # AMD's AITER on ROCm
     XPU = "xpu"
+
+
+@dataclass(frozen=True)
+class JitCache:
+    """Where an implementation's first call per variant compiles to: Triton's JIT, NVRTC, a vendor's
+    nvcc JIT. ``directory()`` is resolved when asked (environment variables move these caches);
+    ``variant`` says what compiles once (a kernel per dtype and constexpr set, a module per shape).
+    ``kernelmux warmup`` runs those first calls ahead of time; ``kernelmux info`` lists the caches."""
+
+    name: str
+    directory: Callable[[], str]
+    variant: str = ""
+
+    def describe(self) -> str:
+        return f"{self.name}, {self.variant}, cached in {self.directory()}" if self.variant else \
+            f"{self.name}, cached in {self.directory()}"
 
 
 @dataclass(frozen=True)
@@ -90,6 +106,7 @@ class Implementation:
     - ``devices``: torch device types of the inputs it runs on (empty: any).
     - ``packages``: import names it needs; a missing one rejects it with a pip hint.
     - ``priority``: higher runs first among viable implementations, after user preferences.
+    - ``jit``: where its first call per variant compiles to (``JitCache``), or None.
     """
 
     op: str
@@ -103,6 +120,7 @@ class Implementation:
     supports: SupportsFn | None = None
     static_check: StaticCheckFn | None = None
     description: str = ""
+    jit: JitCache | None = None  # None: nothing compiles at the first call
     plugin: str = field(default="", compare=False)  # filled in by the registry
 
     def __post_init__(self) -> None:
@@ -121,6 +139,8 @@ class Implementation:
             problems.append(f"spec_version must be an int, got {self.spec_version!r}")
         if type(self.priority) is not int:
             problems.append(f"priority must be an int, got {self.priority!r}")
+        if self.jit is not None and not isinstance(self.jit, JitCache):
+            problems.append(f"jit must be a JitCache or None, got {type(self.jit).__name__}")
         if problems:
             raise TypeError("invalid Implementation: " + "; ".join(problems))
         if isinstance(self.backend, Backend):

@@ -4,10 +4,13 @@ per op; every entry is dry-run only: written against aiter's source, tested agai
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 from kernelmux.backends._table import Defaults, Entry, Gap, implementations
 from kernelmux.backends._vendor import Vendor, VendorCall
 from kernelmux.platforms import PlatformKind
-from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
+from kernelmux.registry import Backend, Implementation, JitCache, PlatformRequirement, hookimpl
 
 AITER = Vendor(
     name="aiter",
@@ -82,11 +85,26 @@ CALLS: dict[str, tuple[VendorCall, ...]] = {
 ARCHS = frozenset({"gfx942", "gfx950"})
 _ROCM = PlatformRequirement(kinds=frozenset({PlatformKind.ROCM}), archs=ARCHS)
 
+
+def _jit_dir() -> str:
+    """aiter's module dir: $AITER_JIT_DIR, else aiter/jit in its package if writable, else ~/.aiter/jit
+    (found without importing aiter; PyPI's unrelated ``aiter`` is told apart by its distribution)."""
+    if os.environ.get("AITER_JIT_DIR"):
+        return os.environ["AITER_JIT_DIR"]
+    found = importlib.util.find_spec("aiter") if AITER.version() else None
+    if found is not None and found.origin:
+        package = os.path.join(os.path.dirname(found.origin), "jit")
+        if os.access(package, os.W_OK):
+            return package
+    return os.path.join(os.path.expanduser("~"), ".aiter", "jit")
+
+
 # Above kernelmux's triton backend (20) on ROCm: AMD's hand-tuned asm/CK kernels (unmeasured here).
 _DEFAULTS = Defaults(
     priority=25,
     requirement=_ROCM,
     devices=frozenset({"cuda"}),  # ROCm tensors are torch "cuda" tensors
+    jit=JitCache("AITER JIT (hipcc)", _jit_dir, "one module per op family"),
 )
 
 # The reasons the two declined quantizers give at startup (their entry modules cite the source).

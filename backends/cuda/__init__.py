@@ -9,7 +9,7 @@ from typing import Optional
 from kernelmux.backends._table import Defaults, Entry, implementations
 from kernelmux.backends.cuda._targets import DECODE_MIN_CAPABILITY, HOPPER
 from kernelmux.platforms import Platform, PlatformKind
-from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
+from kernelmux.registry import Backend, Implementation, JitCache, PlatformRequirement, hookimpl
 
 
 def _nvrtc_problem(platform: Platform) -> Optional[str]:
@@ -21,6 +21,12 @@ def _nvrtc_problem(platform: Platform) -> Optional[str]:
     return None
 
 
+def _cache_dir() -> str:
+    from kernelmux.backends.cuda._compile import cache_dir
+
+    return cache_dir()
+
+
 _CUDA = frozenset({PlatformKind.CUDA})
 
 # Above the triton backend (20): each implementation takes only the calls it was written for.
@@ -29,6 +35,7 @@ _DEFAULTS = Defaults(
     requirement=PlatformRequirement(kinds=_CUDA),
     devices=frozenset({"cuda"}),
     static_check=_nvrtc_problem,
+    jit=JitCache("NVRTC", _cache_dir, "one module per kernel source, defines and arch"),
 )
 
 TABLE = (

@@ -5,12 +5,14 @@ until a GPU run confirms it)."""
 
 from __future__ import annotations
 
+import os
+
 from typing import Optional
 
 from kernelmux.backends._table import Defaults, Entry, implementations
 from kernelmux.backends._vendor import Vendor, VendorCall
 from kernelmux.platforms import Platform, PlatformKind
-from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
+from kernelmux.registry import Backend, Implementation, JitCache, PlatformRequirement, hookimpl
 
 DEEPGEMM = Vendor(
     name="deep_gemm",
@@ -58,10 +60,17 @@ def _static_check(op: str):
     return lambda platform: DEEPGEMM.problem_for(CALLS[op]) or arch_problem(platform)
 
 
+def _jit_dir() -> str:
+    """DeepGEMM's JIT cache: $DG_JIT_CACHE_DIR, else ~/.deep_gemm."""
+    return os.environ.get("DG_JIT_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".deep_gemm")
+
+
 _DEFAULTS = Defaults(
     priority=15,
     requirement=PlatformRequirement(kinds=frozenset({PlatformKind.CUDA})),
     devices=frozenset({"cuda"}),
+    jit=JitCache("DeepGEMM JIT (nvcc, or NVRTC if DG_JIT_USE_NVRTC=1)", _jit_dir,
+                 "one kernel per weight shape and block shape (a new M may pick another)"),
 )
 
 TABLE: tuple[Entry, ...] = (

@@ -4,10 +4,12 @@ One module per op; _paged.py holds what the paged-attention entry points share."
 
 from __future__ import annotations
 
+import os
+
 from kernelmux.backends._table import Defaults, Entry, implementations
 from kernelmux.backends._vendor import Vendor, VendorCall
 from kernelmux.platforms import Feature, PlatformKind
-from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
+from kernelmux.registry import Backend, Implementation, JitCache, PlatformRequirement, hookimpl
 
 FLASHINFER = Vendor(
     name="flashinfer",
@@ -93,11 +95,18 @@ _FP4_QUANTIZE = (
 )
 CALLS["quantize_nvfp4"] = CALLS["quantize_mxfp4"] = _FP4_QUANTIZE
 
+
+def _jit_dir() -> str:
+    """FlashInfer's JIT cache: $FLASHINFER_WORKSPACE_BASE (default ~)/.cache/flashinfer."""
+    return os.path.join(os.environ.get("FLASHINFER_WORKSPACE_BASE") or os.path.expanduser("~"), ".cache", "flashinfer")
+
+
 # Below kernelmux's own triton and cuda kernels until selection by measurement decides per op.
 _DEFAULTS = Defaults(
     priority=15,
     requirement=PlatformRequirement(kinds=frozenset({PlatformKind.CUDA})),
     devices=frozenset({"cuda"}),
+    jit=JitCache("FlashInfer JIT (nvcc)", _jit_dir, "one module per kernel family, dtype and head dim"),
 )
 
 TABLE = (

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from kernelmux.backends._table import Defaults, Entry, implementations
 from kernelmux.backends.triton._host import INTERPRETED as _INTERPRETED
+from kernelmux.backends.triton._host import triton_cache_dir
 from kernelmux.platforms import PlatformKind
-from kernelmux.registry import Backend, Implementation, PlatformRequirement, hookimpl
+from kernelmux.registry import Backend, Implementation, JitCache, PlatformRequirement, hookimpl
 
 # Under TRITON_INTERPRET=1 the interpreter runs kernels on CPU tensors, far slower than the cpu
 # backend, so there it is viable but ranked last.
@@ -16,6 +17,7 @@ _DEFAULTS = Defaults(
     requirement=PlatformRequirement() if _INTERPRETED else PlatformRequirement(kinds=_GPU_KINDS),
     devices=frozenset({"cuda", "xpu", "cpu"} if _INTERPRETED else {"cuda", "xpu"}),
     packages=("triton",),
+    jit=None if _INTERPRETED else JitCache("Triton JIT", triton_cache_dir, "one kernel per dtype and constexpr set"),
 )
 
 TABLE = (

@@ -11,6 +11,12 @@ import torch
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
+def triton_cache_dir() -> str:
+    """Where Triton keeps compiled kernels: $TRITON_CACHE_DIR, else $TRITON_HOME (default ~)/.triton/cache."""
+    home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
+    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton", "cache")
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): Triton's block dims must be powers of two."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
