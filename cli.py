@@ -92,15 +92,18 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     """The conformance kit on one backend: a line per failure as found, the summary, exit 1 on any."""
-    from kernelmux.conformance import FAIL, check
+    from kernelmux.conformance import CASE_CHECKS, DRAWN_CHECKS, FAIL, OP_CHECKS, check
 
     def progress(finding) -> None:
         if finding.status == FAIL or args.verbose:
             print(f"{finding.status:8s} {finding.op} / {finding.case} / {finding.check}"
                   + (f": {finding.message}" if finding.message else ""), flush=True)
 
-    report = check(args.backend, args.ops or None, cases=args.cases, seed=args.seed,
-                   max_bytes=args.max_mib << 20 if args.max_mib is not None else None, progress=progress)
+    # Named cases: those alone, no drawn shapes.
+    checks = CASE_CHECKS + OP_CHECKS + (() if args.cases else DRAWN_CHECKS)
+    report = check(args.backend, args.ops or None, cases=args.cases, seed=args.seed, checks=checks,
+                   examples=args.examples, max_bytes=args.max_mib << 20 if args.max_mib is not None else None,
+                   progress=progress)
     print(report.summary())
     if args.json:
         with open(args.json, "w") as f:
@@ -192,13 +195,16 @@ def _parser() -> argparse.ArgumentParser:
         "check", help="the conformance kit: run a backend's implementations against the specs' references",
         description="Every implementation BACKEND registers that can run here, on every spec case: outputs "
         "against the reference (poisoned output memory), the spec's fake, strided inputs, CUDA-graph replay on "
-        "new inputs (CUDA), and per op torch.compile(fullgraph=True) and opcheck. Exits 1 on any failure.",
+        "new inputs (CUDA), per op torch.compile(fullgraph=True) and opcheck, and hypothesis-drawn shapes against "
+        "the reference (a failure shrunk to the smallest shape). Exits 1 on any failure.",
     )
     check.add_argument("ops", nargs="*", help="ops to check (default: every op the backend registers)")
     check.add_argument("--backend", required=True, help="the backend's name, as it registers it")
     check.add_argument("--case", action="append", dest="cases", help="only these cases (repeatable)")
     check.add_argument("--seed", type=int, help="the inputs' seed (default: a fresh one, printed)")
     check.add_argument("--max-mib", type=int, help="skip cases that move more than this many MiB")
+    check.add_argument("--examples", type=int, default=20,
+                       help="shapes hypothesis draws per implementation (default 20; none with --case)")
     check.add_argument("--json", help="write every finding here")
     check.add_argument("-v", "--verbose", action="store_true", help="print every finding, not only failures")
     check.set_defaults(run=_check)

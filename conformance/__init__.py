@@ -17,7 +17,9 @@ which is reported, not failed):
 
 and per op, on its first case the implementation accepts, through ``kernelmux.ops`` with the backend
 preferred: ``compile`` (``torch.compile(fullgraph=True)``) and ``opcheck`` (torch.library.opcheck's
-schema and fake-tensor tests).
+schema and fake-tensor tests); and ``drawn``: the ``reference`` check on shapes hypothesis draws from
+the spec's ``shapes`` strategy (empty batches, odd sizes, every option), a failure shrunk to the
+smallest shape that fails.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from kernelmux.errors import ConfigurationError
 from kernelmux.platforms import detect
 from kernelmux.specs import ALL_SPECS
 
-__all__ = ["CASE_CHECKS", "OP_CHECKS", "Finding", "Report", "check", "poison_freed_memory"]
+__all__ = ["CASE_CHECKS", "DRAWN_CHECKS", "OP_CHECKS", "Finding", "Report", "check", "poison_freed_memory"]
 
 CASE_CHECKS = ("reference", "fake", "strided", "graph")
 OP_CHECKS = ("compile", "opcheck")
+DRAWN_CHECKS = ("drawn",)
 PASS, FAIL, DECLINED, SKIPPED = "pass", "fail", "declined", "skipped"
 _FP8 = (torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2)
 
@@ -146,14 +149,8 @@ class _Checker:
         if reason is not None:
             finding("reference", DECLINED, reason)
             return found
-        ref_kwargs = _clone(kwargs)
-        expected = spec.outputs(spec.reference(**ref_kwargs), ref_kwargs)
-        call = _clone(kwargs)
-        poison_freed_memory(self.device, sum(v.numel() * 8 for v in kwargs.values() if isinstance(v, torch.Tensor)))
         try:
-            raw = impl.fn(**call)
-            actual = spec.outputs(raw, call)
-            spec.check_close(actual, expected, kwargs)
+            raw, expected = self._against_reference(impl, kwargs)
             finding("reference", PASS)
         except Exception as error:  # noqa: BLE001 - anything an implementation raises is a finding
             finding("reference", FAIL, _failure(error))
@@ -167,6 +164,57 @@ class _Checker:
         if "graph" in checks:
             found.append(self._graph(impl, case, kwargs))
         return found
+
+    def _against_reference(self, impl, kwargs: Mapping[str, Any]) -> tuple[Any, Any]:
+        """(the implementation's raw result, the reference's outputs) on copies of ``kwargs``, with
+        NaN in the allocator's free blocks; raises when the outputs do not match."""
+        spec = self.specs[impl.op]
+        ref_kwargs = _clone(kwargs)
+        expected = spec.outputs(spec.reference(**ref_kwargs), ref_kwargs)
+        call = _clone(kwargs)
+        poison_freed_memory(self.device, sum(v.numel() * 8 for v in kwargs.values() if isinstance(v, torch.Tensor)))
+        raw = impl.fn(**call)
+        spec.check_close(spec.outputs(raw, call), expected, kwargs)
+        return raw, expected
+
+    def run_drawn(self, impl, examples: int) -> Finding:
+        """The reference check on ``examples`` shapes drawn from the spec's ``shapes`` strategy;
+        a failure is shrunk by hypothesis and reported on the smallest failing shape."""
+        spec = self.specs[impl.op]
+
+        def finding(status: str, message: str, case: str = "-") -> Finding:
+            return Finding(impl.op, impl.backend, case, "drawn", status, message)
+
+        if spec.shapes is None:
+            return finding(SKIPPED, "the spec draws no shapes (no OpSpec.shapes)")
+        try:
+            import hypothesis
+            from hypothesis import HealthCheck, given, settings
+        except ImportError:
+            return finding(SKIPPED, "hypothesis is not installed (pip install hypothesis)")
+        agreed, declined, failing = [0], [0], [""]
+
+        @hypothesis.seed(self.seed)
+        @settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(spec.shapes())
+        def one(case) -> None:
+            kwargs = case.build(self.device, self.seed)
+            try:
+                if self._answer(impl, kwargs) is not None:
+                    declined[0] += 1
+                    return
+                self._against_reference(impl, kwargs)
+            except Exception:
+                failing[0] = case.name  # hypothesis runs the smallest failing example last
+                raise
+            agreed[0] += 1
+
+        try:
+            one()
+        except Exception as error:  # noqa: BLE001 - hypothesis re-raises the implementation's failure
+            return finding(FAIL, _failure(error), failing[0] or "-")
+        return finding(PASS if agreed[0] else DECLINED,
+                       f"{agreed[0]} drawn shapes agreed with the reference, {declined[0]} were declined")
 
     def _answer(self, impl, kwargs) -> Optional[str]:
         if impl.supports is None:
@@ -274,13 +322,14 @@ class _Checker:
 
 
 def check(backend: str, ops: Optional[Iterable[str]] = None, *, cases: Optional[Iterable[str]] = None,
-          checks: Sequence[str] = CASE_CHECKS + OP_CHECKS, device: Optional[str] = None, seed: Optional[int] = None,
-          plugins: Optional[Mapping[str, Any]] = None, max_bytes: Optional[int] = None,
+          checks: Sequence[str] = CASE_CHECKS + OP_CHECKS + DRAWN_CHECKS, device: Optional[str] = None,
+          seed: Optional[int] = None, plugins: Optional[Mapping[str, Any]] = None, max_bytes: Optional[int] = None,
+          examples: int = 20,
           progress: Callable[[Finding], None] = lambda finding: None) -> Report:
     """Check every implementation ``backend`` registers (of ``ops``, default all) that can run here
     on every spec case (or those named) on ``device`` (default: CUDA when there is one and the
-    backend runs there, else the CPU). ``plugins``
-    are plugin objects registered beside the installed ones. A fresh random seed unless given."""
+    backend runs there, else the CPU), and on ``examples`` drawn shapes. ``plugins`` are plugin
+    objects registered beside the installed ones. A fresh random seed unless given."""
     chosen = device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = Engine(ALL_SPECS, Settings(tuning=False), platform=detect(torch.device(chosen)), plugins=plugins)
     if device is None and chosen == "cuda":
@@ -318,7 +367,8 @@ def check(backend: str, ops: Optional[Iterable[str]] = None, *, cases: Optional[
             add([Finding(op, name, "-", "platform", SKIPPED, f"runs on {'/'.join(sorted(impl.devices))} tensors")])
             continue
         first_accepted = None
-        for case in engine.specs[op].cases:
+        named = any(c in CASE_CHECKS or c in OP_CHECKS for c in checks)  # drawn shapes alone: no named case
+        for case in engine.specs[op].cases if named else ():
             if cases is not None and case.name not in cases:
                 continue
             if device == "cpu" and "gpu" in case.tags:
@@ -330,4 +380,6 @@ def check(backend: str, ops: Optional[Iterable[str]] = None, *, cases: Optional[
         op_checks = [c for c in checks if c in OP_CHECKS]
         if op_checks and first_accepted is not None:
             add(checker.run_op(impl, first_accepted, op_checks))
+        if "drawn" in checks:
+            add([checker.run_drawn(impl, examples)])
     return report

@@ -8,7 +8,7 @@ from typing import Any, Callable, Hashable, Mapping
 
 import torch
 
-__all__ = ["Case", "Cost", "OpSpec", "Tolerance"]
+__all__ = ["Case", "Cost", "OpSpec", "Tolerance", "drawn"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,11 @@ class Case:
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
 
 
+def drawn(description: str, make: Callable[[torch.device, torch.Generator], dict[str, Any]]) -> Case:
+    """A case an ``OpSpec.shapes`` strategy drew, named by what was drawn."""
+    return Case(f"drawn: {description}", make, frozenset({"drawn"}), "drawn by hypothesis within the contract")
+
+
 @dataclass(frozen=True, eq=False)
 class OpSpec:
     """The contract of one op; the reference function *is* the contract.
@@ -88,6 +93,9 @@ class OpSpec:
       contract treats as equal are equal element by element (top-k rows sorted by id), for error
       statistics such as the perf suite's; None when the outputs already are.
     - ``cost(kwargs)``: the op's ``Cost`` for the roofline.
+    - ``shapes``, if given: ``shapes()`` returns a hypothesis strategy of small ``Case`` objects
+      (tagged ``drawn``): shapes and options the contract allows, for the conformance kit to draw
+      beyond the named cases (hypothesis is imported only when it is called).
     - ``version``: bumped whenever the semantics change; implementations state the version they
       implement and a mismatch is rejected at registration.
     """
@@ -105,6 +113,7 @@ class OpSpec:
     mutates_args: tuple[str, ...] = ()
     check_data: Callable[..., None] | None = None
     canonical: Callable[[Any, Mapping[str, Any]], Any] | None = None
+    shapes: Callable[[], Any] | None = None
     signature: inspect.Signature = field(init=False)
 
     def __post_init__(self) -> None:

@@ -49,6 +49,12 @@ def _assumes_contiguous(logits, *rest):
     return SPEC.reference(dense, *rest)
 
 
+def _wrong_on_softmax(logits, topk, renormalize, groups, topk_group, scoring_func, *rest):
+    # Right on sigmoid scores, those of every named case the tests run here.
+    weights, ids = SPEC.reference(logits, topk, renormalize, groups, topk_group, scoring_func, *rest)
+    return (weights * 2 if scoring_func == "softmax" else weights), ids
+
+
 def _on_the_host(logits, *rest):
     # A host round trip: fine eagerly, refused by CUDA-graph capture.
     weights, ids = SPEC.reference(logits.cpu(), *(r.cpu() if isinstance(r, torch.Tensor) else r for r in rest))
@@ -59,7 +65,8 @@ class _Broken:
     @hookimpl
     def kernelmux_implementations(self):
         return [_impl("good", SPEC.reference), _impl("wrong_values", _doubled), _impl("wrong_dtype", _int64_ids),
-                _impl("ignores_strides", _assumes_contiguous), _impl("host_bound", _on_the_host)]
+                _impl("ignores_strides", _assumes_contiguous), _impl("host_bound", _on_the_host),
+                _impl("wrong_on_softmax", _wrong_on_softmax)]
 
 
 PLUGINS = {"broken_for_the_kit": _Broken()}
@@ -165,3 +172,19 @@ def test_a_supports_that_raises_is_a_failure_not_a_crash():
                    checks=("reference",))
     (failure,) = report.failures
     assert "supports() raised RuntimeError: probe failed" in failure.message
+
+
+def test_drawn_shapes_find_a_defect_the_named_cases_miss_and_shrink_it():
+    report = _kit("wrong_on_softmax", checks=("reference", "drawn"))
+    assert set(_statuses(report, "reference").values()) == {PASS}
+    (failure,) = report.failures
+    assert failure.check == "drawn" and failure.case.startswith("drawn: ") and "softmax" in failure.case
+    # Shrunk: hypothesis reports the smallest failing draw, here one token.
+    assert "T 1," in failure.case and "weights" in failure.message
+
+
+def test_drawn_shapes_pass_a_correct_plugin_and_skip_a_spec_without_a_strategy():
+    (drawn,) = [f for f in _kit("good", checks=("drawn",)).findings]
+    assert drawn.status == PASS and drawn.message.startswith("20 drawn shapes agreed")
+    (skipped,) = check("reference", ["quantize_fp8"], checks=("drawn",), seed=1).findings
+    assert skipped.status == SKIPPED and "no OpSpec.shapes" in skipped.message
