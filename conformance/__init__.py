@@ -346,6 +346,9 @@ def check(backend: str, ops: Optional[Iterable[str]] = None, *, cases: Optional[
     unknown = wanted - set(engine.specs)
     if unknown:
         raise ConfigurationError(f"unknown op(s) {sorted(unknown)}; ops: {', '.join(sorted(engine.specs))}")
+    if "drawn" in checks and (type(examples) is not int or examples < 1):
+        raise ConfigurationError(f"examples: expected a positive int (shapes drawn per implementation), "
+                                 f"got {examples!r}")
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
     checker = _Checker(backend, engine, device, seed, plugins, max_bytes)
     report = Report(backend, f"{device} ({checker.platform.describe()}), seed {seed}")

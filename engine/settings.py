@@ -25,7 +25,8 @@ ENV_VARS: Mapping[str, str] = {
     "KERNELMUX_CHECK": "1: checked mode, for debugging an integration: index tensors' contents are "
     "validated before each call (one device pass and a host sync) and outputs checked against the spec",
     "KERNELMUX_PLATFORM": "simulate a platform: sm_90, sm_100, gfx942, aarch64, s390x, ...",
-    "KERNELMUX_CACHE_DIR": "where compiled kernels, the user's tuning tables and the warm-up record are kept (default ~/.cache/kernelmux)",
+    "KERNELMUX_CACHE_DIR": "where compiled kernels, the user's tuning tables and the warm-up record are kept "
+                           "(default ~/.cache/kernelmux)",
     "KERNELMUX_TUNING": "0: no tuning tables, priorities alone order each call's candidates (default 1: this device's tables)",
     "KERNELMUX_COMMIT": "the commit a perf record names, where the tree has no .git (the GPU machines)",
 }

@@ -194,9 +194,10 @@ def _usage(directory: str) -> dict[str, Any]:
 
 
 def warm_state(engine: "Engine") -> dict[str, Any]:
-    """What the first calls here would compile: per op, its first viable implementation, the JIT it
-    compiles with and the buckets ``kernelmux warmup`` warmed for it with these versions (a bucket
-    not warmed compiles at its first call, and so does every bucket after a version change)."""
+    """What the first calls here would compile: per op, each viable implementation that compiles at
+    its first call, the JIT it compiles with and the buckets ``kernelmux warmup`` warmed for it with
+    these versions (a bucket not warmed compiles at its first call, and so does every bucket after a
+    version change)."""
     simulated = engine.platform.simulated
     record = None if simulated else read_record(engine)
     installed = tuning.versions(engine.registry)

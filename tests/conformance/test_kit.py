@@ -188,3 +188,8 @@ def test_drawn_shapes_pass_a_correct_plugin_and_skip_a_spec_without_a_strategy()
     assert drawn.status == PASS and drawn.message.startswith("20 drawn shapes agreed")
     (skipped,) = check("reference", ["quantize_fp8"], checks=("drawn",), seed=1).findings
     assert skipped.status == SKIPPED and "no OpSpec.shapes" in skipped.message
+
+
+def test_a_non_positive_example_count_is_a_configuration_error():
+    with pytest.raises(ConfigurationError, match="examples: expected a positive int"):
+        check("good", ["grouped_topk"], plugins=PLUGINS, checks=("drawn",), examples=0)
