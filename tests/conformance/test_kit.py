@@ -186,7 +186,7 @@ def test_drawn_shapes_find_a_defect_the_named_cases_miss_and_shrink_it():
 def test_drawn_shapes_pass_a_correct_plugin_and_skip_a_spec_without_a_strategy():
     (drawn,) = [f for f in _kit("good", checks=("drawn",)).findings]
     assert drawn.status == PASS and drawn.message.startswith("20 drawn shapes agreed")
-    (skipped,) = check("reference", ["quantize_fp8"], checks=("drawn",), seed=1).findings
+    (skipped,) = check("reference", ["ssd_scan"], checks=("drawn",), seed=1).findings
     assert skipped.status == SKIPPED and "no OpSpec.shapes" in skipped.message
 
 
