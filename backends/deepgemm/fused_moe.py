@@ -47,6 +47,7 @@ import torch
 
 from kernelmux.backends._vendor import first_calls
 from kernelmux.backends.deepgemm import DEEPGEMM, arch_problem
+from kernelmux.backends.deepgemm.scaled_mm import SCALE_ROWS
 from kernelmux.platforms import Platform
 from kernelmux.specs import fused_moe as spec
 from kernelmux.specs.quantize_fp8 import quantize_fp8
@@ -55,7 +56,6 @@ __all__ = ["CONFIRMED", "WeightScales", "fused_moe", "metadata", "prepare_weight
 
 BLOCK = spec.BLOCK
 RECIPE = (1, BLOCK, BLOCK)  # 1 x 128 activation groups, 128 x 128 weight blocks: the 1D2D kernel
-SCALE_ROWS = 4  # sfa's column stride: M rounded up to 16 bytes of fp32 (get_tma_aligned_size(M, 4))
 # The variants confirmed against the reference on a GPU (H100, tests-vendor at the commit that added them).
 CONFIRMED: frozenset[str] = frozenset({"fp8_block"})
 

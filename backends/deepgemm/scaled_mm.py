@@ -28,6 +28,7 @@ N_MULTIPLE = 8
 # (K = 200, 129, 100 are not even 16-byte rows) exercises, so it is declined, not assumed.
 K_MULTIPLE = spec.BLOCK
 TMA_BYTES = 16  # TMA: global address and every row stride a multiple of 16 bytes
+SCALE_ROWS = TMA_BYTES // 4  # sfa's column stride: M rounded up to 16 bytes of fp32 (get_tma_aligned_size)
 
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
@@ -66,7 +67,7 @@ def prepare_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int,
     from deep_gemm import transform_sf_into_required_layout
 
     def convert():
-        sfa = transform_sf_into_required_layout(sf=scale_a, mn=m, k=k, recipe=RECIPE, is_sfa=True)
+        sfa = transform_sf_into_required_layout(sf=_sfa_source(scale_a, m), mn=m, k=k, recipe=RECIPE, is_sfa=True)
         # SM90's sfb must be contiguous (or transposed-contiguous): check_sf_layout's sm90_sfb_check.
         sfb = transform_sf_into_required_layout(sf=scale_b.contiguous(), mn=n, k=k, recipe=RECIPE,
                                                 is_sfa=False)
@@ -75,6 +76,17 @@ def prepare_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int,
     # The transpose kernel behind sfa is JIT-compiled per number of K groups.
     return first_calls.run(DEEPGEMM, spec.NAME, ("scale layout", -(-k // spec.BLOCK)),
                            _jit_where(), convert)
+
+
+def _sfa_source(scale_a: torch.Tensor, m: int) -> torch.Tensor:
+    """``scale_a`` in a layout DeepGEMM's sfa transform reads right: already MN-major and TMA-aligned
+    (taken as is), or row-major contiguous (its transpose kernel's input); any other view is copied
+    row-major first. A strided scale_a given to it as is came out wrong (kernelmux check on an H200,
+    0.1.4.post1: outputs near 1e38, the only strided operand that reached the vendor)."""
+    aligned = -(-m // SCALE_ROWS) * SCALE_ROWS
+    if scale_a.is_contiguous() or ((scale_a.stride(0) == 1 or m == 1) and scale_a.stride(1) == aligned):
+        return scale_a
+    return scale_a.contiguous()
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:

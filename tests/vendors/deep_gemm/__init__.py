@@ -46,6 +46,10 @@ def _to_mn_major_tma_aligned(sf):
     mn, groups = sf.shape
     if _is_mn_major_tma_aligned(sf, mn):
         return sf
+    if not sf.is_contiguous():
+        # Observed, not read in the source: on an H200 (kernelmux check, 2026-11-28) a strided sfa gave
+        # outputs near 1e38, as a transpose kernel reading the buffer as row-major would. Modelled so.
+        sf = torch.as_strided(sf, sf.shape, (groups, 1), sf.storage_offset())
     out = torch.empty_strided((mn, groups), (1, _tma_aligned_size(mn, 4)), dtype=sf.dtype, device=sf.device)
     out.copy_(sf)
     return out
