@@ -1,7 +1,8 @@
 """How every built-in backend registers: one table of ``Entry`` rows, one per op, turned into
 ``Implementation`` records by ``implementations``. An op's entry module is
 ``backends/<backend>/<op>.py``, holding the function named after the op and, where the backend
-declines some calls, ``supports(key, platform)``; it is imported when the backend's hook runs at
+declines some calls, ``supports(key, platform)`` (and ``capture_check(key, platform)`` where some
+calls cannot be captured in a CUDA graph); it is imported when the backend's hook runs at
 engine startup, never when kernelmux itself is imported. A ``Gap`` row names an op the backend's
 library has no kernel for, and why, so `kernelmux explain` says it instead of saying nothing."""
 
@@ -94,6 +95,7 @@ def implementations(backend: str, package: str, defaults: Defaults,
             backend=backend,
             fn=getattr(module, entry.op),
             supports=getattr(module, "supports", None),
+            capture_check=getattr(module, "capture_check", None),
             spec_version=_SPECS[entry.op].version,
             description=entry.description,
             **fields,

@@ -13,7 +13,8 @@ which is reported, not failed):
   elements (declined: the integer tensors alone, the index tensors kernels read by stride);
   accepted, the outputs must match the reference's;
 - ``graph`` (CUDA): captured in a CUDA graph, the inputs refilled with another draw, the outputs
-  poisoned, replayed: the outputs match the reference on the new inputs;
+  poisoned, replayed: the outputs match the reference on the new inputs (declined where the
+  implementation's ``capture_check`` says the call cannot be captured: the engine runs another);
 
 and per op, on its first case the implementation accepts, through ``kernelmux.ops`` with the backend
 preferred: ``compile`` (``torch.compile(fullgraph=True)``) and ``opcheck`` (torch.library.opcheck's
@@ -32,7 +33,7 @@ import torch
 
 import kernelmux.engine as engine_module
 from kernelmux.engine import Engine, Settings, configure
-from kernelmux.engine._engine import output_problem
+from kernelmux.engine._engine import capture_problem, output_problem
 from kernelmux.errors import ConfigurationError
 from kernelmux.platforms import detect
 from kernelmux.specs import ALL_SPECS
@@ -250,6 +251,9 @@ class _Checker:
 
     def _graph(self, impl, case, kwargs: Mapping[str, Any]) -> Finding:
         spec = self.specs[impl.op]
+        why = capture_problem(impl, spec.validate(**kwargs), self.platform)
+        if why is not None:  # declared: under capture the engine runs another implementation
+            return Finding(impl.op, impl.backend, case.name, "graph", DECLINED, f"cannot be captured: {why}")
         if self.device != "cuda":
             return Finding(impl.op, impl.backend, case.name, "graph", SKIPPED, "CUDA graphs need a CUDA device")
         fresh = case.build(self.device, self.seed + 1)

@@ -59,28 +59,42 @@ class Decision:
     answers: tuple[tuple[str, str | None], ...]  # (backend, None if accepted else reason)
     platform: str = ""  # the platform the key was decided for (Platform.describe())
     tuned: str = ""  # the tuning table's measurement that ordered the candidates ("" : priorities)
+    capture: str = ""  # what runs instead under CUDA-graph capture, and why ("" : the chosen one)
 
 
 class _Choice(NamedTuple):
-    """A dispatch key's cached outcome: the function to run and who provides it."""
+    """A dispatch key's cached outcome: the function to run and who provides it, and the choice a
+    call captured in a CUDA graph takes instead (None: this one captures)."""
 
     fn: Callable[..., Any]
     backend: str
     plugin: str
+    under_capture: "_Choice | None" = None
 
 
-def _ask(impl: Implementation, key: Any, platform: Platform) -> str | None:
-    """``impl.supports(key, platform)``, with anything it raises or returns amiss as its reason to
-    decline: a buggy supports() must not crash calls (KeyboardInterrupt still propagates)."""
+def _ask(impl: Implementation, key: Any, platform: Platform, role: str = "supports") -> str | None:
+    """``impl.supports(key, platform)`` (or its ``capture_check``), with anything it raises or
+    returns amiss as its reason to decline: a buggy plugin function must not crash calls
+    (KeyboardInterrupt still propagates)."""
     try:
-        reason = impl.supports(key, platform)  # type: ignore[misc]
+        reason = getattr(impl, role)(key, platform)
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # noqa: BLE001 - SystemExit included: a plugin must not end the host
-        return f"supports() raised {type(error).__name__}: {error}"
+        return f"{role}() raised {type(error).__name__}: {error}"
     if reason is not None and not isinstance(reason, str):
-        return f"supports() returned {reason!r}; it must return None (accept) or a reason string (decline)"
+        return f"{role}() returned {reason!r}; it must return None (accept) or a reason string (decline)"
     return reason
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (a build without CUDA raises if asked)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def capture_problem(impl: Implementation, key: Any, platform: Platform) -> str | None:
+    """Why a call of ``impl`` with ``key`` cannot be captured in a CUDA graph (None: it can)."""
+    return None if impl.capture_check is None else _ask(impl, key, platform, "capture_check")
 
 
 def output_problem(actual: Any, expected: Any, where: str = "output") -> str | None:
@@ -172,6 +186,8 @@ class Dispatcher:
                 if len(self._known) >= _FINGERPRINTS:
                     self._known.clear()
                 self._known[fingerprint] = choice
+        if choice.under_capture is not None and _capturing():
+            choice = choice.under_capture  # asked only where the choice cannot be captured itself
         try:
             return choice.fn(*args, **kwargs)
         except Exception as error:
@@ -182,10 +198,15 @@ class Dispatcher:
 
     def resolve(self, *args: Any, **kwargs: Any) -> Callable[..., Any]:
         """Validate once and return the implementation function this call would run (called
-        directly, it is not wrapped: what it raises reaches the caller as is)."""
+        directly, it is not wrapped: what it raises reaches the caller as is). Resolved while a
+        CUDA graph is being captured, it is the function that can be captured."""
         key = self._validate(*args, **kwargs)
         choice = self._cache.get(key)
-        return (choice if choice is not None else self._select(key)).fn
+        if choice is None:
+            choice = self._select(key)
+        if choice.under_capture is not None and _capturing():
+            choice = choice.under_capture
+        return choice.fn
 
     @property
     def decisions(self) -> dict[Hashable, Decision]:
@@ -242,6 +263,20 @@ class Dispatcher:
         unmeasured = [a for a in rest if a[0].backend not in times]
         return preferred + tied + slower + unmeasured, measurement.describe(exact)
 
+    @staticmethod
+    def capture_plan(answers: list[tuple[Implementation, str | None]], key: Any, platform: Platform
+                     ) -> tuple[Implementation | None, str]:
+        """Where the first implementation of ``answers`` that accepts cannot be captured in a CUDA
+        graph: the next one that accepts and can be (None: none can), and what to report; else
+        ``(None, "")``."""
+        accepting = [impl for impl, reason in answers if reason is None]
+        why = capture_problem(accepting[0], key, platform) if accepting else None
+        if why is None:
+            return None, ""
+        instead = next((impl for impl in accepting[1:] if capture_problem(impl, key, platform) is None), None)
+        return instead, (f"under CUDA-graph capture {instead.backend if instead else 'still ' + accepting[0].backend}"
+                         f" ({accepting[0].backend} cannot be captured: {why})")
+
     def _select(self, key: Hashable) -> _Choice:
         with self._lock:
             choice = self._cache.get(key)
@@ -253,8 +288,10 @@ class Dispatcher:
             summary = tuple((impl.backend, reason) for impl, reason in answers)
             spec = self.table.spec
             if chosen is not None:
-                choice = _Choice(chosen.fn, chosen.backend, chosen.plugin)
-                self._decisions[key] = Decision(chosen.backend, False, summary, platform.describe(), tuned)
+                instead, capture = self.capture_plan(answers, key, platform)
+                choice = _Choice(chosen.fn, chosen.backend, chosen.plugin,
+                                 _Choice(instead.fn, instead.backend, instead.plugin) if instead else None)
+                self._decisions[key] = Decision(chosen.backend, False, summary, platform.describe(), tuned, capture)
             else:
                 declined = [(b, r or "") for b, r in summary] + [
                     (impl.backend, f"rejected at startup: {why}")
@@ -458,8 +495,19 @@ class Engine:
     def explain_tuned(self, op: str, kwargs: Mapping[str, Any]
                       ) -> tuple[list[tuple[Implementation, str | None]], str]:
         """``explain``, and the tuning table's measurement that ordered it ("" : the priorities)."""
+        dispatcher, key, platform = self._explained(op, kwargs)
+        return dispatcher.ordered_answers(key, platform)
+
+    def explain_capture(self, op: str, kwargs: Mapping[str, Any]) -> str:
+        """What a call with ``kwargs`` runs instead under CUDA-graph capture, and why ("" : the same)."""
+        dispatcher, key, platform = self._explained(op, kwargs)
+        return dispatcher.capture_plan(dispatcher.ordered_answers(key, platform)[0], key, platform)[1]
+
+    def _explained(self, op: str, kwargs: Mapping[str, Any]) -> tuple[Dispatcher, Any, Platform]:
+        """The dispatcher, key and platform ``explain`` asks about. On a simulated platform the
+        inputs live on this machine but the key says they are on the simulated device."""
         dispatcher = self.dispatcher(op)
         key = dispatcher.table.spec.validate(**kwargs)
         if self.platform.simulated:
             key = key._replace(device=self.platform.device)
-        return dispatcher.ordered_answers(key, self.platform_for(key.device))
+        return dispatcher, key, self.platform_for(key.device)

@@ -54,6 +54,7 @@ def report(engine: "Engine") -> dict[str, Any]:
                     "answers": [{"backend": b, "reason": r} for b, r in decision.answers],
                     "platform": decision.platform,
                     "tuned": decision.tuned,
+                    "capture": decision.capture,
                 }
                 for key, decision in dispatcher.decisions.items()  # a snapshot: safe while others dispatch
             ],
@@ -188,6 +189,7 @@ def explain_report(
         result["answers"] = [{"backend": impl.backend, "reason": reason} for impl, reason in answers]
         result["chosen"] = chosen or "reference (fallback)"
         result["tuned"] = tuned
+        result["capture"] = engine.explain_capture(op, kwargs)
     else:
         result["chosen"] = entry["chosen"]
     return result
@@ -217,6 +219,7 @@ def render_explain(data: Mapping[str, Any]) -> Any:
         f", case {data['case']}" if data["case"] else " (no case: static selection only)",
         "\nchosen: ", (data["chosen"], "bold green"),
         "\nordered by: " + _order(data),
+        f"\n{data['capture']}" if data.get("capture") else "",
     )
     table = Table()
     for column in ("backend", "implementation", "stage", "verdict"):

@@ -107,6 +107,9 @@ class Implementation:
     - ``packages``: import names it needs; a missing one rejects it with a pip hint.
     - ``priority``: higher runs first among viable implementations, after user preferences.
     - ``jit``: where its first call per variant compiles to (``JitCache``), or None.
+    - ``capture_check``, if given: ``capture_check(key, platform)`` returns None when a call with that
+      key can be captured in a CUDA graph, else why not (a host-side plan per call). Under capture the
+      engine runs the next candidate that accepts the call and can be captured instead.
     """
 
     op: str
@@ -121,6 +124,7 @@ class Implementation:
     static_check: StaticCheckFn | None = None
     description: str = ""
     jit: JitCache | None = None  # None: nothing compiles at the first call
+    capture_check: SupportsFn | None = None  # None: every call it accepts can be captured
     plugin: str = field(default="", compare=False)  # filled in by the registry
 
     def __post_init__(self) -> None:
@@ -131,7 +135,7 @@ class Implementation:
             problems.append(f"backend must be a non-empty str, got {self.backend!r}")
         if not callable(self.fn):
             problems.append(f"fn must be callable, got {type(self.fn).__name__}")
-        for role in ("supports", "static_check"):
+        for role in ("supports", "static_check", "capture_check"):
             value = getattr(self, role)
             if value is not None and not callable(value):
                 problems.append(f"{role} must be callable or None, got {type(value).__name__}")

@@ -9,7 +9,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-__all__ = ["PageLists", "page_lists", "refuse_capture", "workspace", "wrapper"]
+__all__ = ["HOST_PLAN", "PageLists", "page_lists", "refuse_capture", "workspace", "wrapper"]
 
 # FlashInfer's examples and vLLM size the float workspace of its wrappers at 128 MiB; xqa keeps its
 # 8 MiB of semaphores at the front of its own buffer, which must start zeroed and stay its own.
@@ -70,11 +70,14 @@ def wrapper(device: torch.device, purpose: str, make: Callable[[torch.Tensor], A
     return found
 
 
+# Why FlashInfer's planned wrappers cannot run inside a CUDA graph (their capture_check's answer).
+HOST_PLAN = ("FlashInfer's wrapper plans on the host at every call (it copies the batch description to the CPU), "
+             "which a CUDA graph cannot hold")
+
+
 def refuse_capture(what: str) -> None:
-    """Raise when the current stream is capturing a CUDA graph: FlashInfer's wrappers plan on the
-    host at every call (they copy the batch description to the CPU), which a graph cannot hold."""
+    """Raise when the current stream is capturing a CUDA graph (HOST_PLAN). The engine runs another
+    implementation under capture (``capture_check``); this stops a function resolved outside one."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"{what} plans on the host at every call (FlashInfer's wrapper copies the batch description to "
-            "the CPU), which cannot be captured in a CUDA graph; capture with another backend preferred "
-            "for this op (KERNELMUX_PREFER) or run this batch eagerly")
+        raise RuntimeError(f"{what}: {HOST_PLAN}; capture with another backend preferred for this op "
+                           "(KERNELMUX_PREFER) or run this batch eagerly")

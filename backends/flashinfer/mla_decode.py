@@ -13,7 +13,7 @@ import torch
 
 from kernelmux.backends._vendor import first_calls
 from kernelmux.backends.flashinfer import FLASHINFER
-from kernelmux.backends.flashinfer._paged import page_lists, refuse_capture, workspace, wrapper
+from kernelmux.backends.flashinfer._paged import HOST_PLAN, page_lists, refuse_capture, workspace, wrapper
 from kernelmux.platforms import Platform
 from kernelmux.specs import mla_decode as spec
 
@@ -98,6 +98,12 @@ def _capability(device: torch.device) -> tuple[int, int]:
     if device.type != "cuda":
         return (0, 0)
     return torch.cuda.get_device_capability(device)
+
+
+def capture_check(key: spec.Key, platform: Platform) -> Optional[str]:
+    """The trtllm entry points of sm_100/sm_120 plan nothing and can be captured in a CUDA graph;
+    elsewhere BatchMLAPagedAttentionWrapper plans on the host at every call."""
+    return None if (platform.capability or (0, 0))[0] in TRTLLM_BACKENDS else f"BatchMLAPagedAttentionWrapper: {HOST_PLAN}"
 
 
 def metadata(kwargs: Mapping[str, Any]) -> Any:

@@ -11,7 +11,7 @@ import torch
 
 from kernelmux.backends._vendor import first_calls
 from kernelmux.backends.flashinfer import FLASHINFER
-from kernelmux.backends.flashinfer._paged import page_lists, refuse_capture, workspace, wrapper
+from kernelmux.backends.flashinfer._paged import HOST_PLAN, page_lists, refuse_capture, workspace, wrapper
 from kernelmux.platforms import Platform
 from kernelmux.specs import paged_attention as spec
 
@@ -74,6 +74,12 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
         # xqa (xqa_wrapper.cu) and the fa2 prefill address V with K's strides.
         return "k_cache and v_cache with the same strides only (xqa and fa2 address both with K's)"
     return decode_reason(key, platform) if key.decode else prefill_reason(key, platform)
+
+
+def capture_check(key: spec.Key, platform: Platform) -> Optional[str]:
+    """Decode batches (xqa on the block table, no plan) can be captured in a CUDA graph; prefill
+    batches plan the wrapper on the host at every call."""
+    return None if key.decode or key.max_query_len_class == 0 else f"prefill: {HOST_PLAN}"
 
 
 def metadata(kwargs: Mapping[str, Any]) -> Any:

@@ -4,6 +4,7 @@ pytest fixture report the same."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from kernelmux import cli
-from kernelmux.conformance import CASE_CHECKS, FAIL, PASS, SKIPPED, check
+from kernelmux.conformance import CASE_CHECKS, DECLINED, FAIL, PASS, SKIPPED, check
 from kernelmux.conformance.pytest_plugin import assert_conforms
 from kernelmux.errors import ConfigurationError
 from kernelmux.registry import Implementation, hookimpl
@@ -66,7 +67,10 @@ class _Broken:
     def kernelmux_implementations(self):
         return [_impl("good", SPEC.reference), _impl("wrong_values", _doubled), _impl("wrong_dtype", _int64_ids),
                 _impl("ignores_strides", _assumes_contiguous), _impl("host_bound", _on_the_host),
-                _impl("wrong_on_softmax", _wrong_on_softmax)]
+                _impl("wrong_on_softmax", _wrong_on_softmax),
+                # The same host round trip, declared: capture_check names it, so the engine never captures it.
+                dataclasses.replace(_impl("host_bound_declared", _on_the_host),
+                                    capture_check=lambda key, platform: "copies the logits to the host")]
 
 
 PLUGINS = {"broken_for_the_kit": _Broken()}
@@ -115,6 +119,14 @@ def test_ignored_strides_pass_contiguous_inputs_and_fail_strided_ones():
 def test_a_host_round_trip_fails_graph_replay_only():
     report = _kit("host_bound")
     assert report.failures and {f.check for f in report.failures} == {"graph"}
+
+
+def test_a_declared_host_round_trip_is_declined_by_the_graph_check_not_failed():
+    report = _kit("host_bound_declared")
+    assert report.failures == []
+    graph = [f for f in report.findings if f.check == "graph"]
+    assert graph and all(f.status == DECLINED and "cannot be captured: copies the logits to the host" in f.message
+                         for f in graph)
 
 
 def test_unknown_names_are_configuration_errors():

@@ -439,3 +439,74 @@ def test_the_simulation_variable_is_read_once_by_the_engine(monkeypatch):
     monkeypatch.setenv("KERNELMUX_PLATFORM", "sm_100")
     assert (engine.platform.arch, engine.platform.simulated) == ("gfx950", True)
     assert engine.platform_for(torch.device("cpu")).arch == "gfx950"
+
+
+# An implementation that declares some calls cannot be captured in a CUDA graph (capture_check)
+
+
+def _capture(monkeypatch, capturing: bool = True):
+    """The current stream capturing a CUDA graph, as far as the engine can tell."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+
+
+def _planned(counter: Counter, priority: int = 5, why: str = "plans on the host at every call"):
+    """An implementation whose calls cannot be captured (as FlashInfer's planned wrappers)."""
+    return dataclasses.replace(fake_impl("planned", counter, priority=priority), capture_check=lambda key, platform: why)
+
+
+def test_under_capture_the_next_capturable_candidate_runs(monkeypatch):
+    planned, graphable = Counter(), Counter()
+    engine = _engine(_planned(planned), fake_impl("graphable", graphable, priority=1))
+    _call(engine)
+    assert (planned.calls, graphable.calls) == (1, 0)
+    _capture(monkeypatch, capturing=False)
+    _call(engine)
+    assert (planned.calls, graphable.calls) == (2, 0)
+    _capture(monkeypatch)
+    _call(engine)  # the same key, cached: the capture check happens per call
+    assert (planned.calls, graphable.calls) == (2, 1)
+    kwargs = SPEC.case("small_sigmoid_bias").build()
+    engine.resolve("grouped_topk", **kwargs)(**kwargs)  # resolved during capture: the capturable one
+    assert graphable.calls == 2
+    [decision] = engine.dispatchers["grouped_topk"].decisions.values()
+    assert decision.backend == "planned"
+    assert decision.capture == "under CUDA-graph capture graphable (planned cannot be captured: " \
+                               "plans on the host at every call)"
+    assert engine.explain_capture("grouped_topk", kwargs) == decision.capture
+    assert report(engine)["ops"][0]["calls"][0]["capture"] == decision.capture
+
+
+def test_with_no_capturable_candidate_the_chosen_one_runs_and_says_so(monkeypatch):
+    planned = Counter()
+    engine = _engine(_planned(planned))
+    _capture(monkeypatch)
+    _call(engine)
+    assert planned.calls == 1  # its own refusal, if any, is what the caller sees
+    [decision] = engine.dispatchers["grouped_topk"].decisions.values()
+    assert decision.capture.startswith("under CUDA-graph capture still planned (planned cannot be captured")
+
+
+def test_a_capture_check_that_raises_counts_as_cannot_capture(monkeypatch):
+    def broken(key, platform):
+        raise KeyError("width")
+
+    planned, graphable = Counter(), Counter()
+    engine = _engine(dataclasses.replace(fake_impl("planned", planned, priority=5), capture_check=broken),
+                     fake_impl("graphable", graphable, priority=1))
+    _capture(monkeypatch)
+    _call(engine)
+    assert (planned.calls, graphable.calls) == (0, 1)
+    [decision] = engine.dispatchers["grouped_topk"].decisions.values()
+    assert "capture_check() raised KeyError" in decision.capture
+
+
+def test_a_capturable_choice_never_asks_whether_the_stream_captures(monkeypatch):
+    def asked():
+        raise AssertionError("the engine asked whether the stream captures")
+
+    engine = _engine(fake_impl("plain", Counter()))
+    monkeypatch.setattr(torch.cuda, "is_available", asked)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", asked)
+    _call(engine)
+    _call(engine)

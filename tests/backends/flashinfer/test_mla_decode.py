@@ -136,9 +136,18 @@ def test_one_wrapper_is_planned_at_every_call(vendor):
 def test_the_wrapper_refuses_capture(vendor, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="flashinfer's MLA wrapper plans on the host at every call"):
+    with pytest.raises(RuntimeError, match="flashinfer's MLA wrapper: FlashInfer's wrapper plans on the host at every call"):
         adapter.mla_decode(**_batch(**BATCHES["fp16"]))
     assert vendor.CALLS == []
+
+
+@pytest.mark.parametrize("platform, capturable", [("sm_90", False), ("sm_80", False), ("sm_100", True),
+                                                   ("sm_120", True)])
+def test_capture_check_follows_the_entry_point(platform, capturable):
+    # The wrapper (sm_80/sm_90) plans per call; the trtllm entry points (sm_100, sm_120) plan nothing.
+    reason = ask(adapter.capture_check, spec.SPEC, _batch(**BATCHES["fp16"]), simulate(platform))
+    assert (reason is None) == capturable
+    assert capturable or _paged.HOST_PLAN in reason
 
 
 def _kwargs(**changes):

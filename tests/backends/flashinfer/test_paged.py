@@ -76,8 +76,8 @@ def test_refuse_capture_says_why_and_how_to_avoid_it(monkeypatch):
     with pytest.raises(RuntimeError) as raised:
         _paged.refuse_capture("flashinfer's paged prefill")
     message = str(raised.value)
-    assert message.startswith("flashinfer's paged prefill plans on the host at every call")
-    assert "cannot be captured in a CUDA graph" in message
+    assert message.startswith(f"flashinfer's paged prefill: {_paged.HOST_PLAN}")
+    assert "which a CUDA graph cannot hold" in message
     assert "KERNELMUX_PREFER" in message and "run this batch eagerly" in message
 
 

@@ -255,10 +255,16 @@ def test_one_prefill_wrapper_is_planned_at_every_call(vendor):
 def test_prefill_refuses_capture_and_decode_does_not(vendor, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="flashinfer's paged prefill plans on the host at every call"):
+    with pytest.raises(RuntimeError, match="flashinfer's paged prefill: FlashInfer's wrapper plans on the host at every call"):
         adapter.paged_attention(**_batch(**PREFILL_BATCHES["non_causal"]))
     assert vendor.prefill.CALLS == []
     _check(vendor, _batch(**DECODE_BATCHES["sinks"]), "decode")  # xqa reads the block table itself
+
+
+def test_capture_check_declares_prefill_and_not_decode():
+    # The engine runs another implementation for a prefill batch captured in a CUDA graph.
+    assert _paged.HOST_PLAN in ask(adapter.capture_check, spec.SPEC, _batch(**PREFILL_BATCHES["non_causal"]), SM90)
+    assert ask(adapter.capture_check, spec.SPEC, _batch(**DECODE_BATCHES["sinks"]), SM90) is None
 
 
 def _kwargs(q_lens=(1, 1), kv_lens=(20, 9), num_heads=8, num_kv_heads=2, head_dim=64, **options):
