@@ -86,23 +86,24 @@ def _every_op(run):
 def test_record_writes_the_runs_device_baseline_and_the_readme_tables(tmp_path, monkeypatch):
     baselines, readme = _recording_into(tmp_path, monkeypatch)
     run = _every_op(json.loads((baselines / "h100.json").read_text()))
-    run["environment"].update(device_name="NVIDIA H200", commit="feedbee")
+    run["environment"].update(device_name="NVIDIA B200", commit="feedbee")  # a device with no baseline yet
     (tmp_path / "run.json").write_text(json.dumps(run))
+    assert not (baselines / "b200.json").exists()
     assert cli.main(["bench", "--load", str(tmp_path / "run.json"), "--record"]) == 0
-    assert json.loads((baselines / "h200.json").read_text()) == run
-    assert "# kernelmux bench: NVIDIA H200" in (baselines / "h200.md").read_text()
-    assert "### h200: NVIDIA H200, bench feedbee" in readme.read_text()
+    assert json.loads((baselines / "b200.json").read_text()) == run
+    assert "# kernelmux bench: NVIDIA B200" in (baselines / "b200.md").read_text()
+    assert "### b200: NVIDIA B200, bench feedbee" in readme.read_text()
 
 
 def test_record_refuses_a_partial_run(tmp_path, monkeypatch, capsys):
     baselines, _ = _recording_into(tmp_path, monkeypatch)
     run = json.loads((baselines / "h100.json").read_text())
     run["rows"] = [r for r in run["rows"] if r["op"] == "grouped_topk"]
-    run["environment"]["device_name"] = "NVIDIA H200"
+    run["environment"]["device_name"] = "NVIDIA B200"
     (tmp_path / "run.json").write_text(json.dumps(run))
     assert cli.main(["bench", "--load", str(tmp_path / "run.json"), "--record"]) == 1
     assert "not recorded: a baseline covers every op" in capsys.readouterr().err
-    assert not (baselines / "h200.json").exists()
+    assert not (baselines / "b200.json").exists()
 
 
 def test_compare_without_a_file_reads_this_devices_baseline(tmp_path, monkeypatch, capsys):
