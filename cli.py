@@ -37,7 +37,7 @@ def _print(renderable) -> None:
 def _info(args: argparse.Namespace) -> int:
     from kernelmux.engine.report import render_report, report
 
-    data = report(_engine(args.platform))
+    data = report(_engine(args.platform), cache_usage=True)
     if args.json:
         print(json.dumps(data, indent=2))
     else:
@@ -122,7 +122,7 @@ def _warmup(args: argparse.Namespace) -> int:
     engine = current()
     cases = args.cases
     if args.tuned:
-        cases = sorted({case for m in engine.tuning.measurements() for case in m.case.split(", ")})
+        cases = sorted({case for m in engine.tuning.measurements() for case in m.cases})
         if not cases:
             return _usage_error("--tuned: no tuning table measured this device (kernelmux tune makes one)")
     start = time.perf_counter()

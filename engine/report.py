@@ -32,8 +32,8 @@ def _impl_json(impl: "Implementation") -> dict[str, Any]:
     }
 
 
-def report(engine: "Engine") -> dict[str, Any]:
-    """The report as JSON-ready data."""
+def report(engine: "Engine", cache_usage: bool = False) -> dict[str, Any]:
+    """The report as JSON-ready data; ``cache_usage`` adds each compile cache's files and bytes."""
     from kernelmux.engine.warm_start import warm_state
 
     registry = engine.registry
@@ -87,7 +87,7 @@ def report(engine: "Engine") -> dict[str, Any]:
         ],
         "tuning": {"tables": list(engine.tuning.sources), "notes": list(engine.tuning.notes),
                    "measurements": len(engine.tuning.measurements())},
-        "warm_start": warm_state(engine),
+        "warm_start": warm_state(engine, cache_usage),
         "ops": ops,
     }
 
@@ -111,7 +111,8 @@ def _render_warm_start(warm: Mapping[str, Any]) -> Any:
     if not any(warm["ops"].values()):
         table.add_row("-", "-", "no implementation viable here compiles at its first call", "-")
     for cache in warm["caches"]:
-        state = (f"{cache['files']} files, {cache['bytes'] / 2**20:.1f} MiB" if cache["exists"] else "empty")
+        state = ("empty" if not cache["exists"] else f"{cache['files']} files, {cache['bytes'] / 2**20:.1f} MiB"
+                 if "files" in cache else "present")
         table.caption += escape(f"\n{cache['name']} ({', '.join(cache['backends'])}): {cache['directory']}: {state}")
     return table
 

@@ -58,6 +58,7 @@ VENDOR_DISTRIBUTIONS = ("amd-aiter", "apache-tvm-ffi", "flashinfer-python", "nvi
                         "vllm-xpu-kernels")
 _CLASS, _LAYOUT = "_class", "_layout"
 TIE = 0.03  # implementations within 3% of a bucket's fastest are tied: priority orders them
+CASE_SEPARATOR = ", "  # a measurement of cases sharing one bucket names them all, joined by this
 
 
 def shipped_dir() -> Path:
@@ -156,10 +157,15 @@ class Measurement:
 
     op: str
     bucket: Mapping[str, Any]
-    case: str  # the spec case measured
+    case: str  # the spec cases measured, joined by CASE_SEPARATOR where several share the bucket
     times_us: Mapping[str, float]  # backend -> median microseconds
     source: str  # the table's file
     commit: str = ""
+
+    @property
+    def cases(self) -> tuple[str, ...]:
+        """The spec cases measured."""
+        return tuple(self.case.split(CASE_SEPARATOR))
 
     @property
     def ranking(self) -> tuple[str, ...]:
@@ -274,7 +280,7 @@ def make_table(rows: Iterable[Mapping[str, Any]], buckets: Mapping[tuple[str, st
         if len(common) < 2:
             continue
         mean = {b: round(math.exp(sum(math.log(t[b]) for _, t in cases) / len(cases)), 3) for b in sorted(common)}
-        measurements.append({"op": op, "case": ", ".join(case for case, _ in cases), "bucket": json.loads(key),
-                             "times_us": mean})
+        measurements.append({"op": op, "case": CASE_SEPARATOR.join(case for case, _ in cases),
+                             "bucket": json.loads(key), "times_us": mean})
     return {"schema": SCHEMA, "device": dict(identity), "versions": dict(installed), "commit": commit,
             "timestamp": timestamp, "measurements": measurements}

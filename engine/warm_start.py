@@ -20,6 +20,7 @@ import torch
 from kernelmux.engine import tuning
 from kernelmux.engine.settings import cache_root
 from kernelmux.errors import ConfigurationError, UnknownOpError
+from kernelmux.platforms import synchronize
 
 if TYPE_CHECKING:
     from kernelmux.engine._engine import Engine
@@ -68,16 +69,7 @@ def read_record(engine: "Engine") -> Optional[dict[str, Any]]:
 def _cases(spec: "OpSpec", device: torch.device, names: Optional[set[str]], quick: bool) -> list["Case"]:
     if names is not None:
         return [c for c in spec.cases if c.name in names]
-    wanted = {"model", "quick"} if quick else {"model"}
-    # GB-sized perf shapes are an accelerator's: the CPU warms the others.
-    return [c for c in spec.cases if wanted <= c.tags and not (device.type == "cpu" and "gpu" in c.tags)]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xpu":
-        torch.xpu.synchronize(device)
+    return spec.model_cases(quick, device.type)
 
 
 def _seconds(s: float) -> str:
@@ -87,7 +79,7 @@ def _seconds(s: float) -> str:
 def _timed(call: Callable[[], Any], device: torch.device) -> float:
     start = time.perf_counter()
     call()
-    _sync(device)
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -161,9 +153,10 @@ def _write_record(engine: "Engine", warmed: list[Warmed]) -> None:
         pass
 
 
-def jit_caches(engine: "Engine") -> list[dict[str, Any]]:
+def jit_caches(engine: "Engine", usage: bool = False) -> list[dict[str, Any]]:
     """Every compile cache the viable implementations here use: its directory, whether it exists,
-    its files and bytes."""
+    and with ``usage`` its files and bytes (a walk of the directory: for ``kernelmux info``, not for
+    every ``kernelmux.report()``)."""
     seen: dict[tuple[str, str], dict[str, Any]] = {}
     for table in engine.tables.values():
         for candidate in table.candidates:
@@ -172,7 +165,8 @@ def jit_caches(engine: "Engine") -> list[dict[str, Any]]:
                 continue
             directory = jit.directory()
             entry = seen.setdefault((jit.name, directory), {
-                "name": jit.name, "directory": directory, "backends": [], **_usage(directory)})
+                "name": jit.name, "directory": directory, "backends": [],
+                **(_usage(directory) if usage else {"exists": Path(directory).expanduser().is_dir()})})
             if candidate.impl.backend not in entry["backends"]:
                 entry["backends"].append(candidate.impl.backend)
     return list(seen.values())
@@ -193,7 +187,7 @@ def _usage(directory: str) -> dict[str, Any]:
     return {"exists": True, "files": files, "bytes": size}
 
 
-def warm_state(engine: "Engine") -> dict[str, Any]:
+def warm_state(engine: "Engine", cache_usage: bool = False) -> dict[str, Any]:
     """What the first calls here would compile: per op, each viable implementation that compiles at
     its first call, the JIT it compiles with and the buckets ``kernelmux warmup`` warmed for it with
     these versions (a bucket not warmed compiles at its first call, and so does every bucket after a
@@ -215,4 +209,4 @@ def warm_state(engine: "Engine") -> dict[str, Any]:
         ops[name] = [{"backend": impl.backend, "jit": impl.jit.name, "variant": impl.jit.variant,
                       "warmed_buckets": warmed.get((name, impl.backend), 0)} for impl in with_jit]
     return {"record": str(record_path(engine) or ""), "current": current, "note": note,
-            "caches": [] if simulated else jit_caches(engine), "ops": ops}
+            "caches": [] if simulated else jit_caches(engine, cache_usage), "ops": ops}

@@ -18,6 +18,7 @@ from kernelmux.backends._vendor import first_calls
 from kernelmux.engine import Engine, Settings
 from kernelmux.engine import tuning
 from kernelmux.engine.report import distribution_version
+from kernelmux.platforms import synchronize
 from kernelmux.specs import ALL_SPECS
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf import records
@@ -146,9 +147,7 @@ def _cases(spec, plan: Plan):
     if plan.cases:
         known = {c.name for c in spec.cases}
         return [spec.case(name) for name in plan.cases if name in known]
-    wanted = {"model", "quick"} if plan.quick else {"model"}
-    # gpu-tagged shapes (GB-sized caches) would take minutes per row on a CPU: named only.
-    return [c for c in spec.cases if wanted <= c.tags and not (plan.device == "cpu" and "gpu" in c.tags)]
+    return spec.model_cases(plan.quick, plan.device)
 
 
 def _implementations(engine: Engine, op: str, plan: Plan) -> list[tuple[str, Callable[..., Any]]]:
@@ -167,11 +166,6 @@ def _implementations(engine: Engine, op: str, plan: Plan) -> list[tuple[str, Cal
             continue
         impls.append((impl.backend, impl.fn))
     return impls
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 WALL_PHASES = ("ceilings", "inputs", "reference_check", "reference_timing", "implementation_check",
@@ -230,7 +224,7 @@ def run(
         since = lap("inputs", since)
         ref_kwargs = _clone(kwargs)  # in-place ops: outputs() reads the arguments the call wrote
         expected = spec.outputs(spec.reference(**ref_kwargs), ref_kwargs)
-        _sync(plan.device)
+        synchronize(plan.device)
         reference_call_s = time.perf_counter() - since
         since = lap("reference_check", since)
         cost = spec.cost(kwargs)

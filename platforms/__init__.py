@@ -2,6 +2,6 @@
 its detection through the hardware probes (``probes``), and simulation for "what would run on X?"."""
 
 from kernelmux.platforms import probes
-from kernelmux.platforms._platform import Feature, Platform, PlatformKind, detect, simulate
+from kernelmux.platforms._platform import Feature, Platform, PlatformKind, detect, simulate, synchronize
 
-__all__ = ["Feature", "Platform", "PlatformKind", "detect", "probes", "simulate"]
+__all__ = ["Feature", "Platform", "PlatformKind", "detect", "probes", "simulate", "synchronize"]

@@ -18,6 +18,7 @@ __all__ = [
     "PlatformKind",
     "detect",
     "simulate",
+    "synchronize",
 ]
 
 class PlatformKind(str, enum.Enum):
@@ -166,6 +167,15 @@ def _cpu_features(arch: str, flags: Iterable[str]) -> frozenset[Feature]:
     if arch == "aarch64" and {Feature.DOTPROD, Feature.I8MM} <= features:
         features.add(Feature.KLEIDIAI)
     return frozenset(features)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on ``device`` (nothing to wait for on a CPU)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "xpu":
+        torch.xpu.synchronize(device)
 
 
 def detect(device: torch.device | str | int | None = None, probes: Any = None) -> Platform:

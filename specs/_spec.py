@@ -153,3 +153,10 @@ class OpSpec:
 
     def cases_tagged(self, tag: str) -> tuple[Case, ...]:
         return tuple(case for case in self.cases if tag in case.tags)
+
+    def model_cases(self, quick: bool, device_type: str) -> list[Case]:
+        """The cases the bench and ``kernelmux warmup`` run by default: the model cases (with
+        ``quick``, those also tagged quick), less the gpu-tagged (GB-sized) ones on a CPU, which
+        would take minutes per call there."""
+        wanted = {"model", "quick"} if quick else {"model"}
+        return [c for c in self.cases if wanted <= c.tags and not (device_type == "cpu" and "gpu" in c.tags)]

@@ -93,9 +93,12 @@ def test_the_caches_are_listed_with_what_they_hold(cache):
     (jit / "sub").mkdir(parents=True)
     (jit / "sub" / "kernel.bin").write_bytes(b"x" * 1000)
     engine = _engine(_jitted("chosen", Counter(), 50, [], str(jit)))
-    (listed,) = warm.jit_caches(engine)
+    (listed,) = warm.jit_caches(engine, usage=True)
     assert listed == {"name": "FakeJIT", "directory": str(jit), "backends": ["chosen"], "exists": True,
                       "files": 1, "bytes": 1000}
+    # Without usage (every kernelmux.report()), the directory is not walked.
+    assert warm.jit_caches(engine) == [{"name": "FakeJIT", "directory": str(jit), "backends": ["chosen"],
+                                        "exists": True}]
 
 
 def test_a_failing_call_is_reported_and_not_recorded(cache):
