@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds of timed calls per row (default 0.5, --quick 0.05; the reference's: at "
                         "most 0.1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deadline", type=float, default=None, metavar="S",
+                        help="start no case after S seconds: the cases left are listed as not run and the run "
+                        "is written (a device call's time limit would otherwise lose all of it)")
 
 
 def _read_run(path: str) -> dict[str, Any]:
@@ -91,6 +94,8 @@ def _record_problem(args: argparse.Namespace, result: dict[str, Any]) -> str | N
         return "a baseline is the full bench: run it without naming ops, --backend or --case"
     if result["method"].get("quick"):
         return "a baseline is the full bench, not --quick"
+    if result.get("not_run"):
+        return f"the run stopped at its deadline before {len(result['not_run'])} case(s); a baseline is a full run"
     missing = sorted({spec.name for spec in ALL_SPECS} - {r["op"] for r in result["rows"]})
     if missing:
         return f"a baseline covers every op; this run lacks {', '.join(missing)}"
@@ -124,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
             ops=args.ops or names, backends=args.backends, cases=args.cases, quick=args.quick,
             baseline=args.baseline, flush_l2=args.flush_l2,
             budget_s=args.budget if args.budget is not None else default_budget_s(args.quick),
-            seed=args.seed, device=device,
+            seed=args.seed, device=device, deadline_s=args.deadline,
         )
         result = run(plan, progress=lambda line: print(line, file=sys.stderr, flush=True), engine=engine)
         _summary(result)

@@ -154,7 +154,8 @@ def selection_line(result: dict[str, Any]) -> str:
     if not selection:
         return ""
     missed = [s for s in selection if s["mismatch"]]
-    text = (f"Selection: on {len(selection) - len(missed)} of {len(selection)} cases with two or more timed rows "
+    not_run = result.get("not_run") or ()
+    text = (f"Stopped at the deadline: {len(not_run)} case(s) not run. " if not_run else "") + (f"Selection: on {len(selection) - len(missed)} of {len(selection)} cases with two or more timed rows "
             "the engine's choice was the fastest (within 3%)")
     if not missed:
         return text + "."

@@ -7,7 +7,7 @@
 #   tests-slow   opcheck/compile tests and Triton launch configs
 #                (tests/test_torch_integration.py, tests/backends/triton) -> pytest_slow.txt
 #   bench        kernelmux bench over every op's model cases ($BENCH_BUDGET s per row if set, $BENCH_TIMEOUT
-#                s in all, default 300)                               -> bench.json, bench.md, bench.log
+#                s in all, default 300; no case started after 3/4 of it) -> bench.json, bench.md, bench.log
 #   tune         the tuning table of the bench before it, into the user's tables -> tuning.json
 #   bench-attention  the same for paged_attention, mla_decode and kv_cache_write only (0.25 s
 #                budget per row)                                     -> bench.json, bench.md, bench.log
@@ -92,8 +92,9 @@ for step in "$@"; do
         (cd /tmp && timeout 420 python3 -m pytest "${slow[@]/#/$repo/}" -q -n 8 --dist loadgroup -p no:cacheprovider \
             -rfE --durations=15 2>&1) | tee "$out/pytest_slow.txt" | tail -25 ;;
     bench)
+        # The deadline (3/4 of the timeout) starts no case late, so the run is written, cut short or not.
         timeout "${BENCH_TIMEOUT:-300}" python3 -m kernelmux bench ${BENCH_BUDGET:+--budget $BENCH_BUDGET} \
-            --json "$out/bench.json" --md "$out/bench.md" 2> "$out/bench.log" | tail -5 ;;
+            --deadline $(( ${BENCH_TIMEOUT:-300} * 3 / 4 )) --json "$out/bench.json" --md "$out/bench.md" 2> "$out/bench.log" | tail -5 ;;
     tune)
         # The tuning table of this call's bench, into the user's tables (so a later bench on this machine
         # orders by it) and $out/tuning.json (for kernelmux tune --load or --ship here).

@@ -39,6 +39,7 @@ __all__ = ["Plan", "REFERENCE_BUDGET_S", "REFERENCE_CALL_LIMIT_S", "WALL_PHASES"
 # (issue 24). The speed-up over the reference stays a measured median, of fewer calls (samples).
 REFERENCE_BUDGET_S = 0.1
 REFERENCE_CALL_LIMIT_S = 1.0
+_deadline_clock = time.monotonic  # the clock --deadline is read on (apart from the timers)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Plan:
     seed: int
     device: str
     threads: Optional[int] = None  # CPU threads for every timing; None: torch's count at the start
+    deadline_s: Optional[float] = None  # start no case after this many seconds (the rest: "not_run")
 
     def method(self, l2_bytes: int) -> Method:
         """How this run times its rows and its ceilings (one method for both)."""
@@ -183,6 +185,7 @@ def run(
     the implementations; ``ceilings`` replaces the measurement (tests and perf/diag/compare_demo.py
     only: a report's ceilings belong to its run)."""
     started = time.perf_counter()
+    deadline = None if plan.deadline_s is None else _deadline_clock() + plan.deadline_s
     wall = dict.fromkeys(WALL_PHASES, 0.0)
 
     def lap(phase: str, since: float) -> float:
@@ -217,7 +220,13 @@ def run(
     rows: list[dict[str, Any]] = []
     buckets: dict[str, dict[str, Any]] = {}
     selection: list[dict[str, Any]] = []
+    not_run: list[str] = []
     for index, (op, case) in enumerate(work, 1):
+        if deadline is not None and _deadline_clock() > deadline:
+            # A run cut short keeps what it measured: a killed process would write nothing.
+            not_run = [f"{o}/{c.name}" for o, c in work[index - 1:]]
+            progress(f"deadline: {plan.deadline_s:g} s passed; {len(not_run)} case(s) not run")
+            break
         spec = engine.specs[op]
         since = time.perf_counter()
         kwargs = case.build(plan.device, plan.seed)
@@ -291,6 +300,7 @@ def run(
         "rows": rows,
         "buckets": buckets,
         "selection": selection,
+        "not_run": not_run,
         "wall_s": wall,
         # Vendor first calls (JIT compiles) this process made, kept apart from the rows' times.
         "first_calls": [{"vendor": vendor, "op": op, "variant": str(variant), "seconds": round(seconds, 2)}

@@ -515,3 +515,37 @@ def test_in_place_ops_are_checked_on_the_inputs_the_reference_saw():
     result = bench.run(plan, progress=lambda line: None, engine=engine, ceilings=dict(CEILINGS))
     row = _row(result, "same")
     assert row["status"] == "ok" and row["max_rel_err"] == 0.0, row
+
+
+def test_a_deadline_starts_no_case_late_and_the_run_keeps_what_it_measured(monkeypatch):
+    now = [0.0]  # the deadline's clock: still until the first case is reported, then 10 s later
+    monkeypatch.setattr(runner, "_deadline_clock", lambda: now[0])
+    lines = []
+
+    def progress(line):
+        lines.append(line)
+        if line.startswith("[1/"):
+            now[0] += 10.0
+
+    cases = ["deepseek_v3_t1", "deepseek_v3_t64", "small_sigmoid_bias"]
+    engine = Engine(ALL_SPECS, Settings(tuning=False))
+    partial = bench.run(_plan(cases=cases, deadline_s=5.0), progress=progress, engine=engine, ceilings=dict(CEILINGS))
+    assert {r["case"] for r in partial["rows"]} == {"deepseek_v3_t1"}
+    assert partial["not_run"] == ["grouped_topk/deepseek_v3_t64", "grouped_topk/small_sigmoid_bias"]
+    assert "deadline: 5 s passed; 2 case(s) not run" in lines
+    full = bench.run(_plan(cases=cases[:1]), progress=lambda line: None, engine=engine, ceilings=dict(CEILINGS))
+    assert full["not_run"] == []
+
+
+def test_a_run_cut_at_its_deadline_is_reported_and_never_recorded(tmp_path, capsys):
+    run = json.loads(json.dumps(bench.run(_plan(cases=["deepseek_v3_t1"]), progress=lambda line: None,
+                                          engine=Engine(ALL_SPECS, Settings(tuning=False)),
+                                          ceilings=dict(CEILINGS))))
+    run["not_run"] = ["grouped_topk/deepseek_v3_t64"]
+    run["method"]["quick"] = False
+    run["selection"] = [dict(op="grouped_topk", case="deepseek_v3_t1", chosen="cpu", chosen_us=2.0, fastest="cpu",
+                             fastest_us=2.0, ratio=1.0, mismatch=False)]
+    assert report.selection_line(run).startswith("Stopped at the deadline: 1 case(s) not run. Selection: on 1 of 1")
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert cli.main(["bench", "--load", str(tmp_path / "run.json"), "--record"]) == 1
+    assert "not recorded: the run stopped at its deadline before 1 case(s)" in capsys.readouterr().err
