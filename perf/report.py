@@ -155,8 +155,9 @@ def selection_line(result: dict[str, Any]) -> str:
         return ""
     missed = [s for s in selection if s["mismatch"]]
     not_run = result.get("not_run") or ()
-    text = (f"Stopped at the deadline: {len(not_run)} case(s) not run. " if not_run else "") + (f"Selection: on {len(selection) - len(missed)} of {len(selection)} cases with two or more timed rows "
-            "the engine's choice was the fastest (within 3%)")
+    stopped = f"Stopped at the deadline: {len(not_run)} case(s) not run. " if not_run else ""
+    text = (f"{stopped}Selection: on {len(selection) - len(missed)} of {len(selection)} cases with two or more "
+            "timed rows the engine's choice was the fastest (within 3%)")
     if not missed:
         return text + "."
     return text + "; slower on " + ", ".join(

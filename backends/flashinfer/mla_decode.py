@@ -103,7 +103,9 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def capture_check(key: spec.Key, platform: Platform) -> Optional[str]:
     """The trtllm entry points of sm_100/sm_120 plan nothing and can be captured in a CUDA graph;
     elsewhere BatchMLAPagedAttentionWrapper plans on the host at every call."""
-    return None if (platform.capability or (0, 0))[0] in TRTLLM_BACKENDS else f"BatchMLAPagedAttentionWrapper: {HOST_PLAN}"
+    if (platform.capability or (0, 0))[0] in TRTLLM_BACKENDS:
+        return None
+    return f"BatchMLAPagedAttentionWrapper: {HOST_PLAN}"
 
 
 def metadata(kwargs: Mapping[str, Any]) -> Any:
