@@ -14,7 +14,7 @@ import torch
 from fakes import ask
 from kernelmux.backends.deepgemm import CALLS, DEEPGEMM
 from kernelmux.backends.deepgemm import fused_moe as adapter
-from kernelmux.conformance import _strided
+from kernelmux.conformance import _strided, poison_freed_memory
 from kernelmux.engine import Engine, Settings
 from kernelmux.platforms import simulate
 from kernelmux.specs import ALL_SPECS
@@ -285,6 +285,31 @@ def test_real_deepgemm_matches_the_reference_on_sm90(monkeypatch, name):
     monkeypatch.setattr(adapter, "CONFIRMED", ALL)
     kwargs = CASES[name].build(device=torch.device("cuda"), seed=11)
     spec.SPEC.check_close(adapter.fused_moe(**kwargs), spec.SPEC.reference(**kwargs), kwargs)
+
+
+_STRIDABLE = ("hidden", "w1", "w2", "topk_weights", "topk_ids", "w1_scale", "w2_scale")
+
+
+@pytest.mark.skipif(not (_REAL and _H100), reason="needs an sm_90 GPU (H100/H200) with sgl-deep-gemm installed")
+@pytest.mark.parametrize("strided", [(name,) for name in _STRIDABLE] + [_STRIDABLE])
+def test_real_deepgemm_reads_strided_inputs(monkeypatch, strided):
+    # The kit's strided check gave NaN rows on an H200 with every tensor strided; one tensor at a time
+    # says which one the vendor path misreads.
+    monkeypatch.setattr(adapter, "CONFIRMED", ALL)
+    kwargs = CASES["small_fp8_block"].build(device=torch.device("cuda"), seed=12)
+    views = {k: _strided(v) if k in strided else v for k, v in kwargs.items()}
+    spec.SPEC.check_close(adapter.fused_moe(**views), spec.SPEC.reference(**kwargs), kwargs)
+
+
+@pytest.mark.skipif(not (_REAL and _H100), reason="needs an sm_90 GPU (H100/H200) with sgl-deep-gemm installed")
+def test_real_deepgemm_reads_nothing_past_fresh_weight_buffers(monkeypatch):
+    # Weights and scales copied just after NaN-filled blocks were freed (the strided run's allocations,
+    # without a stride): a read past any of their ends would put NaN in the output.
+    monkeypatch.setattr(adapter, "CONFIRMED", ALL)
+    kwargs = CASES["small_fp8_block"].build(device=torch.device("cuda"), seed=13)
+    poison_freed_memory("cuda", 1 << 26)
+    fresh = {k: v.clone() if k in ("w1", "w2", "w1_scale", "w2_scale") else v for k, v in kwargs.items()}
+    spec.SPEC.check_close(adapter.fused_moe(**fresh), spec.SPEC.reference(**kwargs), kwargs)
 
 
 @pytest.mark.skipif(not (_REAL and _H100), reason="needs an sm_90 GPU (H100/H200) with sgl-deep-gemm installed")
