@@ -82,8 +82,8 @@ TABLE: tuple[Entry, ...] = (
           {"priority": 17}),
     Entry("fused_moe",
           "m_grouped_fp8_gemm_nt_contiguous (sm90 1D2D) for gate_up and down: DeepSeek-V3 fp8_block experts "
-          "(e4m3fn, bf16 hidden, H and I % 128 == 0, sm_90); routing, 1x128 quantization and activation in "
-          "torch, no host sync, CUDA-graph capturable"),
+          "(e4m3fn, bf16 hidden, H and I % 128 == 0, unit-stride tensors, sm_90); routing, 1x128 quantization "
+          "and activation in torch, no host sync, CUDA-graph capturable"),
 )
 
 
