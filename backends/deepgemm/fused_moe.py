@@ -58,6 +58,7 @@ BLOCK = spec.BLOCK
 RECIPE = (1, BLOCK, BLOCK)  # 1 x 128 activation groups, 128 x 128 weight blocks: the 1D2D kernel
 # The variants confirmed against the reference on a GPU (H100, tests-vendor at the commit that added them).
 CONFIRMED: frozenset[str] = frozenset({"fp8_block"})
+# The tensor arguments: supports declines a call where one of them is strided.
 TENSORS = ("hidden", "w1", "w2", "topk_weights", "topk_ids", "expert_map", "w1_scale", "w2_scale")
 
 
@@ -93,7 +94,6 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
         return (f"{variant(key)}: not yet confirmed against the reference on a GPU (confirm with "
                 "perf/run_gpu.sh tests-vendor)")
     return None
-
 
 
 class WeightScales(NamedTuple):
