@@ -356,6 +356,7 @@ def check(backend: str, ops: Optional[Iterable[str]] = None, *, cases: Optional[
     seed = seed if seed is not None else int.from_bytes(os.urandom(4), "little")
     checker = _Checker(backend, engine, device, seed, plugins, max_bytes)
     report = Report(backend, f"{device} ({checker.platform.describe()}), seed {seed}")
+    named = any(c in CASE_CHECKS or c in OP_CHECKS for c in checks)  # drawn shapes alone: no named case
 
     def add(findings: Iterable[Finding]) -> None:
         for f in findings:
@@ -374,7 +375,6 @@ def check(backend: str, ops: Optional[Iterable[str]] = None, *, cases: Optional[
             add([Finding(op, name, "-", "platform", SKIPPED, f"runs on {'/'.join(sorted(impl.devices))} tensors")])
             continue
         first_accepted = None
-        named = any(c in CASE_CHECKS or c in OP_CHECKS for c in checks)  # drawn shapes alone: no named case
         for case in engine.specs[op].cases if named else ():
             if cases is not None and case.name not in cases:
                 continue

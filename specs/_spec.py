@@ -8,7 +8,7 @@ from typing import Any, Callable, Hashable, Mapping
 
 import torch
 
-__all__ = ["Case", "Cost", "OpSpec", "Tolerance", "drawn"]
+__all__ = ["Case", "Cost", "OpSpec", "Tolerance", "drawn", "shapes_strategy"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,18 @@ class Case:
 def drawn(description: str, make: Callable[[torch.device, torch.Generator], dict[str, Any]]) -> Case:
     """A case an ``OpSpec.shapes`` strategy drew, named by what was drawn."""
     return Case(f"drawn: {description}", make, frozenset({"drawn"}), "drawn by hypothesis within the contract")
+
+
+def shapes_strategy(draw_case: Callable[[Any, Any], Case]) -> Callable[[], Any]:
+    """An ``OpSpec.shapes`` from ``draw_case(draw, st)``: the body of a hypothesis composite strategy,
+    given hypothesis' draw function and its strategies module (imported only when shapes are asked for)."""
+    def shapes() -> Any:
+        from hypothesis import strategies as st
+
+        return st.composite(lambda draw: draw_case(draw, st))()
+
+    shapes.__doc__ = draw_case.__doc__
+    return shapes
 
 
 @dataclass(frozen=True, eq=False)

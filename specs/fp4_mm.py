@@ -8,7 +8,7 @@ import torch
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._compare import assert_close_to_magnitude, assert_same_kind
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, drawn
+from kernelmux.specs._spec import Case, Cost, OpSpec, drawn, shapes_strategy
 from kernelmux.specs._tolerance import GEMM_OUTPUT
 from kernelmux.specs._validate import check_choice, check_tensor
 from kernelmux.specs.quantize_mxfp4 import e8m0_to_float, quantize_mxfp4
@@ -378,26 +378,21 @@ def _cases() -> tuple[Case, ...]:
 
 
 
-def _shapes() -> Any:
+@shapes_strategy
+def _shapes(draw: Any, st: Any) -> Case:
     """Drawn calls: both formats, W4A16 and W4A4, 0-9 rows, 1-40 channels, 1-6 blocks of K, every
     activation and output dtype, zero weight blocks."""
-    from hypothesis import strategies as st
-
-    @st.composite
-    def draw(draw: Any) -> Case:
-        fmt = draw(st.sampled_from(sorted(BLOCKS)))
-        mode = draw(st.sampled_from(["w4a16", "w4a4"]))
-        rows, channels = draw(st.integers(0, 9)), draw(st.integers(1, 40))
-        cols = BLOCKS[fmt] * draw(st.integers(1, 6))
-        act_dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
-        out_dtype = draw(st.sampled_from(["bfloat16", "float16", "float32"]))
-        zero_blocks = draw(st.booleans())
-        return drawn(f"{fmt} {mode}, M {rows}, N {channels}, K {cols}, {str(act_dtype)[6:]} a, {out_dtype} out, "
-                     f"zero blocks {zero_blocks}",
-                     _maker(rows, channels, cols, fmt, mode, act_dtype=act_dtype, out_dtype=out_dtype,
-                            zero_blocks=zero_blocks))
-
-    return draw()
+    fmt = draw(st.sampled_from(sorted(BLOCKS)))
+    mode = draw(st.sampled_from(["w4a16", "w4a4"]))
+    rows, channels = draw(st.integers(0, 9)), draw(st.integers(1, 40))
+    cols = BLOCKS[fmt] * draw(st.integers(1, 6))
+    act_dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
+    out_dtype = draw(st.sampled_from(["bfloat16", "float16", "float32"]))
+    zero_blocks = draw(st.booleans())
+    return drawn(f"{fmt} {mode}, M {rows}, N {channels}, K {cols}, {str(act_dtype)[6:]} a, {out_dtype} out, "
+                 f"zero blocks {zero_blocks}",
+                 _maker(rows, channels, cols, fmt, mode, act_dtype=act_dtype, out_dtype=out_dtype,
+                        zero_blocks=zero_blocks))
 
 
 SPEC = OpSpec(

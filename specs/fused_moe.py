@@ -10,7 +10,7 @@ from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._check_data import distinct_rule, enforce, index_rule, range_rule
 from kernelmux.specs._compare import assert_close_to_magnitude, assert_same_kind
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn
+from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._validate import check_choice, check_tensor
 from kernelmux.specs.quantize_fp8 import quantize_fp8
 
@@ -581,29 +581,25 @@ def _cases() -> tuple[Case, ...]:
 
 
 
-def _shapes() -> Any:
+@shapes_strategy
+def _shapes(draw: Any, st: Any) -> Case:
     """Drawn MoE layers: 0-40 tokens, 1-8 experts, any top-k, hidden and intermediate sizes of
     16-256, both activations, every quantization, expert-parallel holes, router weight on input."""
-    from hypothesis import strategies as st
+    tokens = draw(st.integers(0, 40))
+    experts = draw(st.integers(1, 8))
+    topk = draw(st.integers(1, experts))
+    hidden = draw(st.sampled_from([16, 128, 256]))
+    inter = draw(st.sampled_from([16, 128, 256]))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
+    activation = draw(st.sampled_from(["silu", "gelu"]))
+    quantization = draw(st.sampled_from(["none", "fp8_per_tensor", "fp8_block"]))
+    unmapped = draw(st.integers(0, experts - 1)) if experts > 1 else 0
+    on_input = topk == 1 and draw(st.booleans())
+    return drawn(f"T {tokens}, E {experts} ({unmapped} on other ranks), top-{topk}, H {hidden}, I {inter}, "
+                 f"{str(dtype)[6:]}, {activation}, {quantization}, weight on input {on_input}",
+                 _maker(tokens, experts, topk, hidden, inter, dtype=dtype, activation=activation,
+                        quantization=quantization, unmapped=unmapped, on_input=on_input))
 
-    @st.composite
-    def draw(draw: Any) -> Case:
-        tokens = draw(st.integers(0, 40))
-        experts = draw(st.integers(1, 8))
-        topk = draw(st.integers(1, experts))
-        hidden = draw(st.sampled_from([16, 128, 256]))
-        inter = draw(st.sampled_from([16, 128, 256]))
-        dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
-        activation = draw(st.sampled_from(["silu", "gelu"]))
-        quantization = draw(st.sampled_from(["none", "fp8_per_tensor", "fp8_block"]))
-        unmapped = draw(st.integers(0, experts - 1)) if experts > 1 else 0
-        on_input = topk == 1 and draw(st.booleans())
-        return drawn(f"T {tokens}, E {experts} ({unmapped} on other ranks), top-{topk}, H {hidden}, I {inter}, "
-                     f"{str(dtype)[6:]}, {activation}, {quantization}, weight on input {on_input}",
-                     _maker(tokens, experts, topk, hidden, inter, dtype=dtype, activation=activation,
-                            quantization=quantization, unmapped=unmapped, on_input=on_input))
-
-    return draw()
 
 SPEC = OpSpec(
     name=NAME,

@@ -7,7 +7,7 @@ import torch
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._compare import assert_close
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn
+from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._validate import check_choice, check_float, check_int, check_tensor
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
@@ -357,29 +357,25 @@ def _cases() -> tuple[Case, ...]:
 
 
 
-def _shapes() -> Any:
+@shapes_strategy
+def _shapes(draw: Any, st: Any) -> Case:
     """Drawn routing problems: groups of 2-32 experts, any valid group and expert top-k."""
-    from hypothesis import strategies as st
+    groups = draw(st.sampled_from([1, 2, 4, 8]))
+    per_group = draw(st.sampled_from([2, 4, 8, 16, 32]))
+    topk_group = draw(st.integers(1, groups))
+    topk = draw(st.integers(1, min(8, topk_group * per_group)))
+    tokens = draw(st.integers(0, 40))
+    scoring = draw(st.sampled_from(["softmax", "sigmoid"]))
+    with_bias = draw(st.booleans())
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    renormalize = draw(st.booleans())
+    scaling = draw(st.sampled_from([1.0, 2.5]))
+    return drawn(f"T {tokens}, E {groups * per_group} in {groups} groups, top {topk_group} groups, top-{topk}, "
+                 f"{scoring}{' + bias' if with_bias else ''}, {str(dtype)[6:]}, renormalize {renormalize}, "
+                 f"scale {scaling}",
+                 _maker(tokens, groups * per_group, groups, topk_group, topk, scoring, with_bias, dtype,
+                        renormalize, scaling))
 
-    @st.composite
-    def draw(draw: Any) -> Case:
-        groups = draw(st.sampled_from([1, 2, 4, 8]))
-        per_group = draw(st.sampled_from([2, 4, 8, 16, 32]))
-        topk_group = draw(st.integers(1, groups))
-        topk = draw(st.integers(1, min(8, topk_group * per_group)))
-        tokens = draw(st.integers(0, 40))
-        scoring = draw(st.sampled_from(["softmax", "sigmoid"]))
-        with_bias = draw(st.booleans())
-        dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-        renormalize = draw(st.booleans())
-        scaling = draw(st.sampled_from([1.0, 2.5]))
-        return drawn(f"T {tokens}, E {groups * per_group} in {groups} groups, top {topk_group} groups, top-{topk}, "
-                     f"{scoring}{' + bias' if with_bias else ''}, {str(dtype)[6:]}, renormalize {renormalize}, "
-                     f"scale {scaling}",
-                     _maker(tokens, groups * per_group, groups, topk_group, topk, scoring, with_bias, dtype,
-                            renormalize, scaling))
-
-    return draw()
 
 SPEC = OpSpec(
     name=NAME,

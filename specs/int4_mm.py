@@ -9,7 +9,7 @@ import torch
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._compare import assert_close_to_magnitude, assert_same_kind
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, drawn
+from kernelmux.specs._spec import Case, Cost, OpSpec, drawn, shapes_strategy
 from kernelmux.specs._tolerance import GEMM_OUTPUT
 from kernelmux.specs._validate import check_choice, check_int, check_tensor
 
@@ -434,29 +434,24 @@ def _cases() -> tuple[Case, ...]:
 
 
 
-def _shapes() -> Any:
+@shapes_strategy
+def _shapes(draw: Any, st: Any) -> Case:
     """Drawn calls: 0-9 rows, 1-40 channels, K of 2-256 with a group size dividing it (channelwise
     included), every activation, scale and bias dtype, both activation modes, boundary rows."""
-    from hypothesis import strategies as st
-
-    @st.composite
-    def draw(draw: Any) -> Case:
-        cols = 2 * draw(st.integers(1, 128))
-        group_size = draw(st.sampled_from(sorted({g for g in (2, 8, 32, 64, 128, cols) if cols % g == 0})))
-        kind = draw(st.sampled_from(["normal", "special"]))
-        rows = draw(st.integers(5 if kind == "special" else 0, 9))
-        channels = draw(st.integers(1, 40))
-        act_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-        scale_dtype = draw(st.sampled_from([None, torch.float32, torch.bfloat16, torch.float16]))
-        act_quant = draw(st.sampled_from(ACT_QUANTS))
-        with_bias = draw(st.booleans())
-        return drawn(f"M {rows}, N {channels}, K {cols}, group {group_size}, {str(act_dtype)[6:]} a, "
-                     f"scales {str(scale_dtype)[6:] if scale_dtype else 'default'}, {act_quant}, bias {with_bias}, "
-                     f"{kind} rows",
-                     _maker(rows, channels, cols, group_size, act_dtype=act_dtype, scale_dtype=scale_dtype,
-                            with_bias=with_bias, act_quant=act_quant, kind=kind))
-
-    return draw()
+    cols = 2 * draw(st.integers(1, 128))
+    group_size = draw(st.sampled_from(sorted({g for g in (2, 8, 32, 64, 128, cols) if cols % g == 0})))
+    kind = draw(st.sampled_from(["normal", "special"]))
+    rows = draw(st.integers(5 if kind == "special" else 0, 9))
+    channels = draw(st.integers(1, 40))
+    act_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    scale_dtype = draw(st.sampled_from([None, torch.float32, torch.bfloat16, torch.float16]))
+    act_quant = draw(st.sampled_from(ACT_QUANTS))
+    with_bias = draw(st.booleans())
+    return drawn(f"M {rows}, N {channels}, K {cols}, group {group_size}, {str(act_dtype)[6:]} a, "
+                 f"scales {str(scale_dtype)[6:] if scale_dtype else 'default'}, {act_quant}, bias {with_bias}, "
+                 f"{kind} rows",
+                 _maker(rows, channels, cols, group_size, act_dtype=act_dtype, scale_dtype=scale_dtype,
+                        with_bias=with_bias, act_quant=act_quant, kind=kind))
 
 
 SPEC = OpSpec(

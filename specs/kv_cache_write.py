@@ -8,7 +8,7 @@ import torch
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._check_data import enforce, index_rule
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn
+from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._validate import check_tensor
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
@@ -323,27 +323,23 @@ def _cases() -> tuple[Case, ...]:
 
 
 
-def _shapes() -> Any:
+@shapes_strategy
+def _shapes(draw: Any, st: Any) -> Case:
     """Drawn writes: 0-40 tokens into caches of blocks of 1-16 with spare blocks, 1-8 kv heads,
     head dims 16-128, padding slots, fp8 caches with scales."""
-    from hypothesis import strategies as st
+    tokens = draw(st.integers(0, 40))
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    num_blocks = -(-tokens // block_size) + draw(st.integers(1, 3))
+    num_kv_heads = draw(st.sampled_from([1, 2, 8]))
+    head_dim = draw(st.sampled_from([16, 64, 128]))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
+    fp8 = draw(st.booleans())
+    padding = draw(st.sampled_from([0.0, 0.3]))
+    return drawn(f"T {tokens}, {num_blocks} blocks of {block_size}, {num_kv_heads} kv heads, D {head_dim}, "
+                 f"{str(dtype)[6:]}{', fp8 cache' if fp8 else ''}, padding {padding}",
+                 _maker(tokens, num_kv_heads, head_dim, block_size, num_blocks, dtype, FP8 if fp8 else None,
+                        padding, (0.5, 0.25) if fp8 else None))
 
-    @st.composite
-    def draw(draw: Any) -> Case:
-        tokens = draw(st.integers(0, 40))
-        block_size = draw(st.sampled_from([1, 4, 16]))
-        num_blocks = -(-tokens // block_size) + draw(st.integers(1, 3))
-        num_kv_heads = draw(st.sampled_from([1, 2, 8]))
-        head_dim = draw(st.sampled_from([16, 64, 128]))
-        dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
-        fp8 = draw(st.booleans())
-        padding = draw(st.sampled_from([0.0, 0.3]))
-        return drawn(f"T {tokens}, {num_blocks} blocks of {block_size}, {num_kv_heads} kv heads, D {head_dim}, "
-                     f"{str(dtype)[6:]}{', fp8 cache' if fp8 else ''}, padding {padding}",
-                     _maker(tokens, num_kv_heads, head_dim, block_size, num_blocks, dtype, FP8 if fp8 else None,
-                            padding, (0.5, 0.25) if fp8 else None))
-
-    return draw()
 
 SPEC = OpSpec(
     name=NAME,

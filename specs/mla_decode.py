@@ -10,7 +10,7 @@ from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._check_data import enforce, paged_batch_rules
 from kernelmux.specs._compare import assert_close
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn
+from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._tolerance import ATTENTION_OUTPUT
 from kernelmux.specs._validate import check_int, check_paged_batch, check_tensor
 from kernelmux.specs.kv_cache_write import FP8, check_scale, random_cache
@@ -403,28 +403,24 @@ def _cases() -> tuple[Case, ...]:
 
 
 
-def _shapes() -> Any:
+@shapes_strategy
+def _shapes(draw: Any, st: Any) -> Case:
     """Drawn batches: up to 4 sequences of 1-4 queries (decode, MTP, mixed) over contexts of up to
     80, DeepSeek's 576/512 latent or a small 80/64 one, 1-16 heads, fp8 caches, with and without lse."""
-    from hypothesis import strategies as st
+    lengths = draw(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 80)), max_size=4))
+    kv_lens = tuple(max(kv, q) for q, kv in lengths)
+    q_lens = tuple(q for q, _ in lengths)
+    num_heads = draw(st.sampled_from([1, 4, 16]))
+    head_dim, rank = draw(st.sampled_from([(576, 512), (80, 64)]))
+    block_size = draw(st.sampled_from([16, 64]))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
+    fp8 = draw(st.booleans())
+    lse = draw(st.booleans())
+    return drawn(f"q {q_lens} over kv {kv_lens}, {num_heads} heads, width {head_dim} (rank {rank}), block "
+                 f"{block_size}, {str(dtype)[6:]}{', fp8 cache' if fp8 else ''}, lse {lse}",
+                 _maker(q_lens, kv_lens, num_heads, head_dim, rank, block_size, dtype, FP8 if fp8 else None,
+                        0.23 if fp8 else None, return_lse=lse))
 
-    @st.composite
-    def draw(draw: Any) -> Case:
-        lengths = draw(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 80)), max_size=4))
-        kv_lens = tuple(max(kv, q) for q, kv in lengths)
-        q_lens = tuple(q for q, _ in lengths)
-        num_heads = draw(st.sampled_from([1, 4, 16]))
-        head_dim, rank = draw(st.sampled_from([(576, 512), (80, 64)]))
-        block_size = draw(st.sampled_from([16, 64]))
-        dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
-        fp8 = draw(st.booleans())
-        lse = draw(st.booleans())
-        return drawn(f"q {q_lens} over kv {kv_lens}, {num_heads} heads, width {head_dim} (rank {rank}), block "
-                     f"{block_size}, {str(dtype)[6:]}{', fp8 cache' if fp8 else ''}, lse {lse}",
-                     _maker(q_lens, kv_lens, num_heads, head_dim, rank, block_size, dtype, FP8 if fp8 else None,
-                            0.23 if fp8 else None, return_lse=lse))
-
-    return draw()
 
 SPEC = OpSpec(
     name=NAME,

@@ -10,7 +10,7 @@ from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._check_data import enforce, paged_batch_rules
 from kernelmux.specs._compare import assert_close, assert_same_kind
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, drawn
+from kernelmux.specs._spec import Case, Cost, OpSpec, drawn, shapes_strategy
 from kernelmux.specs._tolerance import ATTENTION_OUTPUT
 from kernelmux.specs._validate import check_float, check_int, check_paged_batch, check_tensor
 from kernelmux.specs.kv_cache_write import FP8, check_scale, random_cache
@@ -492,32 +492,28 @@ def _cases() -> tuple[Case, ...]:
 
 
 
-def _shapes() -> Any:
+@shapes_strategy
+def _shapes(draw: Any, st: Any) -> Case:
     """Drawn batches: up to 4 sequences of mixed query and context lengths (decode, prefill,
     chunks, empty), GQA groups, head dims 16-128, blocks of 1-16, windows, caps, sinks, fp8 caches."""
-    from hypothesis import strategies as st
+    causal = draw(st.booleans())
+    lengths = draw(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 40)), max_size=4))
+    q_lens = tuple(min(q, kv) if causal else (q if kv else 0) for q, kv in lengths)
+    kv_lens = tuple(kv for _, kv in lengths)
+    num_heads, num_kv_heads = draw(st.sampled_from([(1, 1), (4, 1), (4, 2), (8, 1), (6, 3)]))
+    head_dim = draw(st.sampled_from([16, 64, 128]))
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    window = draw(st.sampled_from([0, 0, 1, 5])) if causal else 0
+    cap = draw(st.sampled_from([0.0, 0.0, 30.0]))
+    sinks = draw(st.booleans())
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
+    fp8 = draw(st.booleans())
+    return drawn(f"q {q_lens} over kv {kv_lens}, {num_heads}/{num_kv_heads} heads, D {head_dim}, block "
+                 f"{block_size}, causal {causal}, window {window}, cap {cap}, sinks {sinks}, {str(dtype)[6:]}"
+                 f"{', fp8 cache' if fp8 else ''}",
+                 _maker(q_lens, kv_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                        FP8 if fp8 else None, causal, window, cap, sinks, scales=(0.25, 0.3) if fp8 else None))
 
-    @st.composite
-    def draw(draw: Any) -> Case:
-        causal = draw(st.booleans())
-        lengths = draw(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 40)), max_size=4))
-        q_lens = tuple(min(q, kv) if causal else (q if kv else 0) for q, kv in lengths)
-        kv_lens = tuple(kv for _, kv in lengths)
-        num_heads, num_kv_heads = draw(st.sampled_from([(1, 1), (4, 1), (4, 2), (8, 1), (6, 3)]))
-        head_dim = draw(st.sampled_from([16, 64, 128]))
-        block_size = draw(st.sampled_from([1, 4, 16]))
-        window = draw(st.sampled_from([0, 0, 1, 5])) if causal else 0
-        cap = draw(st.sampled_from([0.0, 0.0, 30.0]))
-        sinks = draw(st.booleans())
-        dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
-        fp8 = draw(st.booleans())
-        return drawn(f"q {q_lens} over kv {kv_lens}, {num_heads}/{num_kv_heads} heads, D {head_dim}, block "
-                     f"{block_size}, causal {causal}, window {window}, cap {cap}, sinks {sinks}, {str(dtype)[6:]}"
-                     f"{', fp8 cache' if fp8 else ''}",
-                     _maker(q_lens, kv_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                            FP8 if fp8 else None, causal, window, cap, sinks, scales=(0.25, 0.3) if fp8 else None))
-
-    return draw()
 
 SPEC = OpSpec(
     name=NAME,

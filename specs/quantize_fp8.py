@@ -7,7 +7,7 @@ import torch
 
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn
+from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._validate import check_choice, check_int, check_tensor
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
@@ -324,27 +324,23 @@ def _cases() -> tuple[Case, ...]:
 
 
 
-def _shapes() -> Any:
+@shapes_strategy
+def _shapes(draw: Any, st: Any) -> Case:
     """Drawn quantizations: 0-40 rows of 1-300 columns, every granularity, groups of 64 or 128 with
     ragged tails, ue8m0 scales, both e4m3 flavours, zero rows and extremes."""
-    from hypothesis import strategies as st
+    rows = draw(st.integers(0, 40))
+    cols = draw(st.integers(1, 300))
+    granularity = draw(st.sampled_from(GRANULARITIES))
+    group = draw(st.sampled_from([64, 128]))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+    ue8m0 = draw(st.booleans())
+    flavour = draw(st.sampled_from(["e4m3fn", "e4m3fnuz"]))
+    fill = draw(st.sampled_from(["random", "random", "zero_rows", "extremes"]))
+    return drawn(f"{rows} x {cols}, {granularity}{f' (groups of {group})' if granularity == 'per_group' else ''}, "
+                 f"{str(dtype)[6:]}, {flavour}{', ue8m0' if ue8m0 else ''}, {fill}",
+                 _maker(rows, cols, granularity, dtype=dtype, group_size=group, ue8m0=ue8m0, fp8_dtype=flavour,
+                        fill=fill))
 
-    @st.composite
-    def draw(draw: Any) -> Case:
-        rows = draw(st.integers(0, 40))
-        cols = draw(st.integers(1, 300))
-        granularity = draw(st.sampled_from(GRANULARITIES))
-        group = draw(st.sampled_from([64, 128]))
-        dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
-        ue8m0 = draw(st.booleans())
-        flavour = draw(st.sampled_from(["e4m3fn", "e4m3fnuz"]))
-        fill = draw(st.sampled_from(["random", "random", "zero_rows", "extremes"]))
-        return drawn(f"{rows} x {cols}, {granularity}{f' (groups of {group})' if granularity == 'per_group' else ''}, "
-                     f"{str(dtype)[6:]}, {flavour}{', ue8m0' if ue8m0 else ''}, {fill}",
-                     _maker(rows, cols, granularity, dtype=dtype, group_size=group, ue8m0=ue8m0, fp8_dtype=flavour,
-                            fill=fill))
-
-    return draw()
 
 SPEC = OpSpec(
     name=NAME,

@@ -7,7 +7,7 @@ import torch
 
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn
+from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._validate import check_choice, check_tensor
 from kernelmux.specs.quantize_nvfp4 import encode_e2m1, first_mismatch, pack_nibbles
 
@@ -227,24 +227,19 @@ def _cases() -> tuple[Case, ...]:
 
 
 
-def _shapes() -> Any:
+@shapes_strategy
+def _shapes(draw: Any, st: Any) -> Case:
     """Drawn calls: 0-9 rows of 1-8 blocks, every input dtype, floor and ceil rounding, and the edge
     fills (zero blocks, NaN/Inf, saturating maxima, fp32 subnormals, each dtype's extremes)."""
-    from hypothesis import strategies as st
-
-    @st.composite
-    def draw(draw: Any) -> Case:
-        fill = draw(st.sampled_from(["activations", "weights", "zero_blocks", "nonfinite", "saturating", "tiny",
-                                     "extremes"]))
-        rows = draw(st.integers(3 if fill in ("zero_blocks", "nonfinite") else 0, 9))
-        cols = BLOCK * draw(st.integers(3 if fill == "nonfinite" else 2 if fill == "zero_blocks" else 1, 8))
-        dtype = torch.float32 if fill == "tiny" else draw(st.sampled_from([torch.bfloat16, torch.float16,
-                                                                          torch.float32]))
-        rounding = draw(st.sampled_from(["floor", "ceil"]))
-        return drawn(f"M {rows}, K {cols}, {str(dtype)[6:]}, {rounding}, {fill}",
-                     _maker(rows, cols, rounding, dtype=dtype, fill=fill))
-
-    return draw()
+    fill = draw(st.sampled_from(["activations", "weights", "zero_blocks", "nonfinite", "saturating", "tiny",
+                                 "extremes"]))
+    rows = draw(st.integers(3 if fill in ("zero_blocks", "nonfinite") else 0, 9))
+    cols = BLOCK * draw(st.integers(3 if fill == "nonfinite" else 2 if fill == "zero_blocks" else 1, 8))
+    dtype = torch.float32 if fill == "tiny" else draw(st.sampled_from([torch.bfloat16, torch.float16,
+                                                                      torch.float32]))
+    rounding = draw(st.sampled_from(["floor", "ceil"]))
+    return drawn(f"M {rows}, K {cols}, {str(dtype)[6:]}, {rounding}, {fill}",
+                 _maker(rows, cols, rounding, dtype=dtype, fill=fill))
 
 
 SPEC = OpSpec(

@@ -8,7 +8,7 @@ import torch
 
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn
+from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._validate import check_tensor
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
@@ -276,22 +276,17 @@ def _cases() -> tuple[Case, ...]:
 
 
 
-def _shapes() -> Any:
+@shapes_strategy
+def _shapes(draw: Any, st: Any) -> Case:
     """Drawn calls: 0-9 rows of 1-12 blocks, every input dtype, a dynamic or a static global scale,
     and the edge fills (zero blocks, all zero, one outlier, each dtype's extremes, tiny values)."""
-    from hypothesis import strategies as st
-
-    @st.composite
-    def draw(draw: Any) -> Case:
-        fill = draw(st.sampled_from(["random", "weights", "zero_blocks", "zeros", "outlier", "extremes", "tiny"]))
-        rows = draw(st.integers({"zero_blocks": 2, "outlier": 1}.get(fill, 0), 9))
-        cols = BLOCK * draw(st.integers(2 if fill == "zero_blocks" else 1, 12))
-        dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
-        static = draw(st.sampled_from([None, 1.0, 300.0])) if fill in ("random", "weights") else None
-        return drawn(f"M {rows}, K {cols}, {str(dtype)[6:]}, {fill}, global scale {static or 'dynamic'}",
-                     _maker(rows, cols, dtype=dtype, fill=fill, static=static))
-
-    return draw()
+    fill = draw(st.sampled_from(["random", "weights", "zero_blocks", "zeros", "outlier", "extremes", "tiny"]))
+    rows = draw(st.integers({"zero_blocks": 2, "outlier": 1}.get(fill, 0), 9))
+    cols = BLOCK * draw(st.integers(2 if fill == "zero_blocks" else 1, 12))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+    static = draw(st.sampled_from([None, 1.0, 300.0])) if fill in ("random", "weights") else None
+    return drawn(f"M {rows}, K {cols}, {str(dtype)[6:]}, {fill}, global scale {static or 'dynamic'}",
+                 _maker(rows, cols, dtype=dtype, fill=fill, static=static))
 
 
 SPEC = OpSpec(

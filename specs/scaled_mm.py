@@ -8,7 +8,7 @@ import torch
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._compare import assert_close_to_magnitude, assert_same_kind
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, drawn
+from kernelmux.specs._spec import Case, Cost, OpSpec, drawn, shapes_strategy
 from kernelmux.specs._tolerance import GEMM_OUTPUT
 from kernelmux.specs._validate import check_choice, check_tensor
 from kernelmux.specs.quantize_fp8 import quantize_fp8
@@ -356,28 +356,24 @@ def _cases() -> tuple[Case, ...]:
 
 
 
-def _shapes() -> Any:
+@shapes_strategy
+def _shapes(draw: Any, st: Any) -> Case:
     """Drawn GEMMs: M 0-40, N and K from 16 to 400 (ragged against the 128 blocks), every scale
     layout, every output dtype, bias, ue8m0 scales, both e4m3 flavours."""
-    from hypothesis import strategies as st
+    rows = draw(st.integers(0, 40))
+    channels = draw(st.sampled_from([16, 40, 128, 200, 256, 400]))
+    cols = draw(st.sampled_from([16, 64, 128, 200, 256, 384]))
+    layout = draw(st.sampled_from(LAYOUTS))
+    out_dtype = draw(st.sampled_from(sorted(OUT_DTYPES)))
+    bias = draw(st.booleans())
+    ue8m0 = draw(st.booleans())
+    flavour = draw(st.sampled_from(["e4m3fn", "e4m3fnuz"]))
+    scalar = layout == "tensor" and draw(st.booleans())
+    return drawn(f"{rows} x {channels} x {cols}, {layout} scales{' (0-d)' if scalar else ''}, {out_dtype} out, "
+                 f"{flavour}{', ue8m0' if ue8m0 else ''}{', bias' if bias else ''}",
+                 _maker(rows, channels, cols, layout, out_dtype=out_dtype, with_bias=bias, ue8m0=ue8m0,
+                        fp8_dtype=flavour, scalar_scales=scalar))
 
-    @st.composite
-    def draw(draw: Any) -> Case:
-        rows = draw(st.integers(0, 40))
-        channels = draw(st.sampled_from([16, 40, 128, 200, 256, 400]))
-        cols = draw(st.sampled_from([16, 64, 128, 200, 256, 384]))
-        layout = draw(st.sampled_from(LAYOUTS))
-        out_dtype = draw(st.sampled_from(sorted(OUT_DTYPES)))
-        bias = draw(st.booleans())
-        ue8m0 = draw(st.booleans())
-        flavour = draw(st.sampled_from(["e4m3fn", "e4m3fnuz"]))
-        scalar = layout == "tensor" and draw(st.booleans())
-        return drawn(f"{rows} x {channels} x {cols}, {layout} scales{' (0-d)' if scalar else ''}, {out_dtype} out, "
-                     f"{flavour}{', ue8m0' if ue8m0 else ''}{', bias' if bias else ''}",
-                     _maker(rows, channels, cols, layout, out_dtype=out_dtype, with_bias=bias, ue8m0=ue8m0,
-                            fp8_dtype=flavour, scalar_scales=scalar))
-
-    return draw()
 
 SPEC = OpSpec(
     name=NAME,

@@ -11,7 +11,7 @@ from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._check_data import distinct_rule, enforce, index_rule
 from kernelmux.specs._compare import assert_close
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn
+from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._validate import check_tensor
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
@@ -414,31 +414,27 @@ def _cases() -> tuple[Case, ...]:
 
 
 
-def _shapes() -> Any:
+@shapes_strategy
+def _shapes(draw: Any, st: Any) -> Case:
     """Drawn decode steps: 0-8 requests, 1-4 heads per group in 1-2 groups, head and state dims
     from tiny to Mamba2's 64/128, slot indices with padding, each optional input on or off."""
-    from hypothesis import strategies as st
+    requests = draw(st.integers(0, 8))
+    groups = draw(st.integers(1, 2))
+    heads = groups * draw(st.integers(1, 4))
+    head_dim = draw(st.sampled_from([1, 3, 16, 64]))
+    state_dim = draw(st.sampled_from([2, 16, 128]))
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+    state_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    indexed = draw(st.booleans())
+    slots = requests + draw(st.integers(0, 4)) if indexed else None
+    padding = draw(st.integers(0, requests)) if indexed else 0
+    flags = {name: draw(st.booleans()) for name in ("with_d", "with_z", "with_dt_bias", "dt_softplus")}
+    return drawn(f"B {requests}, {heads} heads in {groups} groups, P {head_dim}, N {state_dim}, {str(dtype)[6:]}, "
+                 f"{str(state_dtype)[6:]} state, slots {slots} ({padding} padding), "
+                 + ", ".join(f"{k} {v}" for k, v in flags.items()),
+                 _maker(requests, heads, head_dim, groups, state_dim, dtype, state_dtype, slots, padding,
+                        **flags))
 
-    @st.composite
-    def draw(draw: Any) -> Case:
-        requests = draw(st.integers(0, 8))
-        groups = draw(st.integers(1, 2))
-        heads = groups * draw(st.integers(1, 4))
-        head_dim = draw(st.sampled_from([1, 3, 16, 64]))
-        state_dim = draw(st.sampled_from([2, 16, 128]))
-        dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
-        state_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
-        indexed = draw(st.booleans())
-        slots = requests + draw(st.integers(0, 4)) if indexed else None
-        padding = draw(st.integers(0, requests)) if indexed else 0
-        flags = {name: draw(st.booleans()) for name in ("with_d", "with_z", "with_dt_bias", "dt_softplus")}
-        return drawn(f"B {requests}, {heads} heads in {groups} groups, P {head_dim}, N {state_dim}, {str(dtype)[6:]}, "
-                     f"{str(state_dtype)[6:]} state, slots {slots} ({padding} padding), "
-                     + ", ".join(f"{k} {v}" for k, v in flags.items()),
-                     _maker(requests, heads, head_dim, groups, state_dim, dtype, state_dtype, slots, padding,
-                            **flags))
-
-    return draw()
 
 SPEC = OpSpec(
     name=NAME,

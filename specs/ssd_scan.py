@@ -11,7 +11,7 @@ from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._check_data import enforce, offsets_rules
 from kernelmux.specs._compare import assert_close
 from kernelmux.specs._key import Layout, layout, size_class
-from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn
+from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._validate import check_int, check_tensor
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
@@ -511,31 +511,26 @@ def _cases() -> tuple[Case, ...]:
 
 
 
-def _shapes() -> Any:
+@shapes_strategy
+def _shapes(draw: Any, st: Any) -> Case:
     """Drawn prefill batches: 0-4 sequences of 0-40 tokens (empty ones too) against chunks of 1-16,
     1-3 groups of 1-3 heads, head and state dims from 1 to 16, every optional input on or off, a dt
     clamp or none, fp32/bf16/fp16 activations and D / dt_bias."""
-    from hypothesis import strategies as st
-
-    @st.composite
-    def draw(draw: Any) -> Case:
-        lengths = tuple(draw(st.lists(st.integers(0, 40), max_size=4)))
-        groups = draw(st.integers(1, 3))
-        heads = groups * draw(st.integers(1, 3))
-        head_dim, state_dim = draw(st.sampled_from([1, 4, 16])), draw(st.sampled_from([1, 8, 16]))
-        chunk = draw(st.sampled_from([1, 2, 8, 16]))
-        dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-        param_dtype = draw(st.sampled_from([torch.float32, dtype]))
-        flags = {name: draw(st.booleans()) for name in
-                 ("with_d", "with_z", "with_dt_bias", "dt_softplus", "with_initial_states")}
-        limit = draw(st.sampled_from([(0.0, NO_UPPER_DT_LIMIT), (0.01, 0.05), (0.0, 0.02)]))
-        return drawn(f"lengths {lengths}, chunk {chunk}, {heads} heads in {groups} groups, P {head_dim}, "
-                     f"N {state_dim}, {str(dtype)[6:]} ({str(param_dtype)[6:]} params), dt limit {limit}, "
-                     + ", ".join(f"{k} {v}" for k, v in flags.items()),
-                     _maker(lengths, heads, head_dim, groups, state_dim, dtype, chunk, dt_limit=limit,
-                            param_dtype=param_dtype, **flags))
-
-    return draw()
+    lengths = tuple(draw(st.lists(st.integers(0, 40), max_size=4)))
+    groups = draw(st.integers(1, 3))
+    heads = groups * draw(st.integers(1, 3))
+    head_dim, state_dim = draw(st.sampled_from([1, 4, 16])), draw(st.sampled_from([1, 8, 16]))
+    chunk = draw(st.sampled_from([1, 2, 8, 16]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    param_dtype = draw(st.sampled_from([torch.float32, dtype]))
+    flags = {name: draw(st.booleans()) for name in
+             ("with_d", "with_z", "with_dt_bias", "dt_softplus", "with_initial_states")}
+    limit = draw(st.sampled_from([(0.0, NO_UPPER_DT_LIMIT), (0.01, 0.05), (0.0, 0.02)]))
+    return drawn(f"lengths {lengths}, chunk {chunk}, {heads} heads in {groups} groups, P {head_dim}, "
+                 f"N {state_dim}, {str(dtype)[6:]} ({str(param_dtype)[6:]} params), dt limit {limit}, "
+                 + ", ".join(f"{k} {v}" for k, v in flags.items()),
+                 _maker(lengths, heads, head_dim, groups, state_dim, dtype, chunk, dt_limit=limit,
+                        param_dtype=param_dtype, **flags))
 
 
 SPEC = OpSpec(
