@@ -11,8 +11,10 @@
 #   tune         the tuning table of the bench before it, into the user's tables -> tuning.json
 #   bench-attention  the same for paged_attention, mla_decode and kv_cache_write only (0.25 s
 #                budget per row)                                     -> bench.json, bench.md, bench.log
-#   kit          kernelmux check --backend B --max-mib 256 for each B in $KIT_BACKENDS (default: triton cuda
-#                flashinfer deepgemm torch), $KIT_TIMEOUT s each (default 240)      -> check_<backend>.txt
+#   kit          kernelmux check --backend B --max-mib 256 --verbose [$KIT_OPS] for each B in $KIT_BACKENDS
+#                (default: triton cuda flashinfer deepgemm torch), $KIT_TIMEOUT s each (default 240); every
+#                finding is printed as found, so a run cut off by the timeout still says how far it got
+#                                                                    -> check_<backend>.txt
 #   warm-start   kernelmux warmup --quick, then kernelmux info (what is cached, what a first call compiles)
 #                                                                     -> warmup.txt, info.txt
 #   compare      perf/diag/compare_demo.py on triton grouped_topk     -> compare.txt, compare_demo_*.json
@@ -106,10 +108,10 @@ for step in "$@"; do
             --json "$out/bench.json" --md "$out/bench.md" 2> "$out/bench.log" | tail -5 ;;
     kit)
         for backend in ${KIT_BACKENDS:-triton cuda flashinfer deepgemm torch}; do
-            (cd /tmp && timeout "${KIT_TIMEOUT:-240}" python3 -m kernelmux check --backend "$backend" --max-mib 256 2>&1) \
+            (cd /tmp && timeout "${KIT_TIMEOUT:-240}" python3 -m kernelmux check --backend "$backend" --max-mib 256 --verbose ${KIT_OPS:-} 2>&1) \
                 > "$out/check_$backend.txt"
             rc=$?
-            echo "$backend: exit $rc ($(grep -c '^fail' "$out/check_$backend.txt") failed): $(tail -1 "$out/check_$backend.txt")"
+            echo "$backend: exit $rc ($(grep -c '^pass' "$out/check_$backend.txt") passed, $(grep -c '^fail' "$out/check_$backend.txt") failed): $(tail -1 "$out/check_$backend.txt")"
         done ;;
     warm-start)
         (cd /tmp && timeout 300 python3 -m kernelmux warmup --quick 2>&1) > "$out/warmup.txt"; tail -1 "$out/warmup.txt"
