@@ -6,8 +6,9 @@ until a GPU run confirms it)."""
 from __future__ import annotations
 
 import os
-
 from typing import Optional
+
+import torch
 
 from kernelmux.backends._table import Defaults, Entry, implementations
 from kernelmux.backends._vendor import Vendor, VendorCall
@@ -56,6 +57,24 @@ def arch_problem(platform: Platform) -> Optional[str]:
     return f"DeepGEMM's FP8 GEMMs with fp32 scales run on sm_90 only, not {platform.arch}"
 
 
+def transform_scales(sf: torch.Tensor, **kwargs) -> torch.Tensor:
+    """DeepGEMM's ``transform_sf_into_required_layout(sf=sf, **kwargs)`` as a tensor that keeps its memory.
+
+    Where no transform is needed the shipped one (0.1.4.post1, through tvm-ffi) returns its input as a
+    tensor that does not hold the input's memory: a temporary ``sf`` (a ``.contiguous()`` copy) is freed
+    on return and its block reused, so the GEMM read scales another tensor had overwritten (the H200 kit:
+    zeros from fused_moe, values near 1e38 from scaled_mm, only for strided scales). Such a result is
+    given back as a view of ``sf`` itself."""
+    from deep_gemm import transform_sf_into_required_layout
+
+    out = transform_sf_into_required_layout(sf=sf, **kwargs)
+    storage = sf.untyped_storage()
+    start = out.data_ptr() - storage.data_ptr()
+    if out.dtype == sf.dtype and 0 <= start < storage.nbytes():
+        return sf.as_strided(out.shape, out.stride(), start // sf.element_size())
+    return out
+
+
 def _static_check(op: str):
     return lambda platform: DEEPGEMM.problem_for(CALLS[op]) or arch_problem(platform)
 
@@ -82,8 +101,8 @@ TABLE: tuple[Entry, ...] = (
           {"priority": 17}),
     Entry("fused_moe",
           "m_grouped_fp8_gemm_nt_contiguous (sm90 1D2D) for gate_up and down: DeepSeek-V3 fp8_block experts "
-          "(e4m3fn, bf16 hidden, H and I % 128 == 0, unit-stride tensors, sm_90); routing, 1x128 quantization "
-          "and activation in torch, no host sync, CUDA-graph capturable"),
+          "(e4m3fn, bf16 hidden, H and I % 128 == 0, sm_90); routing, 1x128 quantization and activation in "
+          "torch, no host sync, CUDA-graph capturable"),
 )
 
 

@@ -46,7 +46,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 import torch
 
 from kernelmux.backends._vendor import first_calls
-from kernelmux.backends.deepgemm import DEEPGEMM, arch_problem
+from kernelmux.backends.deepgemm import DEEPGEMM, arch_problem, transform_scales
 from kernelmux.backends.deepgemm.scaled_mm import SCALE_ROWS
 from kernelmux.platforms import Platform
 from kernelmux.specs import fused_moe as spec
@@ -58,8 +58,6 @@ BLOCK = spec.BLOCK
 RECIPE = (1, BLOCK, BLOCK)  # 1 x 128 activation groups, 128 x 128 weight blocks: the 1D2D kernel
 # The variants confirmed against the reference on a GPU (H100, tests-vendor at the commit that added them).
 CONFIRMED: frozenset[str] = frozenset({"fp8_block"})
-# The tensor arguments: supports declines a call where one of them is strided.
-TENSORS = ("hidden", "w1", "w2", "topk_weights", "topk_ids", "expert_map", "w1_scale", "w2_scale")
 
 
 def variant(key: spec.Key) -> str:
@@ -84,12 +82,6 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
         return (f"H and I multiples of {BLOCK} only (the K of both GEMMs: DeepGEMM's FP8 tests cover "
                 f"K % 128 == 0 only, and the 1D2D kernel wants whole 128 x 128 weight blocks), got "
                 f"H {key.hidden_size}, I {key.intermediate_size}")
-    layouts = {name: getattr(key, f"{name}_layout") for name in TENSORS}
-    strided = [name for name, found in layouts.items() if found is not None and not found.unit_stride]
-    if strided:
-        # kernelmux check on an H200 got NaN rows with every tensor strided, not yet explained (the
-        # vendor receives the same tensors as a unit-stride call): declined until a GPU test says why.
-        return f"unit-stride tensors only (strided calls gave NaN on an H200, unexplained), got {', '.join(strided)}"
     if variant(key) not in CONFIRMED:
         return (f"{variant(key)}: not yet confirmed against the reference on a GPU (confirm with "
                 "perf/run_gpu.sh tests-vendor)")
@@ -107,13 +99,11 @@ class WeightScales(NamedTuple):
 def prepare_weight_scales(w1_scale: torch.Tensor, w2_scale: torch.Tensor, hidden_size: int,
                           inter_size: int) -> WeightScales:
     """The weight-scale conversion, through DeepGEMM's own transform_sf_into_required_layout."""
-    from deep_gemm import transform_sf_into_required_layout
-
     experts = w1_scale.shape[0]
-    sf1 = transform_sf_into_required_layout(sf=w1_scale.contiguous(), mn=2 * inter_size, k=hidden_size,
-                                            recipe=RECIPE, num_groups=experts, is_sfa=False)
-    sf2 = transform_sf_into_required_layout(sf=w2_scale.contiguous(), mn=hidden_size, k=inter_size,
-                                            recipe=RECIPE, num_groups=experts, is_sfa=False)
+    sf1 = transform_scales(w1_scale.contiguous(), mn=2 * inter_size, k=hidden_size, recipe=RECIPE,
+                           num_groups=experts, is_sfa=False)
+    sf2 = transform_scales(w2_scale.contiguous(), mn=hidden_size, k=inter_size, recipe=RECIPE,
+                           num_groups=experts, is_sfa=False)
     return WeightScales(sf1, sf2)
 
 

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from kernelmux.backends._vendor import first_calls
-from kernelmux.backends.deepgemm import DEEPGEMM, arch_problem
+from kernelmux.backends.deepgemm import DEEPGEMM, arch_problem, transform_scales
 from kernelmux.platforms import Platform
 from kernelmux.specs import scaled_mm as spec
 
@@ -64,29 +64,15 @@ def prepare_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int,
     view with strides ``(1, M rounded up to 4)``), ``sfb`` contiguous. Both come from DeepGEMM's
     own ``transform_sf_into_required_layout``, the function fp8_gemm_nt applies itself, so the
     GEMM takes them as they are. A weight's ``sfb`` can be prepared once and kept."""
-    from deep_gemm import transform_sf_into_required_layout
-
     def convert():
-        sfa = transform_sf_into_required_layout(sf=_sfa_source(scale_a, m), mn=m, k=k, recipe=RECIPE, is_sfa=True)
+        sfa = transform_scales(scale_a, mn=m, k=k, recipe=RECIPE, is_sfa=True)
         # SM90's sfb must be contiguous (or transposed-contiguous): check_sf_layout's sm90_sfb_check.
-        sfb = transform_sf_into_required_layout(sf=scale_b.contiguous(), mn=n, k=k, recipe=RECIPE,
-                                                is_sfa=False)
+        sfb = transform_scales(scale_b.contiguous(), mn=n, k=k, recipe=RECIPE, is_sfa=False)
         return sfa, sfb
 
     # The transpose kernel behind sfa is JIT-compiled per number of K groups.
     return first_calls.run(DEEPGEMM, spec.NAME, ("scale layout", -(-k // spec.BLOCK)),
                            _jit_where(), convert)
-
-
-def _sfa_source(scale_a: torch.Tensor, m: int) -> torch.Tensor:
-    """``scale_a`` in a layout DeepGEMM's sfa transform reads right: already MN-major and TMA-aligned
-    (taken as is), or row-major contiguous (its transpose kernel's input); any other view is copied
-    row-major first. A strided scale_a given to it as is came out wrong (kernelmux check on an H200,
-    0.1.4.post1: outputs near 1e38, the only strided operand that reached the vendor)."""
-    aligned = -(-m // SCALE_ROWS) * SCALE_ROWS
-    if scale_a.is_contiguous() or ((scale_a.stride(0) == 1 or m == 1) and scale_a.stride(1) == aligned):
-        return scale_a
-    return scale_a.contiguous()
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ real one against the reference, and the test at the end here the adapter on it d
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import sys
@@ -15,7 +16,7 @@ import torch
 
 from fakes import ask
 from kernelmux.backends import _vendor
-from kernelmux.backends.deepgemm import CALLS, DEEPGEMM
+from kernelmux.backends.deepgemm import CALLS, DEEPGEMM, transform_scales
 from kernelmux.backends.deepgemm import scaled_mm as adapter
 from kernelmux.conformance import _strided
 from kernelmux.engine import Engine, Settings
@@ -86,7 +87,7 @@ def test_adapter_matches_the_reference(vendor, m, n, k, a_view):
 @pytest.mark.parametrize("m", [1, 9, 64])
 def test_every_operand_strided_matches_the_reference(vendor, m):
     # The conformance kit's strided check: every tensor a view of stride 2 with garbage between. On an
-    # H200 the strided scale_a came out wrong; the adapter hands DeepGEMM a row-major copy of it.
+    # H200 it came out wrong while scale_b's contiguous copy was a temporary (transform_scales).
     kwargs = _block_call(m, 256, 384, seed=m)
     expected = spec.SPEC.reference(**kwargs)
     strided = {k: _strided(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
@@ -99,6 +100,20 @@ def test_scale_a_already_in_deepgemms_layout_is_not_copied(vendor):
     sfa, _ = adapter.prepare_scales(ready, kwargs["scale_b"], 6, 256, 384)
     assert sfa.data_ptr() == ready.data_ptr()
     spec.SPEC.check_close(adapter.scaled_mm(**{**kwargs, "scale_a": ready}), spec.SPEC.reference(**kwargs), kwargs)
+
+
+def test_transform_scales_holds_an_untransformed_input_and_keeps_a_transformed_one(vendor):
+    # The shipped transform returns an input it leaves as is without holding its memory (the fake's
+    # _borrowed): a temporary's result must still be readable after the temporary is gone.
+    kwargs = _block_call(6, 256, 384, seed=5)
+    sfb = transform_scales(kwargs["scale_b"].clone(), mn=256, k=384, recipe=adapter.RECIPE, is_sfa=False)
+    gc.collect()
+    assert torch.equal(sfb, kwargs["scale_b"])
+    sfa = transform_scales(kwargs["scale_a"].clone(), mn=6, k=384, recipe=adapter.RECIPE, is_sfa=True)
+    assert sfa.stride() == (1, 8) and torch.equal(sfa, kwargs["scale_a"])  # the vendor's MN-major copy
+    out = torch.empty(6, 256, dtype=torch.bfloat16)
+    sys.modules["deep_gemm"].fp8_gemm_nt(a=(kwargs["a"], sfa), b=(kwargs["b"], sfb), d=out, recipe=adapter.RECIPE)
+    spec.SPEC.check_close(out, spec.SPEC.reference(**kwargs), kwargs)
 
 
 def test_an_empty_batch_never_reaches_the_vendor(vendor):
@@ -235,10 +250,12 @@ def test_real_deepgemm_matches_the_reference_on_sm90(m, n, k):
 
 
 @pytest.mark.skipif(not (_REAL and _H100), reason="needs an sm_90 GPU (H100/H200) with sgl-deep-gemm installed")
+@pytest.mark.parametrize("m, n, k", [(1, 256, 256), (1, 7168, 2048), (64, 7168, 2048)])
 @pytest.mark.parametrize("strided", [("a",), ("b",), ("scale_a",), ("scale_b",), ("a", "b", "scale_a", "scale_b")])
-def test_real_deepgemm_reads_strided_inputs(strided):
-    # The kit's strided check gave outputs near 1e38 on an H200 before scale_a was copied row-major.
-    kwargs = _block_call(64, 7168, 2048, seed=12, device="cuda")
+def test_real_deepgemm_reads_strided_inputs(m, n, k, strided):
+    # The kit's strided check gave outputs near 1e38 on an H200 (M = 1, every tensor strided): scale_b's
+    # temporary contiguous copy was freed under DeepGEMM's untransformed result, and a's copy reused it.
+    kwargs = _block_call(m, n, k, seed=12, device="cuda")
     views = {k: _strided(v) if k in strided else v for k, v in kwargs.items()}
     spec.SPEC.check_close(adapter.scaled_mm(**views), spec.SPEC.reference(**kwargs), kwargs)
 

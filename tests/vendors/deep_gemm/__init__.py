@@ -2,6 +2,8 @@
 transform_sf_into_required_layout and get_mk_alignment_for_contiguous_layout with the shipped Python
 signatures, the host checks of csrc/apis/gemm.hpp, apis/layout.hpp and utils/layout.hpp for the sm_90
 1D2D path, the contiguous layout's rules (scheduler/gemm.cuh) and the block-scaled GEMM here in fp64."""
+import weakref
+
 import torch
 
 __version__ = "0.1.4.post1"
@@ -46,10 +48,6 @@ def _to_mn_major_tma_aligned(sf):
     mn, groups = sf.shape
     if _is_mn_major_tma_aligned(sf, mn):
         return sf
-    if not sf.is_contiguous():
-        # Observed, not read in the source: on an H200 (kernelmux check, 2026-11-28) a strided sfa gave
-        # outputs near 1e38, as a transpose kernel reading the buffer as row-major would. Modelled so.
-        sf = torch.as_strided(sf, sf.shape, (groups, 1), sf.storage_offset())
     out = torch.empty_strided((mn, groups), (1, _tma_aligned_size(mn, 4)), dtype=sf.dtype, device=sf.device)
     out.copy_(sf)
     return out
@@ -57,7 +55,25 @@ def _to_mn_major_tma_aligned(sf):
 
 def transform_sf_into_required_layout(sf, mn, k, recipe, num_groups=None, is_sfa=None, disable_ue8m0_cast=False):
     # The shipped wrapper hands its arguments to _C positionally; so does this one, to the model below.
-    return _transform(sf, mn, k, recipe, num_groups, is_sfa, disable_ue8m0_cast)
+    out = _transform(sf, mn, k, recipe, num_groups, is_sfa, disable_ue8m0_cast)
+    return _borrowed(sf) if out is sf else out
+
+
+def _borrowed(sf):
+    """Observed on an H200 (kernelmux check and a diagnostic, 2026-11-28): an input returned untransformed
+    comes back through tvm-ffi as a tensor that does not hold the input's memory; once the input is freed
+    the GEMM reads whatever reuses its block. Modelled as an alias that remembers its input weakly, and a
+    GEMM that raises, where the GPU computes garbage, when that input is gone."""
+    alias = sf.new_empty(0).set_(sf.untyped_storage(), sf.storage_offset(), sf.shape, sf.stride())  # no _base
+    alias._fake_deep_gemm_input = weakref.ref(sf)
+    return alias
+
+
+def _check_held(sf, what):
+    source = getattr(sf, "_fake_deep_gemm_input", None)
+    if source is not None and source() is None:
+        raise RuntimeError(f"fake deep_gemm: {what} is transform_sf_into_required_layout's untransformed "
+                           "result, and its input has been freed: the GPU reads reused memory here")
 
 
 def _transform(sf, mn, k, recipe, num_groups, is_sfa, disable_ue8m0_cast):
@@ -114,6 +130,8 @@ def fp8_fp4_gemm_nt(a, b, d, c=None, recipe=None, recipe_a=None, recipe_b=None, 
     (a_data, a_sf), (b_data, b_sf) = _parse_tensor_or_tuple(a), _parse_tensor_or_tuple(b)
     if ARCH_MAJOR != 9:
         raise NotImplementedError("fake deep_gemm: only the sm_90 path is modelled")
+    _check_held(a_sf, "sfa")
+    _check_held(b_sf, "sfb")
     for t, name in ((a_data, "a"), (b_data, "b")):
         _check(t.dim() == 2 and (t.stride(-1) == 1 or t.stride(-2) == 1), f"{name}: major_check")
         _check(t.stride(-1) == 1, f"major_{name} == cute::UMMA::Major::K")  # fp8_requires_k_major on sm_90
@@ -166,6 +184,8 @@ def _m_grouped_contiguous(a, a_sf, b, b_sf, d, grouped_layout, recipe, recipe_a,
     """csrc/apis/gemm.hpp's m_grouped_fp8_fp4_gemm_nt_contiguous and sm90_m_grouped_fp8_gemm_contiguous_1d2d."""
     if ARCH_MAJOR != 9:
         raise NotImplementedError("fake deep_gemm: only the sm_90 path is modelled")
+    _check_held(a_sf, "sfa")
+    _check_held(b_sf, "sfb")
     _check(a.dim() == 2 and a.stride(-1) == 1, "major_a == cute::UMMA::Major::K")
     _check(b.dim() == 3 and b.stride(-1) == 1, "major_b == cute::UMMA::Major::K")  # fp8_requires_k_major
     _check(grouped_layout.is_contiguous(), "grouped_layout.is_contiguous()")
