@@ -77,19 +77,21 @@ def configure(
     platform: str | Platform | None = None,
     plugins: Mapping[str, Any] | None = None,
     tuning: bool | None = None,
+    native_fingerprint: bool | None = None,
     from_env: bool = True,
 ) -> Engine:
     """Rebuild the engine with overrides on top of the environment's settings (or on top of the
     defaults with ``from_env=False``), install it as current and return it. ``plugins`` maps
     names to plugin objects registered in addition to the installed entry points. ``check``:
     checked mode (see ``CheckedDispatcher``), the way to debug an integration. ``tuning=False``:
-    priorities alone order the candidates (no tuning tables). Unknown names in
+    priorities alone order the candidates (no tuning tables). ``native_fingerprint=False``: the
+    Python call fingerprint even where the native one is built. Unknown names in
     ``prefer``, ``deny`` or ``allow_plugins`` raise ``ConfigurationError``."""
     simulated = platform if isinstance(platform, str) else None
     base = Settings.from_env() if from_env else Settings()
     settings = base.with_changes(
         prefer=prefer, deny=deny, allow_plugins=allow_plugins, strict=strict, check=check, platform=simulated,
-        tuning=tuning,
+        tuning=tuning, native_fingerprint=native_fingerprint,
     )
     engine = Engine(
         ALL_SPECS,

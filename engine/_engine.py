@@ -9,12 +9,11 @@ from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple
 
 import torch
 
-from kernelmux.engine import tuning
+from kernelmux.engine import fingerprint, tuning
 from kernelmux.engine.settings import Settings
 from kernelmux.errors import ConfigurationError, ImplementationError, NoImplementationError, UnknownOpError
 from kernelmux.platforms import Platform, detect, simulate
 from kernelmux.registry import Backend, Implementation, Registry
-from kernelmux.specs._key import MAX_ALIGNMENT
 from kernelmux.specs._spec import OpSpec
 
 __all__ = [
@@ -123,41 +122,17 @@ def output_problem(actual: Any, expected: Any, where: str = "output") -> str | N
     return None
 
 
-_ALIGNMENT_BITS = MAX_ALIGNMENT - 1
-_PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype})
 _FINGERPRINTS = 4096  # calls remembered per op; past it the memo starts over (a bound, not an LRU)
-
-
-def _fingerprint(args: tuple, kwargs: dict, _tensor: type = torch.Tensor, _plain: frozenset = _PLAIN) -> tuple | None:
-    """What a spec's validate reads of a call: per tensor its dtype, shape, strides, device and
-    address modulo the largest alignment a Layout holds; per other argument its type and value (so
-    True and 1 differ). Validation reads metadata, never data, so calls with equal fingerprints have
-    equal dispatch keys and are equally valid. None where an argument is neither a tensor nor a plain
-    value (a list, an object): such a call is validated every time, and no tensor is ever held.
-    On every call's path: the globals are bound as defaults, plain values tested first."""
-    parts: list = []
-    append = parts.append
-    for value in (*args, *kwargs.values()) if kwargs else args:
-        kind = type(value)
-        if kind in _plain:
-            append(kind)
-            append(value)
-        elif isinstance(value, _tensor):
-            append((value.dtype, value.shape, value.stride(), value.device, value.data_ptr() & _ALIGNMENT_BITS))
-        else:
-            return None
-    if kwargs:
-        append(tuple(kwargs))  # the keywords' names, in order: f(x, y) and f(x, b=y) stay apart
-    return tuple(parts)
 
 
 class Dispatcher:
     """The per-call path of one op: validate, look the key up, run. Everything slow happens once
     per dispatch key, in ``_select``; a call whose arguments' metadata were seen before skips
-    validation (``_fingerprint``); an implementation that raises is reported as an
+    validation (engine/fingerprint.py); an implementation that raises is reported as an
     ``ImplementationError`` naming it."""
 
-    __slots__ = ("_cache", "_decisions", "_engine", "_known", "_lock", "_reference", "_validate", "table")
+    __slots__ = ("_cache", "_decisions", "_engine", "_fingerprint", "_known", "_lock", "_reference", "_validate",
+                 "table")
 
     def __init__(self, engine: "Engine", table: OpTable) -> None:
         self._engine = engine
@@ -169,23 +144,24 @@ class Dispatcher:
                               spec_version=table.spec.version, priority=-1000,
                               description="the spec's pure-torch reference (fp32 math); the fallback")
         self._validate = table.spec.validate
+        self._fingerprint = engine.fingerprint
         self._cache: dict[Hashable, _Choice] = {}
-        self._known: dict[tuple, _Choice] = {}  # fingerprint -> the choice its key resolved to
+        self._known: dict[Hashable, _Choice] = {}  # fingerprint -> the choice its key resolved to
         self._lock = threading.Lock()
         self._decisions: dict[Hashable, Decision] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fingerprint = _fingerprint(args, kwargs)
-        choice = self._known.get(fingerprint) if fingerprint is not None else None
+        seen = self._fingerprint(args, kwargs)
+        choice = self._known.get(seen) if seen is not None else None
         if choice is None:
             key = self._validate(*args, **kwargs)
             choice = self._cache.get(key)
             if choice is None:
                 choice = self._select(key)
-            if fingerprint is not None:
+            if seen is not None:
                 if len(self._known) >= _FINGERPRINTS:
                     self._known.clear()
-                self._known[fingerprint] = choice
+                self._known[seen] = choice
         if choice.under_capture is not None and _capturing():
             choice = choice.under_capture  # asked only where the choice cannot be captured itself
         try:
@@ -382,6 +358,8 @@ class Engine:
         self._platform_lock = threading.Lock()
         self.tables = {name: self._build_table(spec) for name, spec in self.specs.items()}
         self.tuning = tuning.load(self.platform, self.registry, enabled=self.settings.tuning)
+        # Native where it is built (kernelmux warmup), else Python: the same meaning, one per engine.
+        self.fingerprint = fingerprint.active() if self.settings.native_fingerprint else fingerprint.python_fingerprint
         dispatcher = CheckedDispatcher if self.settings.check else Dispatcher
         self.dispatchers = {name: dispatcher(self, table) for name, table in self.tables.items()}
 

@@ -34,6 +34,7 @@ def _impl_json(impl: "Implementation") -> dict[str, Any]:
 
 def report(engine: "Engine", cache_usage: bool = False) -> dict[str, Any]:
     """The report as JSON-ready data; ``cache_usage`` adds each compile cache's files and bytes."""
+    from kernelmux.engine.fingerprint import native_state, python_fingerprint
     from kernelmux.engine.warm_start import warm_state
 
     registry = engine.registry
@@ -88,6 +89,8 @@ def report(engine: "Engine", cache_usage: bool = False) -> dict[str, Any]:
         "tuning": {"tables": list(engine.tuning.sources), "notes": list(engine.tuning.notes),
                    "measurements": len(engine.tuning.measurements())},
         "warm_start": warm_state(engine, cache_usage),
+        "call_fingerprint": native_state()[1] if engine.fingerprint is not python_fingerprint
+        else f"Python (the native one: {native_state()[1]})",
         "ops": ops,
     }
 
@@ -151,6 +154,7 @@ def render_report(data: Mapping[str, Any]) -> Any:
              + (f" ({tuning['measurements']} measured buckets; each call is ordered by its bucket's ranking)"
                 if tuning["tables"] else " (priorities order every call)")]
     lines += [f"  note: {note}" for note in tuning["notes"]]
+    lines.append(f"call fingerprint (a call seen before skips validation): {data['call_fingerprint']}")
     parts.append(Text("\n".join(lines)))
     parts.append(_render_warm_start(data["warm_start"]))
     if data["rejected_registrations"]:

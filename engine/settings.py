@@ -28,6 +28,7 @@ ENV_VARS: Mapping[str, str] = {
     "KERNELMUX_CACHE_DIR": "where compiled kernels, the user's tuning tables and the warm-up record are kept "
                            "(default ~/.cache/kernelmux)",
     "KERNELMUX_TUNING": "0: no tuning tables, priorities alone order each call's candidates (default 1: this device's tables)",
+    "KERNELMUX_NATIVE_FINGERPRINT": "0: the Python call fingerprint even where the native one is built (default 1)",
     "KERNELMUX_COMMIT": "the commit a perf record names, where the tree has no .git (the GPU machines)",
 }
 
@@ -87,6 +88,8 @@ class Settings:
       checked, at the cost of a host sync per call.
     - ``tuning``: order each call's candidates by this device's tuning tables (engine/tuning.py);
       off, priorities alone order them.
+    - ``native_fingerprint``: the native call fingerprint where it is built (engine/fingerprint.py);
+      off, the Python one (same meaning, slower).
 
     Names in ``prefer``, ``deny`` and ``allow_plugins`` are checked against what is installed
     when an engine is built from them (``Engine``), whichever way they were given.
@@ -99,6 +102,7 @@ class Settings:
     platform: str | None = None
     check: bool = False
     tuning: bool = True
+    native_fingerprint: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Settings":
@@ -112,6 +116,8 @@ class Settings:
             check=_flag(env, "KERNELMUX_CHECK"),
             platform=env.get("KERNELMUX_PLATFORM", "").strip() or None,
             tuning=_flag(env, "KERNELMUX_TUNING") if env.get("KERNELMUX_TUNING", "").strip() else True,
+            native_fingerprint=(_flag(env, "KERNELMUX_NATIVE_FINGERPRINT")
+                                if env.get("KERNELMUX_NATIVE_FINGERPRINT", "").strip() else True),
         )
 
     def with_changes(self, **changes: Any) -> "Settings":

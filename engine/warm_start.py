@@ -1,6 +1,7 @@
-"""Warm starts: ahead of serving, run the first call of exactly the implementation selection picks
-for each of an op's cases, so what it compiles (Triton's JIT, NVRTC, a vendor's nvcc JIT) is in the
-on-disk caches the next process loads from, and in this process. Each call is logged before it
+"""Warm starts: ahead of serving, build the native call fingerprint (engine/fingerprint.py) and run the
+first call of exactly the implementation selection picks for each of an op's cases, so what it
+compiles (Triton's JIT, NVRTC, a vendor's nvcc JIT) is in the on-disk caches the next process loads
+from, and in this process. Each call is logged before it
 starts (a compile can take minutes) and timed twice: first, and again, the difference being about
 its compile cost. A record per device (``$KERNELMUX_CACHE_DIR/warmup/<device>.json``, with the
 versions) lets ``kernelmux info`` say which ops' first calls are warm and which would still compile.
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 import torch
 
-from kernelmux.engine import tuning
+from kernelmux.engine import fingerprint, tuning
 from kernelmux.engine.settings import cache_root
 from kernelmux.errors import ConfigurationError, UnknownOpError
 from kernelmux.platforms import synchronize
@@ -100,6 +101,7 @@ def warmup(engine: Optional["Engine"] = None, ops: Optional[Iterable[str]] = Non
         if name not in engine.specs:
             raise UnknownOpError(name, list(engine.specs))
     wanted = set(cases) if cases is not None else None
+    fingerprint.build_native(log)  # engines made after it (the server's process) skip Python's per-call cost
     device = engine.platform.device
     warmed: list[Warmed] = []
     for name in names:

@@ -5,8 +5,10 @@ paged_attention decode call on the machine's device.
 
     python -m kernelmux.perf.dispatch_overhead [--json FILE]
 
-Two dispatch measurements: with a no-op implementation (the overhead alone, nothing else in the
-call) and with the real chosen implementation on a DeepSeek-V3 decode step (T = 1).
+Three dispatch measurements, all with tuning tables on: every op through a no-op implementation of
+its signature on its first quick model case, with the Python and the native call fingerprint
+(engine/fingerprint.py, built first if it is not); grouped_topk with a no-op implementation (the
+overhead alone) and with the real chosen implementation on a DeepSeek-V3 decode step (T = 1).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from kernelmux import ops
-from kernelmux.engine import configure, current, reset, resolve
+from kernelmux.engine import configure, current, fingerprint, reset, resolve
+from kernelmux.specs import ALL_SPECS
 from kernelmux.specs.grouped_topk import SPEC
 from kernelmux.registry import Implementation, hookimpl
 
@@ -47,6 +50,65 @@ class _NoopPlugin:
     def kernelmux_implementations(self):
         return [Implementation(op="grouped_topk", backend="noop", fn=noop_grouped_topk,
                                spec_version=SPEC.version, priority=1_000_000)]
+
+
+class _NoopEveryOp:
+    """A no-op implementation of every op, with the spec's signature: dispatch alone is timed."""
+
+    @hookimpl
+    def kernelmux_implementations(self):
+        impls = []
+        for spec in ALL_SPECS:
+            def noop(*args: Any, **kwargs: Any) -> None:
+                return None
+
+            noop.__signature__ = spec.signature
+            impls.append(Implementation(op=spec.name, backend="noop", fn=noop, spec_version=spec.version,
+                                        priority=1_000_000))
+        return impls
+
+
+def measure_ops(calls: int, repeats: int) -> dict[str, Any]:
+    """Per op, the median time a no-op call takes through ``kernelmux.ops`` with each fingerprint,
+    and called directly; positional arguments, as an integration's layer code calls."""
+    state = fingerprint.build_native(lambda line: print(line, file=sys.stderr))
+    engines = {}
+    built = fingerprint.native_state()[0] is not None
+    for name in ("python", "native") if built else ("python",):
+        engines[name] = configure(plugins={"noop": _NoopEveryOp()}, prefer={"*": ["noop"]}, tuning=True,
+                                  native_fingerprint=name == "native", from_env=False)
+    results: dict[str, Any] = {"native_state": state, "ops": {}}
+    for spec in ALL_SPECS:
+        case = (spec.model_cases(True, "cpu") or spec.cases)[0]
+        kwargs = case.build()
+        positional = tuple(kwargs[name] for name in spec.signature.parameters)
+        impl = engines["python"].registry.implementations[(spec.name, "noop")]
+        per_engine = {name: engine.dispatchers[spec.name] for name, engine in engines.items()}
+        for dispatcher in per_engine.values():
+            dispatcher(*positional)  # selected once, outside the timing
+        variants = {f"{name} fingerprint": (lambda d=d: d(*positional)) for name, d in per_engine.items()}
+        variants["direct"] = lambda: impl.fn(*positional)
+        medians = _interleaved(variants, calls, repeats)
+        tensors = sum(isinstance(v, torch.Tensor) for v in positional)
+        results["ops"][spec.name] = {
+            "case": case.name, "arguments": len(positional), "tensors": tensors, "median_us": medians,
+            "added_us": {name: medians[f"{name} fingerprint"] - medians["direct"] for name in per_engine},
+        }
+    reset()
+    return results
+
+
+def _interleaved(variants: dict[str, Callable[[], Any]], calls: int, repeats: int) -> dict[str, float]:
+    """Median microseconds per call of each variant. The variants are interleaved, rotating which goes
+    first, so drift in machine load and whatever the first block of a round pays (seen: ~10 us a
+    call) hit all of them alike."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for round_index in range(repeats):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name] += _per_call_ns(variants[name], calls, 1)
+    return {name: statistics.median(s) / 1e3 for name, s in samples.items()}
 
 
 def _per_call_ns(fn: Callable[[], Any], calls: int, repeats: int) -> list[float]:
@@ -81,15 +143,7 @@ def measure(calls: int, repeats: int) -> dict[str, Any]:
             "resolved": lambda: resolved(*positional),
             "resolve() itself": lambda: resolve("grouped_topk", *positional),
         }
-        # Interleave the variants, rotating which goes first, so drift in machine load and
-        # whatever the first block of a round pays (seen: ~10 us a call) hit all of them alike.
-        samples: dict[str, list[float]] = {name: [] for name in variants}
-        names = list(variants)
-        for round_index in range(repeats):
-            shift = round_index % len(names)
-            for name in names[shift:] + names[:shift]:
-                samples[name] += _per_call_ns(variants[name], calls, 1)
-        medians = {name: statistics.median(s) / 1e3 for name, s in samples.items()}
+        medians = _interleaved(variants, calls, repeats)
         results[label] = {
             "backend": impl.backend,
             "tuning_tables": tables,
@@ -144,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args(argv)
     results = measure(args.calls, args.repeats)
+    results["every_op"] = measure_ops(args.calls, args.repeats)
     results["checked"] = measure_checked(max(args.calls // 20, 10), args.repeats)
     results["environment"] = {"python": sys.version.split()[0], "torch": torch.__version__,
                               "machine": platform.machine(), "cpu": current().platform.device_name}
@@ -155,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{times}; added by kernelmux.ops "
               f"{r['added_us_ops_vs_direct']:.2f} us, by the resolved function "
               f"{r['added_us_resolved_vs_direct']:.2f} us")
+    every = results["every_op"]
+    print(f"every op through a no-op implementation (native fingerprint: {every['native_state']}):")
+    for op, r in every["ops"].items():
+        print(f"  {op:24s} {r['tensors']:2d} tensors of {r['arguments']:2d} arguments: added "
+              + ", ".join(f"{name} fingerprint {us:.2f} us" for name, us in r["added_us"].items()))
     checked = results["checked"]
     print(f"checked mode ({checked['device']}, paged_attention {checked['case']} on {checked['backend']}): "
           f"{checked['median_us']['unchecked']:.1f} us a call unchecked, {checked['median_us']['checked']:.1f} us "

@@ -10,7 +10,7 @@ import torch
 
 from fakes import Counter, FakePlugin, counting_grouped_topk
 from kernelmux import cli
-from kernelmux.engine import Engine, Settings, tuning, warm_start as warm
+from kernelmux.engine import Engine, Settings, fingerprint, tuning, warm_start as warm
 from kernelmux.engine.report import render_report, report
 from kernelmux.errors import ConfigurationError, UnknownOpError
 from kernelmux.platforms import detect, simulate
@@ -25,6 +25,8 @@ CASES = ["deepseek_v3_t1", "deepseek_v3_t64"]
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KERNELMUX_CACHE_DIR", str(tmp_path))
+    # The native fingerprint's build (25 s; tests/engine/test_fingerprint.py builds it) is recorded, not run.
+    monkeypatch.setattr(fingerprint, "build_native", lambda log: log("(native fingerprint built)"))
     return tmp_path
 
 
@@ -54,8 +56,9 @@ def test_warmup_runs_the_chosen_implementation_announced_before_its_first_call(c
     warmed = warm.warmup(engine, ["grouped_topk"], cases=CASES, log=lines.append)
     assert [(w.op, w.case, w.backend) for w in warmed] == [("grouped_topk", c, "chosen") for c in CASES]
     assert chosen.calls == 2 * len(CASES) and other.calls == 0  # first and again, per case
-    assert chosen.seen_before_first_call == [f"warming grouped_topk {CASES[0]}: chosen (may compile: FakeJIT, "
-                                             f"one kernel per dtype, cached in {cache / 'jit'})"]
+    assert chosen.seen_before_first_call == [  # the native fingerprint first: the server's process loads it
+        "(native fingerprint built)",
+        f"warming grouped_topk {CASES[0]}: chosen (may compile: FakeJIT, one kernel per dtype, cached in {cache / 'jit'})"]
     assert all(w.first_s > 0 and w.again_s > 0 and not w.error for w in warmed)
     assert warmed[0].bucket == tuning.bucket(SPEC.validate(**SPEC.case(CASES[0]).build()))
 
