@@ -155,7 +155,7 @@ def test_both_fingerprints_tell_the_same_calls_apart_on_every_spec_case(native):
     # two calls get equal native fingerprints exactly where their Python fingerprints are equal.
     calls = []
     for spec in ALL_SPECS:
-        for case in spec.cases[:6]:
+        for case in [c for c in spec.cases if "model" not in c.tags][:6]:  # small ones: metadata is what counts
             kwargs = case.build()
             calls.append(((), kwargs))
             calls.append((tuple(kwargs[name] for name in spec.signature.parameters), {}))
