@@ -25,6 +25,12 @@ CAPABILITIES = frozenset({(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (12,
 # DSTATE / 32 elements per lane, which must be a power of two > 0 (PackedAligned, common.cuh),
 # and the TMA box of the producer/consumer kernels holds a whole state row (<= 256 elements).
 STATE_DIMS = (32, 64, 128, 256)
+# DIM (the head dim P) is one too, and every module also instantiates the multi-token "simple" kernel
+# for 4, 2 and 1 CTAs per head wherever DIM / CTAs >= 16 rows, each needing DIM / CTAs % 16 == 0
+# (dispatchCtasPerHead, kernel_selective_state_update_mtp_simple.cuh), and the sm_9x+ module the
+# horizontal kernel with (P / 64) * 4 consumer warps (a static_assert that they cover a row). On the
+# H200 P = 64 and 192 compiled; 16, 48, 80 and 96 failed to compile (stop 41).
+HEAD_DIM_MULTIPLE = 64
 # algorithm="auto" picks by batch * heads vs SMs (invokeSelectiveStateUpdate): "vertical" (sm_9x+)
 # pipelines 16-row stages (dim % 16, dim >= 48: its write-only drain starts at DIM/16 - 3) and
 # writes y from 4 warps of 32 lanes (dim <= 128); "horizontal" (sm_10x+, 16-bit state) runs
@@ -46,16 +52,16 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     if key.state_dim not in STATE_DIMS:
         return (f"state dim N = {key.state_dim}: the kernel is compiled for N with N / 32 a power of two, "
                 f"{', '.join(map(str, STATE_DIMS))} (its per-lane vector loads)")
+    if key.head_dim % HEAD_DIM_MULTIPLE:
+        return (f"head dim P = {key.head_dim}: FlashInfer's module compiles only for P a multiple of "
+                f"{HEAD_DIM_MULTIPLE} (its kernels' per-CTA row tiling and consumer warps are templates on P; "
+                "other P fail its static_asserts)")
     if not key.state_layout.dense_rows:
         # The cache is updated in place, so it cannot be copied into an aligned one per call.
         return ("the state cache's rows must be contiguous and 16-byte aligned (the kernel loads "
                 f"16-byte vectors of it), got {key.state_layout}")
-    row_bytes = key.num_heads * key.head_dim * key.x_dtype.itemsize
-    if row_bytes % VECTOR_BYTES:
-        # x and z are passed packed, one request per Hh * P elements; the kernel needs that batch
-        # stride in whole 16-byte vectors (check_ptr_alignment_input_vars).
-        return (f"Hh * P * {key.x_dtype.itemsize} bytes = {row_bytes} per request of x is not a multiple of "
-                f"{VECTOR_BYTES}: the kernel needs 16-byte aligned rows of x and z")
+    # x and z go packed, one request per Hh * P elements: with P % 64 == 0 that batch stride is whole
+    # 16-byte vectors, as check_ptr_alignment_input_vars needs.
     return None
 
 

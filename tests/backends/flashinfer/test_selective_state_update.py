@@ -60,7 +60,7 @@ def test_adapter_matches_the_reference_on_the_spec_cases(vendor, name):
     assert vendor.CALLS[-1]["algorithm"] == "auto"  # P = 64
 
 
-def _small(requests=5, heads=4, head_dim=8, groups=2, state_dim=32, slots=9, padding=2, seed=0,
+def _small(requests=5, heads=4, head_dim=64, groups=2, state_dim=32, slots=9, padding=2, seed=0,
            dtype=torch.bfloat16, state_dtype=torch.float32, **options):
     make = spec._maker(requests, heads, head_dim, groups, state_dim, dtype, state_dtype, slots=slots,
                        padding=padding, **options)
@@ -69,9 +69,9 @@ def _small(requests=5, heads=4, head_dim=8, groups=2, state_dim=32, slots=9, pad
 
 def test_padding_rows_are_zero_though_the_kernel_writes_them(vendor):
     # The kernel computes a padding request's y from a zero state (D * x, gated); the spec's is 0.
-    kwargs = _small(padding=3)
+    kwargs = _small(padding=3, head_dim=192)
     _run_both(kwargs)
-    assert vendor.CALLS[-1]["algorithm"] == "simple"  # P = 8: not a vertical/horizontal head dim
+    assert vendor.CALLS[-1]["algorithm"] == "simple"  # P = 192: not a vertical/horizontal head dim
 
 
 def test_any_negative_index_is_padding(vendor):
@@ -133,13 +133,16 @@ def test_supports_declines_by_name(case, platform, reason):
     assert reason in ask(adapter.supports, spec.SPEC, _kwargs(case), simulate(platform))
 
 
-def test_declines_misaligned_state_rows_and_odd_request_rows():
+def test_declines_misaligned_state_rows_and_head_dims_the_module_cannot_build():
     kwargs = _small(state_dim=32)
     shape = kwargs["state"].shape
     kwargs["state"] = torch.zeros(kwargs["state"].numel() + 1)[1:].view(shape)  # 4 bytes off
     assert "16-byte aligned" in ask(adapter.supports, spec.SPEC, kwargs, simulate("sm_90"))
-    kwargs = _small(heads=3, head_dim=3, groups=1, dtype=torch.float16)
-    assert "not a multiple of 16" in ask(adapter.supports, spec.SPEC, kwargs, simulate("sm_90"))
+    for head_dim in (3, 16, 48, 80, 96):  # on the H200 16, 48, 80 and 96 failed to compile; 64 and 192 built
+        kwargs = _small(heads=3, head_dim=head_dim, groups=1, dtype=torch.float16)
+        assert f"head dim P = {head_dim}" in ask(adapter.supports, spec.SPEC, kwargs, simulate("sm_90"))
+    for head_dim in (64, 192):
+        assert ask(adapter.supports, spec.SPEC, _small(head_dim=head_dim), simulate("sm_90")) is None
 
 
 def test_the_vendor_is_called_by_keyword(monkeypatch, tmp_path):
@@ -182,7 +185,7 @@ def test_the_first_call_is_logged_before_it_runs_and_timed(vendor, caplog, monke
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and "may compile" in messages[0] and "took" in messages[1]
     assert list(_vendor.first_calls.seconds()) == [
-        ("flashinfer", spec.NAME, (torch.float32, torch.bfloat16, torch.float32, 8, 32))]
+        ("flashinfer", spec.NAME, (torch.float32, torch.bfloat16, torch.float32, 64, 32))]
 
 
 def test_fake_is_imported_from_the_installed_distribution(vendor):

@@ -32,6 +32,10 @@ def selective_state_update(state, x, dt, A, B, C, D, z=None, dt_bias=None, dt_so
     cache, heads, dim, dstate = state.shape
     batch, groups = x.shape[0], B.shape[1]
     _check(dstate in (32, 64, 128, 256), f"DSTATE {dstate}: no kernel instance (vector loads of DSTATE / 32)")
+    # The module instantiates the multi-token simple kernel for 4, 2 and 1 CTAs per head where DIM / CTAs >= 16
+    # (each needing DIM / CTAs % 16 == 0), and the sm_9x one the horizontal kernel ((DIM / 64) * 4 warps):
+    # other dims fail to compile (the H200 built 64 and 192, not 16, 48, 80 or 96).
+    _check(dim % 64 == 0, f"Ninja build failed: DIM {dim}: static assertion failed (the module's kernels)")
     _check(state.stride(3) == 1 and state.stride(2) == dstate and state.stride(1) == dim * dstate,
            "state dims 1-3 must be contiguous")
     _check(cache >= batch, "state.size(0) must be >= x.size(0)")
