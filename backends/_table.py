@@ -2,7 +2,8 @@
 ``Implementation`` records by ``implementations``. An op's entry module is
 ``backends/<backend>/<op>.py``, holding the function named after the op and, where the backend
 declines some calls, ``supports(key, platform)`` (and ``capture_check(key, platform)`` where some
-calls cannot be captured in a CUDA graph); it is imported when the backend's hook runs at
+calls cannot be captured in a CUDA graph, ``describe(key, platform)`` where explain should say which
+launch configuration a call runs); it is imported when the backend's hook runs at
 engine startup, never when kernelmux itself is imported. A ``Gap`` row names an op the backend's
 library has no kernel for, and why, so `kernelmux explain` says it instead of saying nothing."""
 
@@ -96,6 +97,7 @@ def implementations(backend: str, package: str, defaults: Defaults,
             fn=getattr(module, entry.op),
             supports=getattr(module, "supports", None),
             capture_check=getattr(module, "capture_check", None),
+            describe=getattr(module, "describe", None),
             spec_version=_SPECS[entry.op].version,
             description=entry.description,
             **fields,

@@ -476,6 +476,14 @@ class Engine:
         dispatcher, key, platform = self._explained(op, kwargs)
         return dispatcher.ordered_answers(key, platform)
 
+    def explain_plans(self, op: str, kwargs: Mapping[str, Any]) -> dict[str, str]:
+        """What each candidate that accepts a call with ``kwargs`` and describes itself would run (its
+        launch configuration and where that comes from), by backend."""
+        dispatcher, key, platform = self._explained(op, kwargs)
+        return {impl.backend: impl.describe(key, platform)
+                for impl, reason in dispatcher.ordered_answers(key, platform)[0]
+                if reason is None and impl.describe is not None}
+
     def explain_capture(self, op: str, kwargs: Mapping[str, Any]) -> str:
         """What a call with ``kwargs`` runs instead under CUDA-graph capture, and why ("" : the same)."""
         dispatcher, key, platform = self._explained(op, kwargs)

@@ -191,7 +191,9 @@ def explain_report(
     if kwargs is not None:
         answers, tuned = engine.explain_tuned(op, kwargs)
         chosen = next((impl.backend for impl, reason in answers if reason is None), None)
-        result["answers"] = [{"backend": impl.backend, "reason": reason} for impl, reason in answers]
+        plans = engine.explain_plans(op, kwargs)
+        result["answers"] = [{"backend": impl.backend, "reason": reason, "plan": plans.get(impl.backend)}
+                             for impl, reason in answers]
         result["chosen"] = chosen or "reference (fallback)"
         result["tuned"] = tuned
         result["capture"] = engine.explain_capture(op, kwargs)
@@ -236,6 +238,8 @@ def render_explain(data: Mapping[str, Any]) -> Any:
             v = viable.get(answer["backend"]) or rejected.get(answer["backend"], {})
             reason = answer["reason"]
             verdict = "[green]accepts[/green]" if reason is None else f"declines: {escape(reason)}"
+            if answer.get("plan"):
+                verdict += f"; runs {escape(answer['plan'])}"
             stage = (f"candidate (priority {v['priority']})" if answer["backend"] in viable
                      else "ranked by the tuning table")
             table.add_row(escape(answer["backend"]), escape(v.get("description", "")), stage, verdict)

@@ -110,6 +110,8 @@ class Implementation:
     - ``capture_check``, if given: ``capture_check(key, platform)`` returns None when a call with that
       key can be captured in a CUDA graph, else why not (a host-side plan per call). Under capture the
       engine runs the next candidate that accepts the call and can be captured instead.
+    - ``describe``, if given: ``describe(key, platform)`` says what a call with that key runs (a
+      launch configuration, and whether it was measured or guessed), for ``kernelmux explain``.
     """
 
     op: str
@@ -125,6 +127,7 @@ class Implementation:
     description: str = ""
     jit: JitCache | None = None  # None: nothing compiles at the first call
     capture_check: SupportsFn | None = None  # None: every call it accepts can be captured
+    describe: Callable[[Any, Any], str] | None = None  # None: explain says nothing beyond accepting
     plugin: str = field(default="", compare=False)  # filled in by the registry
 
     def __post_init__(self) -> None:
@@ -135,7 +138,7 @@ class Implementation:
             problems.append(f"backend must be a non-empty str, got {self.backend!r}")
         if not callable(self.fn):
             problems.append(f"fn must be callable, got {type(self.fn).__name__}")
-        for role in ("supports", "static_check", "capture_check"):
+        for role in ("supports", "static_check", "capture_check", "describe"):
             value = getattr(self, role)
             if value is not None and not callable(value):
                 problems.append(f"{role} must be callable or None, got {type(value).__name__}")

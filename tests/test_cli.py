@@ -37,6 +37,18 @@ def test_explain_a_case_on_a_simulated_platform(capsys, platform, chosen):
         assert answers["cpu"] is None
 
 
+def test_explain_says_which_launch_configuration_a_call_runs(capsys):
+    pytest.importorskip("triton", reason="the triton backend needs the triton package")
+    data = _json(capsys, "explain", "fused_moe", "--case", "qwen3_30b_a3b_t16_ep16", "--platform", "sm_90")
+    (triton,) = [a for a in data["answers"] if a["backend"] == "triton"]
+    assert triton["reason"] is None
+    assert triton["plan"].startswith("at T = 31: BLOCK_M ") and "heuristic" in triton["plan"]
+    assert all(a["plan"] is None for a in data["answers"] if a["backend"] != "triton")
+    assert main(["explain", "fused_moe", "--case", "qwen3_30b_a3b_t16_ep16", "--platform", "sm_90"]) == 0
+    out = capsys.readouterr().out  # the table wraps the plan inside its cell
+    assert "runs at T =" in " ".join(out.split()) and "BLOCK_M" in out
+
+
 def test_info_text_renders_tables(capsys):
     assert main(["info", "--platform", "sm_90"]) == 0
     out = capsys.readouterr().out

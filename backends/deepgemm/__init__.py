@@ -102,7 +102,12 @@ TABLE: tuple[Entry, ...] = (
     Entry("fused_moe",
           "m_grouped_fp8_gemm_nt_contiguous (sm90 1D2D) for gate_up and down: DeepSeek-V3 fp8_block experts "
           "(e4m3fn, bf16 hidden, H and I % 128 == 0, sm_90); routing, 1x128 quantization and activation in "
-          "torch, no host sync, CUDA-graph capturable"),
+          "torch, no host sync, CUDA-graph capturable",
+          # Ahead of the triton backend's kernels (20) for the calls it takes: on the H200 DeepSeek-V3
+          # at T 4096 took 11.9 ms here against triton's 35.0 ms; triton led at T 1 (257 against 302 us)
+          # and T 64 (5.51 against 5.57 ms), which only a measured tuning table can route per size
+          # (perf/decisions/fused_moe.md).
+          {"priority": 21}),
 )
 
 

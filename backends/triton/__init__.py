@@ -28,6 +28,9 @@ TABLE = (
           "with a merge kernel when the grid is small"),
     Entry("kv_cache_write",
           "one scatter kernel: a few tokens' K and V rows per program, fp8 quantized in flight"),
+    Entry("fused_moe",
+          "routing laid out on the device in expert blocks, gate-up GEMM with the activation fused, "
+          "down GEMM with the router weight and top-k sum fused (fp8 quantized in the mainloop)"),
     Entry("mla_decode",
           "the paged-attention kernel with one latent head: heads as rows, values from the "
           "key tile, split-KV with a merge kernel"),

@@ -2,13 +2,19 @@
 on machines without it)."""
 
 import contextlib
+import functools
 import os
 
 import torch
 
+from kernelmux.backends._scoped import ScopedSetting
+from kernelmux.platforms import probes
+
 # Triton reads TRITON_INTERPRET when a kernel is decorated (the kernel modules' first import), so
 # the process's value at start-up is the one its kernels run under.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
+# Whether fp8 launches take the integer route even where the hardware cast exists.
+_force_software_fp8 = ScopedSetting("force_software_fp8", False)
 
 
 def triton_cache_dir() -> str:
@@ -29,3 +35,26 @@ def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
         if device.type == kind and device.index != module.current_device():
             return module.device(device)
     return contextlib.nullcontext()
+
+
+def force_software_fp8(force: bool = True) -> contextlib.AbstractContextManager[bool]:
+    """Make fp8 launches use the kernel's integer route even where the hardware cast exists
+    (tests: both routes against the reference on the GPU); restores the previous setting."""
+    return _force_software_fp8.override(force)
+
+
+@functools.cache
+def _has_native_e4m3_cast(index: int) -> bool:
+    # Triton accepts fp8e4nv casts from sm_89 on (Ada, Hopper, Blackwell): cvt ... e4m3x2.f32.
+    return probes.capability(index) >= (8, 9)
+
+
+def native_fp8_cast(device: torch.device) -> bool:
+    """Whether fp8 launches on ``device`` convert with the hardware cast (CUDA, not ROCm, compute
+    capability >= 8.9, not under the interpreter, not forced off); else the integer route."""
+    if _force_software_fp8.current or device.type != "cuda" or probes.is_rocm():
+        return False
+    if INTERPRETED:
+        return False
+    index = device.index if device.index is not None else probes.current_index("cuda")
+    return _has_native_e4m3_cast(index)

@@ -10,8 +10,8 @@ from typing import Optional
 import torch
 
 from kernelmux.backends._scoped import ScopedSetting
-from kernelmux.backends.triton._host import INTERPRETED, device_guard, next_pow2
-from kernelmux.platforms import Platform, probes
+from kernelmux.backends.triton._host import device_guard, force_software_fp8, native_fp8_cast, next_pow2
+from kernelmux.platforms import Platform
 from kernelmux.specs import kv_cache_write as kv_cache_write_spec
 
 __all__ = [
@@ -67,8 +67,6 @@ def _config_problem(config: LaunchConfig) -> Optional[str]:
 
 # The launch configuration in force instead of the heuristic (None: the heuristic's).
 _override: ScopedSetting[Optional[LaunchConfig]] = ScopedSetting("override_launch_config", None, _config_problem)
-# Whether fp8 launches take the integer route even where the hardware cast exists.
-_force_software_fp8 = ScopedSetting("force_software_fp8", False)
 
 
 def launch_config(num_kv_heads: int, head_dim: int, element_size: int) -> LaunchConfig:
@@ -98,29 +96,6 @@ def override_launch_config(config: LaunchConfig) -> contextlib.AbstractContextMa
     """Use ``config`` for every launch inside the block (sweeps; the interpreter's big cases);
     restores the previous one."""
     return _override.override(config)
-
-
-def force_software_fp8(force: bool = True) -> contextlib.AbstractContextManager[bool]:
-    """Make fp8 launches use the kernel's integer route even where the hardware cast exists
-    (tests: both routes against the reference on the GPU); restores the previous setting."""
-    return _force_software_fp8.override(force)
-
-
-@functools.cache
-def _has_native_e4m3_cast(index: int) -> bool:
-    # Triton accepts fp8e4nv casts from sm_89 on (Ada, Hopper, Blackwell): cvt ... e4m3x2.f32.
-    return probes.capability(index) >= (8, 9)
-
-
-def native_fp8_cast(device: torch.device) -> bool:
-    """Whether fp8 launches on ``device`` convert with the hardware cast (CUDA, not ROCm, compute
-    capability >= 8.9, not under the interpreter, not forced off); else the integer route."""
-    if _force_software_fp8.current or device.type != "cuda" or probes.is_rocm():
-        return False
-    if INTERPRETED:
-        return False
-    index = device.index if device.index is not None else probes.current_index("cuda")
-    return _has_native_e4m3_cast(index)
 
 
 @functools.cache

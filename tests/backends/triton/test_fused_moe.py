@@ -1,0 +1,277 @@
+"""The triton backend's fused_moe against the spec's reference, compiled on a GPU or interpreted on CPU
+tensors: support, launch configurations, every case the kernels serve on fresh seeds, freed memory
+poisoned under every output and scratch buffer, strided and sliced inputs, the routing layout on its
+own, and on the GPU both fp8 routes and a CUDA-graph replay on new routing."""
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+# conftest sets TRITON_INTERPRET=1 on machines without a GPU before any kernel module is imported.
+pytest.importorskip("triton", reason="needs triton (pip install kernelmux[test] on Linux x86_64)")
+
+from conftest import DEVICE  # noqa: E402
+from fakes import ask  # noqa: E402
+from kernelmux.backends.triton import fused_moe as host  # noqa: E402
+from kernelmux.backends.triton._host import force_software_fp8, native_fp8_cast  # noqa: E402
+from kernelmux.backends.triton.fused_moe import (  # noqa: E402
+    GemmConfig,
+    LaunchConfig,
+    fused_moe,
+    launch_config,
+    override_launch_config,
+    supports,
+)
+from kernelmux.conformance import poison_freed_memory  # noqa: E402
+from kernelmux.platforms import simulate  # noqa: E402
+from kernelmux.specs.fused_moe import SPEC  # noqa: E402
+
+ON_GPU = DEVICE == "cuda"
+if not ON_GPU and not isinstance(
+    getattr(host._kernels(), "moe_down_kernel"), importlib.import_module("triton.runtime.interpreter").InterpretedFunction
+):
+    pytest.skip(
+        "the triton kernel module was imported before TRITON_INTERPRET=1 was set, so it cannot "
+        "run on CPU tensors in this process; run this file on its own",
+        allow_module_level=True,
+    )
+
+SERVED = [case.name for case in SPEC.cases
+          if "fnuz" not in case.name and (ON_GPU or "gpu" not in case.tags)]
+# The interpreter costs ~10 ms per program: on the CPU the model cases with GB-sized experts
+# (Mixtral's is 350 MB) are left to the GPU.
+CPU_MAX_WEIGHT_BYTES = 32 << 20
+
+
+def _build(name: str, seed: int) -> dict:
+    return SPEC.case(name).build(DEVICE, seed)
+
+
+def _weight_bytes(kwargs: dict) -> int:
+    return sum(kwargs[n].numel() * kwargs[n].element_size() for n in ("w1", "w2"))
+
+
+def _check(kwargs: dict, what: str = "") -> torch.Tensor:
+    expected = SPEC.reference(**kwargs)
+    poison_freed_memory(DEVICE, 4 * (kwargs["hidden"].numel() + 8 * kwargs["w1"].shape[1] * 64))
+    actual = fused_moe(**kwargs)
+    try:
+        SPEC.check_close(actual, expected, kwargs)
+    except AssertionError as error:
+        raise AssertionError(f"{what}: {error}") from None
+    return actual
+
+
+# ---------------------------------------------------------------------------------------------
+# Signature, support, configuration
+
+
+def test_signatures_match_the_spec() -> None:
+    assert inspect.signature(fused_moe) == SPEC.signature
+    assert list(inspect.signature(supports).parameters) == ["key", "platform"]
+
+
+def test_declines_with_reasons() -> None:
+    kwargs = SPEC.case("small_fp8_block_fnuz_gelu").build("cpu", 0)
+    assert "e4m3fnuz" in ask(supports, SPEC, kwargs, simulate("sm_90"))
+    kwargs = SPEC.case("small_fp8_block").build("cpu", 0)
+    assert ask(supports, SPEC, kwargs, simulate("sm_90")) is None
+    assert "sm_89 or later" in ask(supports, SPEC, kwargs, simulate("sm_80"))
+    assert ask(supports, SPEC, SPEC.case("small_silu").build("cpu", 0), simulate("sm_80")) is None
+    # Only the shapes matter: meta tensors stand for more local experts than one program counts.
+    for experts, refused in ((host.MAX_EXPERTS + 1, True), (host.MAX_EXPERTS, False)):
+        kwargs = dict(hidden=torch.empty(4, 64, dtype=torch.bfloat16, device="meta"),
+                      w1=torch.empty(experts, 32, 64, dtype=torch.bfloat16, device="meta"),
+                      w2=torch.empty(experts, 64, 16, dtype=torch.bfloat16, device="meta"),
+                      topk_weights=torch.empty(4, 2, device="meta"),
+                      topk_ids=torch.empty(4, 2, dtype=torch.int32, device="meta"))
+        reason = ask(supports, SPEC, kwargs, simulate("sm_90"))
+        assert (reason is not None) == refused, reason
+
+
+def test_the_heuristic_follows_pairs_per_expert() -> None:
+    decode = launch_config(8, 128, "none")  # Qwen3 T = 1: a sixteenth of a pair per expert
+    assert decode.block_m == 16 and not decode.tuned
+    assert launch_config(4096 * 8, 128, "none").block_m == 64
+    # fp8_block steps one 128-wide activation group per k-step, whatever the tiles say.
+    assert launch_config(8, 256, "fp8_block").gate_up.block_k == 128
+    with override_launch_config(LaunchConfig(32, GemmConfig(32, 32), GemmConfig(32, 64))):
+        config = launch_config(8, 256, "fp8_block")
+        assert (config.block_m, config.gate_up.block_k, config.down.block_k) == (32, 128, 128)
+
+
+def test_measured_rows_are_used_on_their_device_and_bucket_only() -> None:
+    h200 = "NVIDIA H200"
+    decode = launch_config(8, 128, "none", h200)  # Qwen3 T = 1
+    assert decode.tuned and (decode.block_m, decode.gate_up.block_n, decode.gate_up.block_k) == (16, 64, 128)
+    assert launch_config(4096 * 2, 8, "none", h200).block_m == 128  # Mixtral T = 4096: measured
+    assert not launch_config(48 * 8, 8, "none", h200).tuned  # 48 pairs per expert: no measured row
+    assert not launch_config(8, 128, "none", "NVIDIA H100 80GB HBM3").tuned  # another device
+    assert launch_config(8, 256, "fp8_block", h200).tuned
+    assert not launch_config(8, 256, "fp8_per_tensor", h200).tuned  # measured for fp8_block only
+
+
+def test_fp8_steps_keep_the_k_tl_dot_needs() -> None:
+    tiles = GemmConfig(32, 16)
+    with override_launch_config(LaunchConfig(16, tiles, tiles)):
+        assert launch_config(8, 8, "fp8_per_tensor").gate_up.block_k == host.FP8_DOT_MIN_K
+        assert launch_config(8, 8, "none").gate_up.block_k == 16
+
+
+def test_describe_names_the_configuration_and_its_source() -> None:
+    key = SPEC.validate(**SPEC.case("one_token").build("cpu", 0))
+    text = host.describe(key, simulate("sm_90"))
+    config = launch_config(key.num_tokens_class * key.topk, key.num_global_experts, key.quantization)
+    assert text.startswith(f"at T = 1: BLOCK_M {config.block_m}; gate-up BN {config.gate_up.block_n}")
+    assert "heuristic" in text
+
+
+def test_an_invalid_override_is_refused() -> None:
+    with pytest.raises(ValueError, match="block_m = 24"):
+        with override_launch_config(LaunchConfig(24, GemmConfig(32, 32), GemmConfig(32, 32))):
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the reference
+
+
+@pytest.mark.parametrize("name", SERVED)
+@pytest.mark.parametrize("seed", [0, 7])
+def test_cases_match_the_reference(name: str, seed: int) -> None:
+    kwargs = _build(name, seed)
+    if not ON_GPU and _weight_bytes(kwargs) > CPU_MAX_WEIGHT_BYTES:
+        pytest.skip(f"GPU only: {name}'s experts are {_weight_bytes(kwargs) >> 20} MiB, minutes per call "
+                    "under the Triton interpreter")
+    assert ask(supports, SPEC, kwargs) is None
+    _check(kwargs, f"{name}, seed {seed}")
+
+
+@pytest.mark.parametrize("config", [
+    LaunchConfig(16, GemmConfig(16, 32, group_m=1), GemmConfig(32, 16, group_m=2)),
+    LaunchConfig(32, GemmConfig(64, 64, group_m=4), GemmConfig(16, 128, group_m=1)),
+    LaunchConfig(64, GemmConfig(32, 16, group_m=8), GemmConfig(64, 32, group_m=8)),
+], ids=lambda c: f"m{c.block_m}-n{c.gate_up.block_n}k{c.gate_up.block_k}-n{c.down.block_n}k{c.down.block_k}")
+@pytest.mark.parametrize("name", ["small_gelu_fp16", "all_tokens_one_expert", "small_fp8_per_tensor",
+                                  "fp8_block_h_i_not_multiple_of_128", "expert_map_with_holes"])
+def test_each_launch_config(config: LaunchConfig, name: str) -> None:
+    # Tiles smaller and larger than H and I, one row block or many per expert, every grouping.
+    with override_launch_config(config):
+        _check(_build(name, 3), f"{name} under {config}")
+
+
+def _strided(kwargs: dict) -> dict:
+    """Every tensor a view with non-unit or padded strides holding the same values."""
+    def wide(t: torch.Tensor) -> torch.Tensor:  # last dim strided by 2, every other element a NaN-free decoy
+        out = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+        out[..., ::2] = t
+        return out[..., ::2]
+
+    def transposed(t: torch.Tensor) -> torch.Tensor:  # [E, N, K] held as [E, K, N] storage
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    strided = dict(kwargs)
+    strided["hidden"] = wide(kwargs["hidden"])
+    strided["w1"] = transposed(kwargs["w1"])
+    strided["w2"] = wide(kwargs["w2"])
+    strided["topk_weights"] = kwargs["topk_weights"].t().contiguous().t()
+    strided["topk_ids"] = wide(kwargs["topk_ids"])
+    if kwargs["expert_map"] is not None:
+        strided["expert_map"] = wide(kwargs["expert_map"])
+    for name in ("w1_scale", "w2_scale"):
+        if kwargs[name] is not None:
+            strided[name] = wide(kwargs[name])
+    return strided
+
+
+@pytest.mark.parametrize("name", ["small_silu", "expert_map_with_holes", "small_fp8_per_tensor", "small_fp8_block",
+                                  "top1_weight_on_input"])
+def test_strided_and_sliced_inputs(name: str) -> None:
+    kwargs = _strided(_build(name, 5))
+    assert not kwargs["hidden"].is_contiguous() and not kwargs["w1"].is_contiguous()
+    _check(kwargs, f"{name}, strided")
+
+
+def test_hidden_a_slice_of_a_wider_batch() -> None:
+    kwargs = _build("small_silu", 2)
+    wider = torch.randn(kwargs["hidden"].shape[0] + 3, kwargs["hidden"].shape[1] + 8, device=DEVICE)
+    wider = wider.to(kwargs["hidden"].dtype)
+    wider[2:-1, 5:-3] = kwargs["hidden"]
+    kwargs["hidden"] = wider[2:-1, 5:-3]
+    _check(kwargs, "a sliced batch")
+
+
+def test_the_routing_layout_places_every_local_pair_once() -> None:
+    # The layout on its own: each expert's run starts at a block boundary, holds exactly its pairs
+    # (each once), and every block before the padded total names the expert whose run it is in.
+    kwargs = _build("expert_map_with_holes", 1)
+    ids, expert_map = kwargs["topk_ids"], kwargs["expert_map"]
+    experts, block_m = kwargs["w1"].shape[0], 16
+    pairs = ids.numel()
+    max_rows = -(-(pairs + min(experts, pairs) * (block_m - 1)) // block_m) * block_m
+    kernels = host._kernels()
+    counts = torch.zeros(experts, dtype=torch.int32, device=DEVICE)
+    starts, cursor = (torch.full((experts,), -5, dtype=torch.int32, device=DEVICE) for _ in range(2))
+    total = torch.full((1,), -5, dtype=torch.int32, device=DEVICE)
+    block_expert = torch.full((max_rows // block_m,), -5, dtype=torch.int32, device=DEVICE)
+    rows = torch.full((max_rows,), -5, dtype=torch.int32, device=DEVICE)
+    strides = (*ids.stride(), expert_map.stride(0))
+    kernels.moe_count_kernel[(1,)](ids, expert_map, counts, pairs, *strides, TOPK=ids.shape[1], HAS_MAP=True,
+                                   BLOCK=64)
+    kernels.moe_layout_kernel[(1,)](counts, starts, cursor, block_expert, total, experts, max_rows // block_m,
+                                    BLOCK_M=block_m, E_PAD=16, CHUNK=4)
+    kernels.moe_scatter_kernel[(1,)](ids, expert_map, cursor, rows, pairs, *strides, TOPK=ids.shape[1],
+                                     HAS_MAP=True, BLOCK=64)
+    local = expert_map.long()[ids.long()].flatten().cpu()
+    counts, starts, rows = counts.cpu(), starts.cpu(), rows.cpu()
+    block_expert, total = block_expert.cpu(), int(total.cpu())
+    assert counts.tolist() == [int((local == e).sum()) for e in range(experts)]
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert starts.tolist() == (torch.cumsum(padded, 0) - padded).tolist()
+    assert total == int(padded.sum())
+    for e in range(experts):
+        run = rows[starts[e]:starts[e] + counts[e]]
+        assert sorted(run.tolist()) == (local == e).nonzero().flatten().tolist()
+        first, last = int(starts[e]) // block_m, (int(starts[e]) + int(padded[e])) // block_m
+        assert (block_expert[first:last] == e).all()
+    assert (block_expert[total // block_m:] == -1).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU only
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU only: the native fp8 route is the hardware cast (sm_89+)")
+@pytest.mark.parametrize("name", ["small_fp8_block", "small_fp8_per_tensor", "deepseek_v3_t16_fp8_block_ep256"])
+def test_both_fp8_routes_on_the_gpu(name: str) -> None:
+    if not native_fp8_cast(torch.device(DEVICE)):
+        pytest.skip("GPU only: this GPU has no hardware e4m3 cast (sm_89+)")
+    kwargs = _build(name, 4)
+    with force_software_fp8():
+        software = _check(kwargs, f"{name}, integer route")
+    native = _check(kwargs, f"{name}, hardware cast")
+    # Same codes either way (both round to nearest even), so only accumulation order may differ.
+    torch.testing.assert_close(native.float(), software.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU only: CUDA-graph capture")
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b_t16_ep16", "small_fp8_block", "expert_map_with_holes"])
+def test_a_captured_call_replays_on_new_routing(name: str) -> None:
+    # No launch reads a device value on the host: a graph captured once serves new routing.
+    kwargs = _build(name, 0)
+    static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    fused_moe(**static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(**static)
+    fresh = _build(name, 11)
+    for k in ("hidden", "topk_weights", "topk_ids"):
+        static[k].copy_(fresh[k])
+    graph.replay()
+    torch.cuda.synchronize()
+    SPEC.check_close(out, SPEC.reference(**{**kwargs, **{k: static[k] for k in ("hidden", "topk_weights",
+                                                                                   "topk_ids")}}), static)
+
