@@ -195,8 +195,9 @@ def fused_moe(
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The spec's fused_moe in five launches and two allocations' fills; arguments are validated
-    by the caller."""
+    """The spec's fused_moe in five kernel launches, plus the counts' fill and, for top-k > 1, the fp32
+    output's fill and final cast (fp8_per_tensor adds the input's amax); arguments are validated by
+    the caller."""
     num_tokens, hidden_size = hidden.shape
     dtype, device = hidden.dtype, hidden.device
     if num_tokens == 0:
@@ -238,8 +239,9 @@ def fused_moe(
         out = torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
     else:
         out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
-    w1_scale_strides = _strides(w1_scale, 3) if quant == 2 else (*_strides(w1_scale, 1), 0, 0)
-    w2_scale_strides = _strides(w2_scale, 3) if quant == 2 else (*_strides(w2_scale, 1), 0, 0)
+    blockwise = quantization == "fp8_block"  # [E, row blocks, column blocks] scales, else [E] (or none)
+    w1_scale_strides = _strides(w1_scale, 3) if blockwise else (*_strides(w1_scale, 1), 0, 0)
+    w2_scale_strides = _strides(w2_scale, 3) if blockwise else (*_strides(w2_scale, 1), 0, 0)
     shared = dict(TOPK=topk, ON_INPUT=apply_router_weight_on_input, QUANT=quant, NATIVE_FP8=native_fp8_cast(device),
                   INTERPRETED=INTERPRETED, BLOCK_M=block_m)
 

@@ -33,3 +33,22 @@ def test_fp8_route_restores_nan_only_when_present():
     assert out.float().mul(_fp8.FP8_ROUTE_SCALE).tolist() == [1.0, -1.0, 448.0, -448.0]
     empty = _fp8.fp8_to_half_scaled(codes[:0], torch.empty(0, dtype=torch.float16), bits[:0])
     assert empty.shape == (0,)
+
+
+def test_fnuz_route_is_exact_for_every_code():
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fnuz).view(16, 16)
+    scratch = torch.full((300,), 7, dtype=torch.int16)  # larger than needed: the first 256 are used
+    got = _fp8.fp8_as_half(codes, scratch)
+    assert got.shape == codes.shape and got.dtype == torch.float16
+    want = codes.float() / _fp8.ROUTE_SCALES[torch.float8_e4m3fnuz]
+    nan = want.isnan()
+    assert nan.sum() == 1 and bool(nan.view(-1)[0x80])  # fnuz's only NaN; 0x7f and 0xff are +-240
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.float()[~nan], want[~nan])
+    assert scratch[256:].tolist() == [7] * 44
+
+
+def test_fnuz_route_restores_nan_only_when_present():
+    codes = torch.tensor([0x40, 0xC0, 0x7F, 0xFF], dtype=torch.uint8).view(torch.float8_e4m3fnuz)
+    half = _fp8.fp8_as_half(codes, torch.empty(4, dtype=torch.int16))
+    assert half.float().mul(128.0).tolist() == [1.0, -1.0, 240.0, -240.0]
