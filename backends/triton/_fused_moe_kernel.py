@@ -101,8 +101,8 @@ def _rows(sorted_ptr, block_expert_ptr, starts_ptr, counts_ptr, block_m, BLOCK_M
 @triton.jit
 def _round(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """fp32 -> ``dtype``, rounded to nearest even. The Triton interpreter truncates fp32 -> bf16 (and
-    its bf16 dots are wrong, hence its fp32 dots above), so there the bits are rounded first and the
-    cast only drops zeros."""
+    computes bf16 dots wrong: the kernels upcast dot operands there), so there the bits are rounded
+    first and the cast only drops zeros."""
     if INTERPRETED and dtype == tl.bfloat16:
         bits = x.to(tl.int32, bitcast=True)
         x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)

@@ -40,17 +40,13 @@ if not ON_GPU and not isinstance(
 
 SERVED = [case.name for case in SPEC.cases
           if "fnuz" not in case.name and (ON_GPU or "gpu" not in case.tags)]
-# The interpreter costs ~10 ms per program: on the CPU the model cases with GB-sized experts
-# (Mixtral's is 350 MB) are left to the GPU.
-CPU_MAX_WEIGHT_BYTES = 32 << 20
+# The interpreter costs ~10 ms per program: on the CPU the model cases (experts of 42-336 MiB, a
+# minute per call there) are left to the GPU, and the rest run on one seed (the GPU runs two).
+SEEDS = (0, 7) if ON_GPU else (0,)
 
 
 def _build(name: str, seed: int) -> dict:
     return SPEC.case(name).build(DEVICE, seed)
-
-
-def _weight_bytes(kwargs: dict) -> int:
-    return sum(kwargs[n].numel() * kwargs[n].element_size() for n in ("w1", "w2"))
 
 
 def _check(kwargs: dict, what: str = "") -> torch.Tensor:
@@ -139,12 +135,11 @@ def test_an_invalid_override_is_refused() -> None:
 
 
 @pytest.mark.parametrize("name", SERVED)
-@pytest.mark.parametrize("seed", [0, 7])
+@pytest.mark.parametrize("seed", SEEDS)
 def test_cases_match_the_reference(name: str, seed: int) -> None:
+    if not ON_GPU and "model" in SPEC.case(name).tags:
+        pytest.skip(f"GPU only: {name}'s experts take about a minute per call under the Triton interpreter")
     kwargs = _build(name, seed)
-    if not ON_GPU and _weight_bytes(kwargs) > CPU_MAX_WEIGHT_BYTES:
-        pytest.skip(f"GPU only: {name}'s experts are {_weight_bytes(kwargs) >> 20} MiB, minutes per call "
-                    "under the Triton interpreter")
     assert ask(supports, SPEC, kwargs) is None
     _check(kwargs, f"{name}, seed {seed}")
 
@@ -154,8 +149,7 @@ def test_cases_match_the_reference(name: str, seed: int) -> None:
     LaunchConfig(32, GemmConfig(64, 64, group_m=4), GemmConfig(16, 128, group_m=1)),
     LaunchConfig(64, GemmConfig(32, 16, group_m=8), GemmConfig(64, 32, group_m=8)),
 ], ids=lambda c: f"m{c.block_m}-n{c.gate_up.block_n}k{c.gate_up.block_k}-n{c.down.block_n}k{c.down.block_k}")
-@pytest.mark.parametrize("name", ["small_gelu_fp16", "all_tokens_one_expert", "small_fp8_per_tensor",
-                                  "fp8_block_h_i_not_multiple_of_128", "expert_map_with_holes"])
+@pytest.mark.parametrize("name", ["all_tokens_one_expert", "small_fp8_per_tensor", "fp8_block_h_i_not_multiple_of_128"])
 def test_each_launch_config(config: LaunchConfig, name: str) -> None:
     # Tiles smaller and larger than H and I, one row block or many per expert, every grouping.
     with override_launch_config(config):
