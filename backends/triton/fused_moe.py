@@ -14,7 +14,7 @@ import torch
 
 from kernelmux.backends._scoped import ScopedSetting
 from kernelmux.backends.triton._host import INTERPRETED, device_guard, native_fp8_cast, next_pow2
-from kernelmux.platforms import Platform, PlatformKind
+from kernelmux.platforms import Platform, PlatformKind, probes
 from kernelmux.specs import fused_moe as spec
 
 __all__ = ["GemmConfig", "LaunchConfig", "MAX_EXPERTS", "describe", "fused_moe", "launch_config",
@@ -139,7 +139,8 @@ def _device_name(device: torch.device) -> str:
     """The name the tables are keyed by ("" under the interpreter and off CUDA: the heuristic)."""
     if INTERPRETED or device.type != "cuda":
         return ""
-    return torch.cuda.get_device_name(device)
+    # The platform probe Platform.device_name comes from, so describe() and a call key the same row.
+    return probes.device_name("cuda", device.index if device.index is not None else probes.current_index("cuda"))
 
 
 def describe(key: spec.Key, platform: Platform) -> str:
