@@ -7,10 +7,11 @@ where that is cheap (check_close), else against the peer (the largest difference
 peer's largest output). Times are set against the copy bandwidth and matmul rates measured in the
 same run: "roofline" is the larger of the spec's FLOPs at the matmul rate and its bytes (the experts
 actually routed to) at the copy rate. --sweep also times the triton backend under each launch
-configuration of SWEEP, checked the same way first.
+configuration of _sweep, checked the same way first; --kernels adds each kernel's device time (the
+profiler), --route-probe the triton call with its routing in three launches.
 
     python perf/diag/fused_moe_goals.py --out DIR [--models mixtral qwen3 deepseek] [--tokens 1 64 4096] [--sweep]
-        [--impls triton torch deepgemm]
+        [--impls triton torch deepgemm] [--configs BM/BN/BK/WARPS/STAGES[/REDUCE] ...] [--kernels] [--route-probe]
 """
 
 from __future__ import annotations
@@ -42,25 +43,57 @@ REFERENCE_MAX_WEIGHTS = 2e9
 
 
 def _sweep(quantization: str, pairs_per_expert: float) -> list[LaunchConfig]:
-    """Row blocks near the pairs an expert gets (decode: 16; T = 4096: 64 and 128), each with column
-    tiles of 32-128, 4 or 8 warps and 3 or 4 stages; fp8_block keeps 128-wide k-steps."""
-    if pairs_per_expert <= 16:
-        block_ms = (16,)
-    elif pairs_per_expert <= 64:
-        block_ms = (16, 32, 64)
-    else:
-        block_ms = (64, 128)
+    """Decode (at most one pair per expert): 16-row blocks, narrow to wide column tiles (the grid is
+    what keeps 132 SMs reading at T = 1), deep k-steps. Up to 16 per expert: 16- to 64-row blocks
+    (one block per expert reads its weights once). Larger: 64- and 128-row blocks, 64-256 wide
+    tiles, 4 or 8 warps, 3 or 4 stages, both top-k sums. fp8_block keeps 128-wide k-steps and
+    gate-up tiles (the launch configuration clamps them)."""
     configs = []
-    for block_m in block_ms:
-        for block_n in (32, 64, 128):
-            for warps, stages in ((4, 3), (4, 4), (8, 3)):
-                if block_m * block_n < 1024 and warps == 8:
-                    continue
-                block_k = 128 if quantization != "none" or block_m * block_n <= 2048 else 64
-                tiles = GemmConfig(block_n, block_k, group_m=1 if block_m == 16 else 8, num_warps=warps,
-                                   num_stages=stages)
-                configs.append(LaunchConfig(block_m, tiles, tiles))
+
+    def add(block_m, block_n, block_k, warps, stages, group_m, reduce="pairs"):
+        tiles = GemmConfig(block_n, block_k, group_m=group_m, num_warps=warps, num_stages=stages)
+        configs.append(LaunchConfig(block_m, tiles, tiles, reduce))
+
+    if pairs_per_expert <= 1:
+        for block_n in (16, 32, 64):
+            for block_k in (128, 256):
+                add(16, block_n, block_k, 4, 4, 1)
+        add(16, 32, 128, 4, 3, 1, "atomic")
+    elif pairs_per_expert <= 16:
+        for block_m in (16, 32, 64) if pairs_per_expert > 4 else (16, 32):
+            for block_n in (32, 64, 128):
+                add(block_m, block_n, 128, 4, 4, 1 if block_m == 16 else 4)
+        add(16, 64, 128, 4, 4, 4)
+        add(32, 64, 128, 8, 4, 4)
+    else:
+        # fp8_block: 8 warps and 3 stages only (its calls take ~10x longer to time).
+        shapes = ((8, 3),) if quantization == "fp8_block" else ((4, 4), (8, 3), (8, 4))
+        for block_m in (64, 128):
+            for block_n in (64, 128, 256):
+                for warps, stages in shapes:
+                    if block_n == 256 and warps == 4:
+                        continue
+                    add(block_m, block_n, 64, warps, stages, 8)
+        add(128, 128, 64, 8, 3, 8, "atomic")
+        if quantization != "fp8_block":
+            add(64, 128, 64, 8, 4, 8, "atomic")
+    if quantization == "fp8_block":  # gate-up's tile is pinned to 128: keep one per down tile
+        seen, kept = set(), []
+        for config in configs:
+            key = (config.block_m, config.down, config.reduce)
+            if key not in seen:
+                seen.add(key)
+                kept.append(config)
+        configs = kept
     return configs
+
+
+def _parse_config(text: str) -> LaunchConfig:
+    """BM/BN/BK/WARPS/STAGES[/REDUCE] -> the configuration with those tiles for both GEMMs."""
+    fields = text.split("/")
+    block_m, block_n, block_k, warps, stages = (int(v) for v in fields[:5])
+    tiles = GemmConfig(block_n, block_k, group_m=1 if block_m == 16 else 8, num_warps=warps, num_stages=stages)
+    return LaunchConfig(block_m, tiles, tiles, *fields[5:])
 
 
 def _build(model: str, tokens: int, seed: int = 0) -> list[dict]:
@@ -121,6 +154,30 @@ def _time(fn, inputs) -> float:
     return graph_replay_time(fn, inputs, calls_per_graph=calls, trials=10).median_us
 
 
+KERNELS = ("route", "count", "layout", "scatter", "quantize", "gate_up", "down", "sum")
+
+
+def _kernel_times(fn, inputs) -> dict:
+    """Device time per kernel of one call (us, the mean over a call per routing), from the profiler:
+    what each launch costs, and by difference with the replayed call, the gaps between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for kwargs in inputs:
+        fn(**kwargs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for kwargs in inputs:
+            fn(**kwargs)
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        if event.self_device_time_total <= 0:
+            continue
+        name = next((k for k in KERNELS if f"moe_{k}_kernel" in event.key), event.key[:40])
+        times[name] = round(times.get(name, 0.0) + event.self_device_time_total / len(inputs), 2)
+    return times
+
+
 def _check(fn, inputs, expected, use_reference: bool) -> str:
     out = fn(**inputs[0])
     if use_reference:
@@ -136,6 +193,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--tokens", nargs="*", type=int, default=[1, 64, 4096])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--configs", nargs="*", default=[], metavar="BM/BN/BK/WARPS/STAGES[/REDUCE]",
+                        help="also time these launch configurations (both GEMMs' tiles; group_m 8, 1 at BM 16)")
+    parser.add_argument("--kernels", action="store_true", help="also profile each variant's kernels")
+    parser.add_argument("--route-probe", action="store_true",
+                        help="also time triton with the routing in three launches (the one-program bound at 0)")
     parser.add_argument("--impls", nargs="*", default=None,
                         help="time only these (default: all); the peer still checks the triton rows")
     args = parser.parse_args()
@@ -158,6 +220,9 @@ def main() -> None:
                         else impls[peer](**inputs[0]))
             floor_us = max(cost.flops / (rate * 1e12), cost.bytes / (ceilings["memory_gbps"] * 1e9)) * 1e6
             variants = [(name, fn, None) for name, fn in impls.items() if args.impls is None or name in args.impls]
+            if args.route_probe:
+                variants.append(("triton-3-launch-routing", triton_moe.fused_moe, None))
+            variants += [("triton", triton_moe.fused_moe, _parse_config(text)) for text in args.configs]
             if args.sweep:
                 pairs_per_expert = tokens * MODELS[model][1] / MODELS[model][0]
                 variants += [("triton", triton_moe.fused_moe, config)
@@ -166,10 +231,18 @@ def main() -> None:
                 row = dict(model=model, tokens=tokens, impl=name, config=str(config) if config else "default",
                            experts_used=experts_used, roofline_us=round(floor_us, 2))
                 try:
-                    context = triton_moe.override_launch_config(config) if config else contextlib.nullcontext()
+                    context = contextlib.ExitStack()
                     with context:
+                        if config:
+                            context.enter_context(triton_moe.override_launch_config(config))
+                        if name == "triton-3-launch-routing":
+                            saved = triton_moe.ROUTE_ONE_PROGRAM_MAX_PAIRS
+                            triton_moe.ROUTE_ONE_PROGRAM_MAX_PAIRS = 0
+                            context.callback(setattr, triton_moe, "ROUTE_ONE_PROGRAM_MAX_PAIRS", saved)
                         row["check"] = _check(fn, inputs, expected, use_reference or name == peer)
                         us = _time(fn, inputs)
+                        if args.kernels:
+                            row["kernels_us"] = _kernel_times(fn, inputs)
                     row.update(us=round(us, 2), roofline_pct=round(100 * floor_us / us, 1),
                                copy_pct=round(100 * cost.bytes / (us * 1e-6) / (ceilings["memory_gbps"] * 1e9), 1))
                 except Exception as error:  # noqa: BLE001 - a failing variant is a finding, not the end
@@ -192,6 +265,12 @@ def main() -> None:
         peer_text = ", ".join(f"{r['impl']} {r['us']} us" for r in peers)
         print(f"{model} T {tokens}: {row['us']} us ({row['roofline_pct']}% of roofline, {row['copy_pct']}% copy) "
               f"{row['config']}; {peer_text}")
+        profiled = [r for r in rows if r["model"] == model and r["tokens"] == tokens and "kernels_us" in r]
+        for kernel in ("gate_up", "down"):
+            timed = [r for r in profiled if kernel in r["kernels_us"]]
+            if timed:
+                fastest = min(timed, key=lambda r: r["kernels_us"][kernel])
+                print(f"  fastest {kernel}: {fastest['kernels_us'][kernel]} us under {fastest['config']}")
 
 
 if __name__ == "__main__":
