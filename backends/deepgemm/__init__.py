@@ -103,11 +103,10 @@ TABLE: tuple[Entry, ...] = (
           "m_grouped_fp8_gemm_nt_contiguous (sm90 1D2D) for gate_up and down: DeepSeek-V3 fp8_block experts "
           "(e4m3fn, bf16 hidden, H and I % 128 == 0, sm_90); routing, 1x128 quantization and activation in "
           "torch, no host sync, CUDA-graph capturable",
-          # Ahead of the triton backend's kernels (20) for the calls it takes: on the H200 DeepSeek-V3
-          # at T 4096 took 11.9 ms here against triton's 35.0 ms; triton led at T 1 (257 against 302 us)
-          # and T 64 (5.51 against 5.57 ms), which only a measured tuning table can route per size
+          # Behind the triton backend's kernels (20): on the H200 DeepSeek-V3 took 349 us / 5.60 ms /
+          # 12.0 ms here at T 1 / 64 / 4096 against triton's 118 us / 2.26 ms / 7.12 ms
           # (perf/decisions/fused_moe.md).
-          {"priority": 21}),
+          {"priority": 19}),
 )
 
 

@@ -1,8 +1,11 @@
-"""The triton backend's fused_moe kernels: the routing layout (count, lay out, scatter: every (token,
-slot) pair placed in its local expert's run of rows, each run padded to whole BLOCK_M blocks, all on
-the device) and the two grouped GEMMs over those blocks, gate-up with the gated activation in its
-epilogue and down with the router weight and the top-k sum in its epilogue. Host side: fused_moe.py."""
+"""The triton backend's fused_moe kernels: the routing layout (count, lay out, scatter, or the three in
+one program: every (token, slot) pair placed in its local expert's run of rows, each run padded to
+whole BLOCK_M blocks, all on the device), fp8_block's input quantization, the two grouped GEMMs over
+those blocks (gate-up with the gated activation in its epilogue, down with the router weight and
+either the top-k sum in fp32 atomics or a per-pair store), and the per-pair rows' sum. Host side:
+fused_moe.py."""
 
+import torch
 import triton
 import triton.language as tl
 
@@ -13,6 +16,13 @@ from kernelmux.backends.triton._fp8_kernel import FP8_MAX, e4m3fn_codes
 NONE = tl.constexpr(0)
 PER_TENSOR = tl.constexpr(1)
 BLOCKWISE = tl.constexpr(2)
+# Where the down kernel's per-pair results go (constexpr REDUCE): stored in the output (top-1), added
+# into an fp32 output, or stored per pair for moe_sum_kernel.
+STORE = tl.constexpr(0)
+ATOMIC = tl.constexpr(1)
+PAIRS = tl.constexpr(2)
+# The gate-up kernel's HIDDEN: the dtype the intermediate is rounded to (for fp8_block, before quantization).
+HIDDEN_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 GROUP = tl.constexpr(128)  # fp8 block size and activation group (spec BLOCK)
 GROUP_AMAX_FLOOR = tl.constexpr(1e-4)  # quantize_fp8's per_group floor
 SCALE_FLOOR = tl.constexpr(2.0**-126)  # quantize_fp8's per_tensor floor
@@ -31,22 +41,36 @@ def _local_expert(ids_ptr, map_ptr, pair, mask, stride_it, stride_ik, stride_map
 
 
 @triton.jit
-def moe_count_kernel(ids_ptr, map_ptr, counts_ptr, num_pairs, stride_it, stride_ik, stride_map,
-                     TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
-    """counts[e] += the pairs routed to local expert e (counts zeroed by the host)."""
-    pair = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _count(ids_ptr, map_ptr, counts_ptr, first, num_pairs, stride_it, stride_ik, stride_map,
+           TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+    """counts[e] += the pairs of [first, first + BLOCK) routed to local expert e, a pair per lane."""
+    pair = first + tl.arange(0, BLOCK)
     mask = pair < num_pairs
     expert = _local_expert(ids_ptr, map_ptr, pair, mask, stride_it, stride_ik, stride_map, TOPK, HAS_MAP)
     tl.atomic_add(counts_ptr + expert, 1, mask=mask & (expert >= 0))
 
 
 @triton.jit
-def moe_layout_kernel(counts_ptr, starts_ptr, cursor_ptr, block_expert_ptr, total_ptr, num_experts,
-                      max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """One program: each expert's first row (its run padded to whole blocks), the padded row count,
-    and each block's expert (-1 past the last used block)."""
+def _scatter(ids_ptr, map_ptr, cursor_ptr, sorted_ptr, first, num_pairs, stride_it, stride_ik, stride_map,
+             TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+    """sorted[row] = pair for a free row of the pair's expert's run, for the pairs of [first, first +
+    BLOCK) (order within a run is free: every row is computed on its own)."""
+    pair = first + tl.arange(0, BLOCK)
+    mask = pair < num_pairs
+    expert = _local_expert(ids_ptr, map_ptr, pair, mask, stride_it, stride_ik, stride_map, TOPK, HAS_MAP)
+    local = mask & (expert >= 0)
+    row = tl.atomic_add(cursor_ptr + expert, 1, mask=local)
+    tl.store(sorted_ptr + row, pair, mask=local)
+
+
+@triton.jit
+def _layout(counts_ptr, starts_ptr, cursor_ptr, block_expert_ptr, total_ptr, num_experts, max_blocks,
+            BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Each expert's first row (its run padded to whole blocks; also its scatter cursor), the padded
+    row count, and each block's expert (-1 past the last used block), from the counts."""
     expert = tl.arange(0, E_PAD)
-    count = tl.load(counts_ptr + expert, mask=expert < num_experts, other=0)
+    # .cg: read at L2, where the count atomics landed (moe_route_kernel's own, in the same program).
+    count = tl.load(counts_ptr + expert, mask=expert < num_experts, other=0, cache_modifier=".cg")
     padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
@@ -63,16 +87,49 @@ def moe_layout_kernel(counts_ptr, starts_ptr, cursor_ptr, block_expert_ptr, tota
 
 
 @triton.jit
+def moe_count_kernel(ids_ptr, map_ptr, counts_ptr, num_pairs, stride_it, stride_ik, stride_map,
+                     TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Routing in three launches (larger calls), step 1: the counts (zeroed by the host)."""
+    _count(ids_ptr, map_ptr, counts_ptr, tl.program_id(0) * BLOCK, num_pairs, stride_it, stride_ik, stride_map,
+           TOPK, HAS_MAP, BLOCK)
+
+
+@triton.jit
+def moe_layout_kernel(counts_ptr, starts_ptr, cursor_ptr, block_expert_ptr, total_ptr, num_experts,
+                      max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Step 2, one program: the layout from the counts."""
+    _layout(counts_ptr, starts_ptr, cursor_ptr, block_expert_ptr, total_ptr, num_experts, max_blocks,
+            BLOCK_M, E_PAD, CHUNK)
+
+
+@triton.jit
 def moe_scatter_kernel(ids_ptr, map_ptr, cursor_ptr, sorted_ptr, num_pairs, stride_it, stride_ik, stride_map,
                        TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
-    """sorted[row] = pair for a free row of the pair's expert's run (order within a run is free:
-    every row is computed on its own)."""
-    pair = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = pair < num_pairs
-    expert = _local_expert(ids_ptr, map_ptr, pair, mask, stride_it, stride_ik, stride_map, TOPK, HAS_MAP)
-    local = mask & (expert >= 0)
-    row = tl.atomic_add(cursor_ptr + expert, 1, mask=local)
-    tl.store(sorted_ptr + row, pair, mask=local)
+    """Step 3: every pair to its row."""
+    _scatter(ids_ptr, map_ptr, cursor_ptr, sorted_ptr, tl.program_id(0) * BLOCK, num_pairs, stride_it,
+             stride_ik, stride_map, TOPK, HAS_MAP, BLOCK)
+
+
+@triton.jit
+def moe_route_kernel(ids_ptr, map_ptr, counts_ptr, starts_ptr, cursor_ptr, block_expert_ptr, total_ptr, sorted_ptr,
+                     num_pairs, num_experts, max_blocks, stride_it, stride_ik, stride_map,
+                     TOPK: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                     E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """The three steps in one program (decode sizes: one launch for a fill and three), the counts
+    zeroed here; a barrier between steps orders the program's own global writes."""
+    expert = tl.arange(0, E_PAD)
+    tl.store(counts_ptr + expert, 0, mask=expert < num_experts)
+    tl.debug_barrier()
+    for first in range(0, num_pairs, BLOCK):
+        _count(ids_ptr, map_ptr, counts_ptr, first, num_pairs, stride_it, stride_ik, stride_map, TOPK, HAS_MAP,
+               BLOCK)
+    tl.debug_barrier()
+    _layout(counts_ptr, starts_ptr, cursor_ptr, block_expert_ptr, total_ptr, num_experts, max_blocks,
+            BLOCK_M, E_PAD, CHUNK)
+    tl.debug_barrier()
+    for first in range(0, num_pairs, BLOCK):
+        _scatter(ids_ptr, map_ptr, cursor_ptr, sorted_ptr, first, num_pairs, stride_it, stride_ik, stride_map,
+                 TOPK, HAS_MAP, BLOCK)
 
 
 @triton.jit
@@ -125,18 +182,38 @@ def _quantize_groups(a, NATIVE_FP8: tl.constexpr):
 
 
 @triton.jit
+def moe_quantize_kernel(x_ptr, weights_ptr, codes_ptr, scales_ptr, hidden_size,
+                        stride_xm, stride_xk, stride_tw_t, stride_cm, stride_sm,
+                        ON_INPUT: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUPS: tl.constexpr):
+    """fp8_block's expert input, quantized once (not by every column tile of gate-up): GROUPS 1 x 128
+    groups of one token per program, times its router weight first when it applies on the input."""
+    token = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    col = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = col < hidden_size
+    a = tl.load(x_ptr + token * stride_xm + col * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    if ON_INPUT:  # k == 1: the product is taken in fp32 and is what gets quantized
+        a = a * tl.load(weights_ptr + token * stride_tw_t)
+    codes, scale = _quantize_groups(a, NATIVE_FP8)
+    tl.store(codes_ptr + token * stride_cm + col, codes, mask=mask)
+    tl.store(scales_ptr + token * stride_sm + group, scale, mask=group * GROUP < hidden_size)
+
+
+@triton.jit
 def moe_gate_up_kernel(
-    x_ptr, w1_ptr, w1_scale_ptr, x_scale_ptr, weights_ptr, inter_ptr, amax_ptr,
+    x_ptr, w1_ptr, w1_scale_ptr, x_scale_ptr, weights_ptr, inter_ptr, inter_scale_ptr, amax_ptr,
     sorted_ptr, block_expert_ptr, starts_ptr, counts_ptr, total_ptr,
     hidden_size, inter_size, max_blocks,
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-    stride_tw_t, stride_tw_k, stride_im,
-    TOPK: tl.constexpr, ON_INPUT: tl.constexpr, GELU: tl.constexpr, QUANT: tl.constexpr,
+    stride_xm, stride_xk, stride_xs, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_tw_t, stride_tw_k, stride_im, stride_is,
+    TOPK: tl.constexpr, ON_INPUT: tl.constexpr, GELU: tl.constexpr, QUANT: tl.constexpr, HIDDEN: tl.constexpr,
     NATIVE_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """inter[row, n] = act(x W1_gate^T)[n] * (x W1_up^T)[n] for a block's rows and a tile of n, in the
-    hidden dtype (fp32 accumulation; gate and up rounded to it first, as the spec's dataflow)."""
+    hidden dtype HIDDEN (fp32 accumulation; gate and up rounded to it first, as the spec's dataflow).
+    BLOCKWISE reads x as moe_quantize_kernel's codes and row scales (stride_xs), and stores the
+    intermediate as 1 x 128 fp8 groups (BLOCK_N == 128: a tile is one group) with their scales."""
     block_m, tile_n = _tile(max_blocks, inter_size, BLOCK_N, GROUP_M)
     if block_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -148,10 +225,14 @@ def moe_gate_up_kernel(
     x_rows = x_ptr + token[:, None] * stride_xm
     w_gate = w1_ptr + expert.to(tl.int64) * stride_we + n[None, :].to(tl.int64) * stride_wn
     w_up = w_gate + inter_size * stride_wn
-    if ON_INPUT:  # k == 1: the pair's weight scales its input, in fp32
+    if ON_INPUT and QUANT != BLOCKWISE:  # k == 1: the pair's weight scales its input, in fp32
         router = tl.load(weights_ptr + token * stride_tw_t, mask=valid, other=0.0)
     if QUANT == PER_TENSOR:
         x_scale = tl.load(x_scale_ptr)
+    if QUANT == BLOCKWISE:
+        tl.static_assert(BLOCK_K == GROUP and BLOCK_N == GROUP)
+        x_scale_rows = x_scale_ptr + token * stride_xs
+        scale_cols = w1_scale_ptr + expert.to(tl.int64) * stride_se
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
@@ -162,61 +243,67 @@ def moe_gate_up_kernel(
         b_up = tl.load(w_up + (k0 + k)[:, None] * stride_wk, mask=b_mask, other=0.0)
         if QUANT == NONE:
             if ON_INPUT:
-                a = _round(a.to(tl.float32) * router[:, None], x_ptr.dtype.element_ty, INTERPRETED)
+                a = _round(a.to(tl.float32) * router[:, None], HIDDEN, INTERPRETED)
             if INTERPRETED:
                 a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
             gate = tl.dot(a, b_gate, gate)
             up = tl.dot(a, b_up, up)
+        elif QUANT == BLOCKWISE:  # one activation group and one weight block column per step
+            a_scale = tl.load(x_scale_rows + k0 // GROUP, mask=valid, other=0.0)
+            scale_col = scale_cols + (k0 // GROUP) * stride_sk
+            # Per row: a block of 128 rows of w1 may straddle gate and up when I % 128 != 0.
+            s_gate = tl.load(scale_col + (n // GROUP) * stride_sn, mask=n_ok, other=0.0)
+            s_up = tl.load(scale_col + ((inter_size + n) // GROUP) * stride_sn, mask=n_ok, other=0.0)
+            if INTERPRETED:
+                a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
+            gate += tl.dot(a, b_gate) * (a_scale[:, None] * s_gate[None, :])
+            up += tl.dot(a, b_up) * (a_scale[:, None] * s_up[None, :])
         else:
             a = a.to(tl.float32)
             if ON_INPUT:
                 a = a * router[:, None]
-            if QUANT == BLOCKWISE:  # BLOCK_K == GROUP: one activation group and one weight block column
-                codes, a_scale = _quantize_groups(a, NATIVE_FP8)
-                scale_col = w1_scale_ptr + expert.to(tl.int64) * stride_se + (k0 // GROUP) * stride_sk
-                s_gate = tl.load(scale_col + (n // GROUP) * stride_sn, mask=n_ok, other=0.0)
-                s_up = tl.load(scale_col + ((inter_size + n) // GROUP) * stride_sn, mask=n_ok, other=0.0)
-                if INTERPRETED:
-                    codes, b_gate, b_up = codes.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
-                gate += tl.dot(codes, b_gate) * (a_scale[:, None] * s_gate[None, :])
-                up += tl.dot(codes, b_up) * (a_scale[:, None] * s_up[None, :])
-            else:
-                codes = _fp8(tl.math.div_rn(a, tl.broadcast_to(x_scale, a.shape)), NATIVE_FP8)
-                if INTERPRETED:
-                    codes, b_gate, b_up = codes.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
-                gate = tl.dot(codes, b_gate, gate)
-                up = tl.dot(codes, b_up, up)
+            codes = _fp8(tl.math.div_rn(a, tl.broadcast_to(x_scale, a.shape)), NATIVE_FP8)
+            if INTERPRETED:
+                codes, b_gate, b_up = codes.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
+            gate = tl.dot(codes, b_gate, gate)
+            up = tl.dot(codes, b_up, up)
     if QUANT == PER_TENSOR:
         w_scale = tl.load(w1_scale_ptr + expert * stride_se)
         gate = gate * (x_scale * w_scale)
         up = up * (x_scale * w_scale)
-    dtype = inter_ptr.dtype.element_ty
-    gate = _round(gate, dtype, INTERPRETED).to(tl.float32)
-    up = _round(up, dtype, INTERPRETED).to(tl.float32)
+    gate = _round(gate, HIDDEN, INTERPRETED).to(tl.float32)
+    up = _round(up, HIDDEN, INTERPRETED).to(tl.float32)
     if GELU:
         act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
     else:
         act = gate / (1.0 + tl.exp(-gate))
-    inter = _round(act * up, dtype, INTERPRETED)
+    inter = _round(act * up, HIDDEN, INTERPRETED)
     mask = valid[:, None] & n_ok[None, :]
-    tl.store(inter_ptr + row[:, None].to(tl.int64) * stride_im + n[None, :], inter, mask=mask)
+    out = inter_ptr + row[:, None].to(tl.int64) * stride_im + n[None, :]
+    if QUANT == BLOCKWISE:  # the spec quantizes the rounded intermediate, 1 x 128 per pair
+        codes, scale = _quantize_groups(tl.where(mask, inter.to(tl.float32), 0.0), NATIVE_FP8)
+        tl.store(out, codes, mask=mask)
+        tl.store(inter_scale_ptr + row.to(tl.int64) * stride_is + tile_n, scale, mask=valid)
+    else:
+        tl.store(out, inter, mask=mask)
     if QUANT == PER_TENSOR:  # the intermediate's one scale needs its amax over every pair
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, tl.abs(inter.to(tl.float32)), 0.0), axis=1), axis=0))
 
 
 @triton.jit
 def moe_down_kernel(
-    inter_ptr, w2_ptr, w2_scale_ptr, amax_ptr, weights_ptr, out_ptr,
+    inter_ptr, inter_scale_ptr, w2_ptr, w2_scale_ptr, amax_ptr, weights_ptr, out_ptr,
     sorted_ptr, block_expert_ptr, starts_ptr, counts_ptr, total_ptr,
     hidden_size, inter_size, max_blocks,
-    stride_im, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_im, stride_is, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_tw_t, stride_tw_k, stride_om,
-    TOPK: tl.constexpr, ON_INPUT: tl.constexpr, QUANT: tl.constexpr, ACCUMULATE: tl.constexpr,
+    TOPK: tl.constexpr, ON_INPUT: tl.constexpr, QUANT: tl.constexpr, REDUCE: tl.constexpr,
     NATIVE_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """out[token, n] (+)= w[token, slot] * (inter[row] W2^T)[n] for a block's rows and a tile of n:
-    ACCUMULATE adds into an fp32 output (top-k > 1 pairs of a token meet there), else stores."""
+    """w[token, slot] * (inter[row] W2^T)[n] for a block's rows and a tile of n, to out per REDUCE:
+    stored in out[token] (top-1), added into an fp32 out[token] (ATOMIC), or stored in the hidden
+    dtype in out[pair] of a [T * k, H] buffer that moe_sum_kernel reduces (PAIRS)."""
     block_m, tile_n = _tile(max_blocks, hidden_size, BLOCK_N, GROUP_M)
     if block_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -228,6 +315,10 @@ def moe_down_kernel(
     w_rows = w2_ptr + expert.to(tl.int64) * stride_we + n[None, :].to(tl.int64) * stride_wn
     if QUANT == PER_TENSOR:
         a_scale = tl.maximum(tl.math.div_rn(tl.load(amax_ptr), FP8_MAX), SCALE_FLOOR)
+    if QUANT == BLOCKWISE:
+        tl.static_assert(BLOCK_K == GROUP)
+        a_scale_rows = inter_scale_ptr + row.to(tl.int64) * stride_is
+        w_scale_rows = w2_scale_ptr + expert.to(tl.int64) * stride_se + (n // GROUP) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         k_ok = k0 + k < inter_size
@@ -237,13 +328,12 @@ def moe_down_kernel(
             if INTERPRETED:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc)
-        elif QUANT == BLOCKWISE:
-            codes, group_scale = _quantize_groups(a.to(tl.float32), NATIVE_FP8)
-            s_w = tl.load(w2_scale_ptr + expert.to(tl.int64) * stride_se + (n // GROUP) * stride_sn
-                          + (k0 // GROUP) * stride_sk, mask=n_ok, other=0.0)
+        elif QUANT == BLOCKWISE:  # a: gate-up's codes of one 1 x 128 group
+            group_scale = tl.load(a_scale_rows + k0 // GROUP, mask=valid, other=0.0)
+            s_w = tl.load(w_scale_rows + (k0 // GROUP) * stride_sk, mask=n_ok, other=0.0)
             if INTERPRETED:
-                codes, b = codes.to(tl.float32), b.to(tl.float32)
-            acc += tl.dot(codes, b) * (group_scale[:, None] * s_w[None, :])
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc += tl.dot(a, b) * (group_scale[:, None] * s_w[None, :])
         else:
             codes = _fp8(tl.math.div_rn(a.to(tl.float32), tl.broadcast_to(a_scale, a.shape)), NATIVE_FP8)
             if INTERPRETED:
@@ -255,9 +345,30 @@ def moe_down_kernel(
     if not ON_INPUT:
         router = tl.load(weights_ptr + token * stride_tw_t + (pair % TOPK) * stride_tw_k, mask=valid, other=0.0)
         acc = acc * router[:, None]
-    out = out_ptr + token[:, None] * stride_om + n[None, :]
     mask = valid[:, None] & n_ok[None, :]
-    if ACCUMULATE:
-        tl.atomic_add(out, acc, mask=mask)
-    else:
+    if REDUCE == ATOMIC:
+        tl.atomic_add(out_ptr + token[:, None] * stride_om + n[None, :], acc, mask=mask)
+    elif REDUCE == PAIRS:
+        out = out_ptr + pair[:, None].to(tl.int64) * stride_om + n[None, :]
         tl.store(out, _round(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+    else:
+        out = out_ptr + token[:, None] * stride_om + n[None, :]
+        tl.store(out, _round(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=mask)
+
+
+@triton.jit
+def moe_sum_kernel(pairs_ptr, ids_ptr, map_ptr, out_ptr, hidden_size, stride_pm, stride_it, stride_ik, stride_map,
+                   stride_om, TOPK: tl.constexpr, HAS_MAP: tl.constexpr, INTERPRETED: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """out[token, n] = the sum over the token's k slots of the down kernel's PAIRS rows, in fp32,
+    rounded once; a slot routed off-rank (never written) adds nothing."""
+    token = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden_size
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(TOPK):
+        pair = token * TOPK + slot
+        expert = _local_expert(ids_ptr, map_ptr, pair, pair >= 0, stride_it, stride_ik, stride_map, TOPK, HAS_MAP)
+        live = n_ok & (expert + tl.zeros_like(n) >= 0)  # a vector mask: the interpreter refuses scalar & vector
+        acc += tl.load(pairs_ptr + pair * stride_pm + n, mask=live, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_om + n, _round(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=n_ok)

@@ -1,13 +1,14 @@
 """The triton backend's fused_moe: which calls its kernels take, their launch configuration (a
-heuristic by pairs per expert, with an override for sweeps and tests) and the launches of one call:
-routing layout (count, lay out, scatter), gate-up GEMM with the activation fused, down GEMM with the
-router weight and the top-k sum fused (kernels: _fused_moe_kernel.py, imported on the first launch
-so the backend registers without Triton). No launch reads a device value on the host: every size is
-a bound from host ints, and programs past the routed rows return at once."""
+measured table per device, else a heuristic by pairs per expert, with an override for sweeps and
+tests) and the launches of one call: the routing layout, fp8_block's input quantization, gate-up GEMM
+with the activation fused, down GEMM with the router weight fused, and the top-k sum (kernels:
+_fused_moe_kernel.py, imported on the first launch so the backend registers without Triton). No
+launch reads a device value on the host: every size is a bound from host ints, and programs past
+the routed rows return at once."""
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -25,6 +26,13 @@ MAX_EXPERTS = 1024
 FP8_MAX = 448.0  # e4m3fn
 QUANT_MODES = {"none": 0, "fp8_per_tensor": 1, "fp8_block": 2}  # _fused_moe_kernel's QUANT
 PAIRS_PER_PROGRAM = 256  # the count and scatter kernels: one pair per lane
+# Up to this many pairs the routing layout is one program (moe_route_kernel) instead of a fill and three
+# launches: Qwen3 T 1 (8 pairs) 30.6 against 37.0 us, T 64 (512) 293.5 against 297.6
+# (perf/decisions/fused_moe.md).
+ROUTE_ONE_PROGRAM_MAX_PAIRS = 512
+REDUCE_MODES = {"atomic": 1, "pairs": 2}  # _fused_moe_kernel's REDUCE for top-k > 1 (top-1 stores: 0)
+QUANTIZE_GROUPS = 8  # fp8_block input quantization: 1 x 128 groups per program
+SUM_BLOCK = 1024  # moe_sum_kernel: columns per program
 FP8_DOT_CAPABILITY = (8, 9)  # tl.dot on e4m3 operands: Ada and Hopper tensor cores
 FP8_DOT_MIN_K = 32  # tl.dot on e4m3 operands needs K >= 32 (Triton 3.6 on the H200)
 
@@ -43,31 +51,40 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Rows per block of the routing layout (both GEMMs' BLOCK_M), and each GEMM's tiles."""
+    """Rows per block of the routing layout (both GEMMs' BLOCK_M), each GEMM's tiles, and how the
+    top-k sum is taken for k > 1: "pairs" stores each pair's weighted output in the hidden dtype and
+    sums them in one more launch (no fill, no fp32 [T, H]); "atomic" adds them into a zeroed fp32
+    [T, H] and casts it (no [T, k, H] buffer)."""
 
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
+    reduce: str = "pairs"
     tuned: bool = False  # from a measured table (perf/decisions/fused_moe.md), else the heuristic
 
 
-def _heuristic(pairs_per_expert: float, block_k: int) -> LaunchConfig:
-    """A cheap default for devices with no table: the row block follows the tokens an expert gets
-    (decode: 16-row blocks, so each touched expert's weights are read once and few rows are padding);
-    wide column tiles once there are rows enough to reuse them."""
-    if pairs_per_expert <= 16:
+def _heuristic(pairs_per_expert: float, quantization: str) -> LaunchConfig:
+    """A cheap default for devices with no table, from the H200's measured rows: the row block follows
+    the tokens an expert gets (decode: 16-row blocks, so each touched expert's weights are read once
+    and few rows are padding; one 32-row block per expert up to 64 pairs), wide column tiles once
+    there are rows enough to reuse them (fp8_block: 64-row blocks, its gate-up tile of 128 x 2 x 128
+    is heavier)."""
+    block_k = 128 if quantization == "fp8_block" or pairs_per_expert <= 64 else 64
+    if pairs_per_expert <= 8:
         tiles = GemmConfig(block_n=64, block_k=block_k, group_m=1, num_warps=4, num_stages=4)
         return LaunchConfig(16, tiles, tiles)
     if pairs_per_expert <= 64:
-        tiles = GemmConfig(block_n=64, block_k=block_k, group_m=4, num_warps=4, num_stages=4)
+        tiles = GemmConfig(block_n=128, block_k=block_k, group_m=4, num_warps=4, num_stages=4)
         return LaunchConfig(32, tiles, tiles)
     tiles = GemmConfig(block_n=128, block_k=block_k, group_m=8, num_warps=8, num_stages=3)
-    return LaunchConfig(64, tiles, tiles)
+    return LaunchConfig(64 if quantization == "fp8_block" else 128, tiles, tiles)
 
 
-def _measured(block_m: int, block_n: int, block_k: int, group_m: int, num_warps: int, num_stages: int) -> LaunchConfig:
-    tiles = GemmConfig(block_n, block_k, group_m, num_warps, num_stages)
-    return LaunchConfig(block_m, tiles, tiles, tuned=True)
+def _measured(block_m: int, gate_up: tuple[int, ...], down: Optional[tuple[int, ...]] = None,
+              reduce: str = "pairs") -> LaunchConfig:
+    """A table row: BLOCK_M, each GEMM's (block_n, block_k, group_m, num_warps, num_stages) (down:
+    gate-up's when None) and the top-k sum."""
+    return LaunchConfig(block_m, GemmConfig(*gate_up), GemmConfig(*(down or gate_up)), reduce, tuned=True)
 
 
 # Measured launch configurations: device name -> (quantization, bucket of pairs per expert
@@ -75,15 +92,22 @@ def _measured(block_m: int, block_n: int, block_k: int, group_m: int, num_warps:
 # of perf/diag/fused_moe_goals.py --sweep on that bucket's goal shapes (perf/decisions/fused_moe.md).
 _TABLES: dict[str, tuple[tuple[str, float, float, LaunchConfig], ...]] = {
     "NVIDIA H200": (
-        # Mixtral T 1 and 64, Qwen3 T 1 and 64 (0.06-16 pairs per expert): 181, 859, 33.9, 294 us.
-        ("none", 0, 16, _measured(16, 64, 128, 1, 4, 4)),
-        # Qwen3 T 4096 (256 per expert): 1155 us; BM 64 x BN 128 1162, BM 128 x BN 128 1299.
-        ("none", 128, 512, _measured(128, 64, 64, 8, 8, 3)),
-        # Mixtral T 4096 (1024 per expert): 6063 us; BN 64 6652, the heuristic's BM 64 7598.
-        ("none", 512, float("inf"), _measured(128, 128, 64, 8, 8, 3)),
-        # DeepSeek-V3 T 1 (0.03 per expert): 257 us; 4 warps 362. T 64 (2 per expert): 5507 us; 8 warps 5934.
-        ("fp8_block", 0, 1, _measured(16, 128, 128, 1, 8, 3)),
-        ("fp8_block", 1, 16, _measured(16, 128, 128, 1, 4, 3)),
+        # Qwen3 and Mixtral T 1, Qwen3 T 64 (0.06-4 pairs per expert): 30.6, 177.4, 293.5 us.
+        ("none", 0, 8, _measured(16, (64, 128, 1, 4, 4))),
+        # Mixtral T 64 (16 per expert): 663.7 us, one 32-row block per expert; BM 16 853, BM 64 x BN 64 687.
+        ("none", 8, 32, _measured(32, (128, 128, 4, 4, 4))),
+        # Qwen3 T 4096 (256 per expert): gate-up 461 us at BN 64, down 288 at BN 128 (each the fastest of
+        # 16 by the profiler); "atomic" 1319 against "pairs" 837 (its down 796 against 288 + a 37 us sum).
+        ("none", 128, 512, _measured(128, (64, 64, 8, 8, 3), (128, 64, 8, 8, 3))),
+        # Mixtral T 4096 (1024 per expert): 5563 us; BN 64 6431, BM 64 6389-8080, "atomic" 5930.
+        ("none", 512, float("inf"), _measured(128, (128, 64, 8, 8, 3))),
+        # DeepSeek-V3 T 1 (0.03 per expert) and T 64 (2 per expert), swept while every gate-up program still
+        # quantized its own activations: 257 us (4 warps 362) and 5507 (8 warps 5934); with the input
+        # quantized once, 117.8 and 2256 us (not swept again).
+        ("fp8_block", 0, 1, _measured(16, (128, 128, 1, 8, 3))),
+        ("fp8_block", 1, 16, _measured(16, (128, 128, 1, 4, 3))),
+        # DeepSeek-V3 T 4096 (128 per expert): 7335 us; down BN 128 7857, BM 128 15571-23743 (gate-up 12.8 ms).
+        ("fp8_block", 16, float("inf"), _measured(64, (128, 128, 8, 8, 3), (256, 128, 8, 8, 3))),
     ),
 }
 
@@ -93,6 +117,8 @@ def _config_problem(config: Optional[LaunchConfig]) -> Optional[str]:
         return None
     if config.block_m < 16 or config.block_m & (config.block_m - 1):
         return f"block_m = {config.block_m}: tl.dot needs a power of two >= 16"
+    if config.reduce not in REDUCE_MODES:
+        return f"reduce = {config.reduce!r}: expected one of {sorted(REDUCE_MODES)}"
     for gemm in (config.gate_up, config.down):
         for value in (gemm.block_n, gemm.block_k):
             if value < 16 or value & (value - 1):
@@ -107,7 +133,7 @@ _override: ScopedSetting[Optional[LaunchConfig]] = ScopedSetting("override_launc
 def override_launch_config(config: LaunchConfig) -> contextlib.AbstractContextManager[LaunchConfig]:
     """Use ``config`` for every call inside the block (sweeps, tests); restores the previous one.
     fp8 calls keep at least 32 as block_k (tl.dot on e4m3), fp8_block exactly 128 (one activation
-    group per step)."""
+    group per step) and 128 as gate-up's block_n (its tile is one group of the intermediate)."""
     return _override.override(config)
 
 
@@ -121,17 +147,14 @@ def launch_config(num_pairs: int, num_experts: int, quantization: str, device_na
         config = next((row for kind, lo, hi, row in _TABLES.get(device_name, ())
                        if kind == quantization and lo < pairs_per_expert <= hi), None)
     if config is None:
-        config = _heuristic(pairs_per_expert, 128 if quantization == "fp8_block" else 64)
-    if quantization != "none":
-        least, most = (spec.BLOCK, spec.BLOCK) if quantization == "fp8_block" else (FP8_DOT_MIN_K, None)
-        config = LaunchConfig(config.block_m, _clamp_k(config.gate_up, least, most),
-                              _clamp_k(config.down, least, most), config.tuned)
+        config = _heuristic(pairs_per_expert, quantization)
+    if quantization == "fp8_block":
+        config = replace(config, gate_up=replace(config.gate_up, block_n=spec.BLOCK, block_k=spec.BLOCK),
+                         down=replace(config.down, block_k=spec.BLOCK))
+    elif quantization != "none":
+        config = replace(config, gate_up=replace(config.gate_up, block_k=max(config.gate_up.block_k, FP8_DOT_MIN_K)),
+                         down=replace(config.down, block_k=max(config.down.block_k, FP8_DOT_MIN_K)))
     return config
-
-
-def _clamp_k(gemm: GemmConfig, least: int, most: Optional[int]) -> GemmConfig:
-    block_k = max(gemm.block_k, least) if most is None else min(max(gemm.block_k, least), most)
-    return GemmConfig(gemm.block_n, block_k, gemm.group_m, gemm.num_warps, gemm.num_stages)
 
 
 @functools.cache
@@ -183,6 +206,11 @@ def _strides(t: Optional[torch.Tensor], rank: int) -> tuple[int, ...]:
     return tuple(t.stride()) if t is not None else (0,) * rank
 
 
+def _scale_strides(scale: Optional[torch.Tensor], blockwise: bool) -> tuple[int, int, int]:
+    """A weight scale's (expert, row block, column block) strides: [E, ., .] block scales, else [E] or none."""
+    return _strides(scale, 3) if blockwise else (*_strides(scale, 1), 0, 0)
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w1: torch.Tensor,
@@ -196,9 +224,10 @@ def fused_moe(
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The spec's fused_moe in five kernel launches, plus the counts' fill and, for top-k > 1, the fp32
-    output's fill and final cast (fp8_per_tensor adds the input's amax); arguments are validated by
-    the caller."""
+    """The spec's fused_moe: the routing layout (one launch up to ROUTE_ONE_PROGRAM_MAX_PAIRS pairs,
+    else a fill and three), fp8_block's input quantization, gate-up, down, and for top-k > 1 the sum
+    (config.reduce "pairs") or an fp32 fill before and a cast after ("atomic"); fp8_per_tensor adds
+    the input's amax. Arguments are validated by the caller."""
     num_tokens, hidden_size = hidden.shape
     dtype, device = hidden.dtype, hidden.device
     if num_tokens == 0:
@@ -213,62 +242,90 @@ def fused_moe(
     max_rows = -(-(pairs + min(experts, pairs) * (block_m - 1)) // block_m) * block_m
     max_blocks = max_rows // block_m
     quant = QUANT_MODES[quantization]
+    blockwise = quantization == "fp8_block"
     kernels = _kernels()
 
-    counts = torch.zeros(experts, dtype=torch.int32, device=device)
-    index = torch.empty(2 * experts + 1 + max_blocks + max_rows, dtype=torch.int32, device=device)
-    starts, cursor = index[:experts], index[experts:2 * experts]
-    total = index[2 * experts:2 * experts + 1]
-    block_expert = index[2 * experts + 1:2 * experts + 1 + max_blocks]
-    sorted_pairs = index[2 * experts + 1 + max_blocks:]
-    inter = torch.empty((max_rows, inter_size), dtype=dtype, device=device)
+    index = torch.empty(3 * experts + 1 + max_blocks + max_rows, dtype=torch.int32, device=device)
+    counts, starts, cursor = index[:experts], index[experts:2 * experts], index[2 * experts:3 * experts]
+    total = index[3 * experts:3 * experts + 1]
+    block_expert = index[3 * experts + 1:3 * experts + 1 + max_blocks]
+    sorted_pairs = index[3 * experts + 1 + max_blocks:]
     has_map = expert_map is not None
     routing = (topk_ids, expert_map if has_map else topk_ids)
     routing_strides = (*topk_ids.stride(), expert_map.stride(0) if has_map else 0)
-    pair_grid = (-(-pairs // PAIRS_PER_PROGRAM),)
+    padded_experts = next_pow2(experts)
+    layout_chunk = max(1, min(256, 4096 // padded_experts))
 
-    x_scale = amax = counts  # placeholders where the mode reads none
+    x, x_scale, x_scale_stride = hidden, counts, 0  # counts: a placeholder where the mode reads none
+    amax = counts
     if quant == QUANT_MODES["fp8_per_tensor"]:
         # The whole expert input's one dynamic scale (quantize_fp8 per_tensor), on the device.
         source = hidden.float() * topk_weights if apply_router_weight_on_input else hidden
         x_scale = (source.abs().amax().float() / FP8_MAX).clamp_min(2.0**-126).reshape(1)
         amax = torch.zeros(1, dtype=torch.float32, device=device)
-    accumulate = topk > 1
-    if accumulate:
-        out = torch.zeros((num_tokens, hidden_size), dtype=torch.float32, device=device)
-    elif has_map:  # a token whose one expert is on another rank gets zeros
-        out = torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
+    if blockwise:  # the input's 1 x 128 groups once, and an fp8 intermediate with its group scales
+        x = torch.empty((num_tokens, hidden_size), dtype=w1.dtype, device=device)
+        x_scale = torch.empty((num_tokens, -(-hidden_size // spec.BLOCK)), dtype=torch.float32, device=device)
+        x_scale_stride = x_scale.stride(0)
+        inter = torch.empty((max_rows, inter_size), dtype=w2.dtype, device=device)
+        inter_scale = torch.empty((max_rows, -(-inter_size // spec.BLOCK)), dtype=torch.float32, device=device)
     else:
-        out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
-    blockwise = quantization == "fp8_block"  # [E, row blocks, column blocks] scales, else [E] (or none)
-    w1_scale_strides = _strides(w1_scale, 3) if blockwise else (*_strides(w1_scale, 1), 0, 0)
-    w2_scale_strides = _strides(w2_scale, 3) if blockwise else (*_strides(w2_scale, 1), 0, 0)
+        inter = torch.empty((max_rows, inter_size), dtype=dtype, device=device)
+        inter_scale = counts
+    # What the down kernel writes: top-1 the output itself, else the fp32 sum or the per-pair rows.
+    reduce = REDUCE_MODES[config.reduce] if topk > 1 else 0
+    if reduce == REDUCE_MODES["atomic"]:
+        down_out = torch.zeros((num_tokens, hidden_size), dtype=torch.float32, device=device)
+    elif reduce == REDUCE_MODES["pairs"]:
+        down_out = torch.empty((pairs, hidden_size), dtype=dtype, device=device)
+    elif has_map:  # top-1: a token whose one expert is on another rank gets zeros
+        down_out = torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
+    else:
+        down_out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
     shared = dict(TOPK=topk, ON_INPUT=apply_router_weight_on_input, QUANT=quant, NATIVE_FP8=native_fp8_cast(device),
                   INTERPRETED=INTERPRETED, BLOCK_M=block_m)
+    layout = (sorted_pairs, block_expert, starts, counts, total)
 
     with device_guard(device):
-        kernels.moe_count_kernel[pair_grid](
-            *routing, counts, pairs, *routing_strides, TOPK=topk, HAS_MAP=has_map, BLOCK=PAIRS_PER_PROGRAM)
-        padded_experts = next_pow2(experts)
-        kernels.moe_layout_kernel[(1,)](
-            counts, starts, cursor, block_expert, total, experts, max_blocks, BLOCK_M=block_m,
-            E_PAD=padded_experts, CHUNK=max(1, min(256, 4096 // padded_experts)))
-        kernels.moe_scatter_kernel[pair_grid](
-            *routing, cursor, sorted_pairs, pairs, *routing_strides, TOPK=topk, HAS_MAP=has_map,
-            BLOCK=PAIRS_PER_PROGRAM)
-        layout = (sorted_pairs, block_expert, starts, counts, total)
+        if pairs <= ROUTE_ONE_PROGRAM_MAX_PAIRS:
+            kernels.moe_route_kernel[(1,)](
+                *routing, counts, starts, cursor, block_expert, total, sorted_pairs, pairs, experts, max_blocks,
+                *routing_strides, TOPK=topk, HAS_MAP=has_map, BLOCK=PAIRS_PER_PROGRAM, BLOCK_M=block_m,
+                E_PAD=padded_experts, CHUNK=layout_chunk)
+        else:
+            counts.zero_()
+            pair_grid = (-(-pairs // PAIRS_PER_PROGRAM),)
+            kernels.moe_count_kernel[pair_grid](
+                *routing, counts, pairs, *routing_strides, TOPK=topk, HAS_MAP=has_map, BLOCK=PAIRS_PER_PROGRAM)
+            kernels.moe_layout_kernel[(1,)](
+                counts, starts, cursor, block_expert, total, experts, max_blocks, BLOCK_M=block_m,
+                E_PAD=padded_experts, CHUNK=layout_chunk)
+            kernels.moe_scatter_kernel[pair_grid](
+                *routing, cursor, sorted_pairs, pairs, *routing_strides, TOPK=topk, HAS_MAP=has_map,
+                BLOCK=PAIRS_PER_PROGRAM)
+        if blockwise:
+            kernels.moe_quantize_kernel[(num_tokens, -(-x_scale.shape[1] // QUANTIZE_GROUPS))](
+                hidden, topk_weights, x, x_scale, hidden_size, *hidden.stride(), topk_weights.stride(0),
+                x.stride(0), x_scale_stride, ON_INPUT=apply_router_weight_on_input,
+                NATIVE_FP8=shared["NATIVE_FP8"], GROUPS=QUANTIZE_GROUPS)
         gemm = config.gate_up
         kernels.moe_gate_up_kernel[(max_blocks * -(-inter_size // gemm.block_n),)](
-            hidden, w1, w1_scale if w1_scale is not None else counts, x_scale, topk_weights, inter, amax,
-            *layout, hidden_size, inter_size, max_blocks, *hidden.stride(), *w1.stride(), *w1_scale_strides,
-            *topk_weights.stride(), inter.stride(0), GELU=activation == "gelu", BLOCK_N=gemm.block_n,
-            BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, num_warps=gemm.num_warps, num_stages=gemm.num_stages,
-            **shared)
+            x, w1, w1_scale if w1_scale is not None else counts, x_scale, topk_weights, inter, inter_scale, amax,
+            *layout, hidden_size, inter_size, max_blocks, *x.stride(), x_scale_stride, *w1.stride(),
+            *_scale_strides(w1_scale, blockwise), *topk_weights.stride(), inter.stride(0), inter_scale.stride(0),
+            GELU=activation == "gelu", HIDDEN=kernels.HIDDEN_DTYPES[dtype], BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
+            GROUP_M=gemm.group_m, num_warps=gemm.num_warps, num_stages=gemm.num_stages, **shared)
         gemm = config.down
         kernels.moe_down_kernel[(max_blocks * -(-hidden_size // gemm.block_n),)](
-            inter, w2, w2_scale if w2_scale is not None else counts, amax, topk_weights, out, *layout,
-            hidden_size, inter_size, max_blocks, inter.stride(0), *w2.stride(), *w2_scale_strides,
-            *topk_weights.stride(), out.stride(0), ACCUMULATE=accumulate, BLOCK_N=gemm.block_n,
-            BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, num_warps=gemm.num_warps, num_stages=gemm.num_stages,
-            **shared)
-    return out.to(dtype) if accumulate else out
+            inter, inter_scale, w2, w2_scale if w2_scale is not None else counts, amax, topk_weights, down_out,
+            *layout, hidden_size, inter_size, max_blocks, inter.stride(0), inter_scale.stride(0), *w2.stride(),
+            *_scale_strides(w2_scale, blockwise), *topk_weights.stride(), down_out.stride(0), REDUCE=reduce,
+            BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, num_warps=gemm.num_warps,
+            num_stages=gemm.num_stages, **shared)
+        if reduce != REDUCE_MODES["pairs"]:
+            return down_out.to(dtype) if reduce else down_out
+        out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
+        kernels.moe_sum_kernel[(num_tokens, -(-hidden_size // SUM_BLOCK))](
+            down_out, *routing, out, hidden_size, down_out.stride(0), *routing_strides, out.stride(0), TOPK=topk,
+            HAS_MAP=has_map, INTERPRETED=INTERPRETED, BLOCK_N=SUM_BLOCK)
+    return out

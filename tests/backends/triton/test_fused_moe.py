@@ -90,12 +90,14 @@ def test_declines_with_reasons() -> None:
 def test_the_heuristic_follows_pairs_per_expert() -> None:
     decode = launch_config(8, 128, "none")  # Qwen3 T = 1: a sixteenth of a pair per expert
     assert decode.block_m == 16 and not decode.tuned
-    assert launch_config(4096 * 8, 128, "none").block_m == 64
-    # fp8_block steps one 128-wide activation group per k-step, whatever the tiles say.
+    assert launch_config(4096 * 8, 128, "none").block_m == 128
+    # fp8_block steps one 128-wide activation group per k-step, and gate-up's tile is one group of
+    # the intermediate (its epilogue quantizes it), whatever the tiles say.
     assert launch_config(8, 256, "fp8_block").gate_up.block_k == 128
     with override_launch_config(LaunchConfig(32, GemmConfig(32, 32), GemmConfig(32, 64))):
         config = launch_config(8, 256, "fp8_block")
         assert (config.block_m, config.gate_up.block_k, config.down.block_k) == (32, 128, 128)
+        assert (config.gate_up.block_n, config.down.block_n) == (128, 32)
 
 
 def test_measured_rows_are_used_on_their_device_and_bucket_only() -> None:
@@ -128,6 +130,9 @@ def test_an_invalid_override_is_refused() -> None:
     with pytest.raises(ValueError, match="block_m = 24"):
         with override_launch_config(LaunchConfig(24, GemmConfig(32, 32), GemmConfig(32, 32))):
             pass
+    with pytest.raises(ValueError, match="reduce = 'scatter'"):
+        with override_launch_config(LaunchConfig(16, GemmConfig(32, 32), GemmConfig(32, 32), reduce="scatter")):
+            pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,15 +150,24 @@ def test_cases_match_the_reference(name: str, seed: int) -> None:
 
 
 @pytest.mark.parametrize("config", [
-    LaunchConfig(16, GemmConfig(16, 32, group_m=1), GemmConfig(32, 16, group_m=2)),
+    LaunchConfig(16, GemmConfig(16, 32, group_m=1), GemmConfig(32, 16, group_m=2), reduce="atomic"),
     LaunchConfig(32, GemmConfig(64, 64, group_m=4), GemmConfig(16, 128, group_m=1)),
-    LaunchConfig(64, GemmConfig(32, 16, group_m=8), GemmConfig(64, 32, group_m=8)),
-], ids=lambda c: f"m{c.block_m}-n{c.gate_up.block_n}k{c.gate_up.block_k}-n{c.down.block_n}k{c.down.block_k}")
+    LaunchConfig(64, GemmConfig(32, 16, group_m=8), GemmConfig(64, 32, group_m=8), reduce="atomic"),
+], ids=lambda c: (f"m{c.block_m}-n{c.gate_up.block_n}k{c.gate_up.block_k}-n{c.down.block_n}k{c.down.block_k}-"
+                  f"{c.reduce}"))
 @pytest.mark.parametrize("name", ["all_tokens_one_expert", "small_fp8_per_tensor", "fp8_block_h_i_not_multiple_of_128"])
 def test_each_launch_config(config: LaunchConfig, name: str) -> None:
-    # Tiles smaller and larger than H and I, one row block or many per expert, every grouping.
+    # Tiles smaller and larger than H and I, one row block or many per expert, every grouping, both
+    # ways of taking the top-k sum.
     with override_launch_config(config):
         _check(_build(name, 3), f"{name} under {config}")
+
+
+@pytest.mark.parametrize("name", ["expert_map_with_holes", "small_fp8_block", "top1_weight_on_input"])
+def test_the_routing_in_three_launches(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The spec's small cases fit the one-program routing; the multi-program one serves larger calls.
+    monkeypatch.setattr(host, "ROUTE_ONE_PROGRAM_MAX_PAIRS", 0)
+    _check(_build(name, 6), f"{name}, routing in three launches")
 
 
 def _strided(kwargs: dict) -> dict:
@@ -197,27 +211,35 @@ def test_hidden_a_slice_of_a_wider_batch() -> None:
     _check(kwargs, "a sliced batch")
 
 
-def test_the_routing_layout_places_every_local_pair_once() -> None:
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "three-launches"])
+def test_the_routing_layout_places_every_local_pair_once(one_program: bool) -> None:
     # The layout on its own: each expert's run starts at a block boundary, holds exactly its pairs
     # (each once), and every block before the padded total names the expert whose run it is in.
+    # The one-program kernel zeroes its own counts and walks the pairs in several chunks here.
     kwargs = _build("expert_map_with_holes", 1)
     ids, expert_map = kwargs["topk_ids"], kwargs["expert_map"]
     experts, block_m = kwargs["w1"].shape[0], 16
     pairs = ids.numel()
     max_rows = -(-(pairs + min(experts, pairs) * (block_m - 1)) // block_m) * block_m
     kernels = host._kernels()
-    counts = torch.zeros(experts, dtype=torch.int32, device=DEVICE)
+    counts = torch.full((experts,), -5 if one_program else 0, dtype=torch.int32, device=DEVICE)
     starts, cursor = (torch.full((experts,), -5, dtype=torch.int32, device=DEVICE) for _ in range(2))
     total = torch.full((1,), -5, dtype=torch.int32, device=DEVICE)
     block_expert = torch.full((max_rows // block_m,), -5, dtype=torch.int32, device=DEVICE)
     rows = torch.full((max_rows,), -5, dtype=torch.int32, device=DEVICE)
     strides = (*ids.stride(), expert_map.stride(0))
-    kernels.moe_count_kernel[(1,)](ids, expert_map, counts, pairs, *strides, TOPK=ids.shape[1], HAS_MAP=True,
-                                   BLOCK=64)
-    kernels.moe_layout_kernel[(1,)](counts, starts, cursor, block_expert, total, experts, max_rows // block_m,
-                                    BLOCK_M=block_m, E_PAD=16, CHUNK=4)
-    kernels.moe_scatter_kernel[(1,)](ids, expert_map, cursor, rows, pairs, *strides, TOPK=ids.shape[1],
-                                     HAS_MAP=True, BLOCK=64)
+    topk = ids.shape[1]
+    if one_program:
+        assert pairs > 16
+        kernels.moe_route_kernel[(1,)](ids, expert_map, counts, starts, cursor, block_expert, total, rows, pairs,
+                                       experts, max_rows // block_m, *strides, TOPK=topk, HAS_MAP=True, BLOCK=16,
+                                       BLOCK_M=block_m, E_PAD=16, CHUNK=4)
+    else:
+        kernels.moe_count_kernel[(1,)](ids, expert_map, counts, pairs, *strides, TOPK=topk, HAS_MAP=True, BLOCK=64)
+        kernels.moe_layout_kernel[(1,)](counts, starts, cursor, block_expert, total, experts, max_rows // block_m,
+                                        BLOCK_M=block_m, E_PAD=16, CHUNK=4)
+        kernels.moe_scatter_kernel[(1,)](ids, expert_map, cursor, rows, pairs, *strides, TOPK=topk, HAS_MAP=True,
+                                         BLOCK=64)
     local = expert_map.long()[ids.long()].flatten().cpu()
     counts, starts, rows = counts.cpu(), starts.cpu(), rows.cpu()
     block_expert, total = block_expert.cpu(), int(total.cpu())
