@@ -163,6 +163,23 @@ def test_each_launch_config(config: LaunchConfig, name: str) -> None:
         _check(_build(name, 3), f"{name} under {config}")
 
 
+def test_the_pair_sum_skips_pairs_routed_off_rank() -> None:
+    # The per-pair rows of off-rank pairs are never written: NaN there must not reach the output.
+    kernels = host._kernels()
+    tokens, topk, hidden_size = 3, 2, 40
+    ids = torch.tensor([[0, 3], [2, 1], [3, 2]], dtype=torch.int32, device=DEVICE)
+    expert_map = torch.tensor([0, -1, 1, -1], dtype=torch.int32, device=DEVICE)  # experts 1 and 3 elsewhere
+    rows = torch.randn(tokens * topk, hidden_size, device=DEVICE).to(torch.bfloat16)
+    live = (expert_map[ids.long()] >= 0).flatten()
+    rows[~live] = float("nan")
+    out = torch.full((tokens, hidden_size), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    kernels.moe_sum_kernel[(tokens, 2)](rows, ids, expert_map, out, hidden_size, rows.stride(0), *ids.stride(),
+                                        expert_map.stride(0), out.stride(0), TOPK=topk, HAS_MAP=True,
+                                        INTERPRETED=host.INTERPRETED, BLOCK_N=32)
+    expected = (rows.float() * live[:, None]).nan_to_num(0.0).view(tokens, topk, hidden_size).sum(1)
+    torch.testing.assert_close(out.float().cpu(), expected.to(torch.bfloat16).float().cpu(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ["expert_map_with_holes", "small_fp8_block", "top1_weight_on_input"])
 def test_the_routing_in_three_launches(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The spec's small cases fit the one-program routing; the multi-program one serves larger calls.
