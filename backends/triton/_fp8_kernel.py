@@ -7,8 +7,8 @@ import triton.language as tl
 
 # fp8 (float8_e4m3fn) codes, and why there are two routes to them:
 #
-# The reference is quantize_to_cache_fp8 (and quantize_fp8, the same arithmetic): fp32 x / scale (a correctly rounded division), clamped
-# to +-448 (NaN stays NaN), cast with round-to-nearest-even. c10's cast writes a NaN as 0x7F with
+# The reference is quantize_to_cache_fp8 (and quantize_fp8, the same arithmetic): fp32 x / scale (a
+# correctly rounded division), clamped to +-448 (NaN stays NaN), cast with round-to-nearest-even. c10's cast writes a NaN as 0x7F with
 # the NaN's sign bit (0xFF for a negative NaN), and check_close compares bytes, so that is the code
 # both routes write for NaN. Which sign: that of the fp32 value the reference casts, which depends
 # on how the device widens and divides. torch widens bf16 by shifting bits (the sign survives

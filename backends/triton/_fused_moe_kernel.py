@@ -18,7 +18,7 @@ PER_TENSOR = tl.constexpr(1)
 BLOCKWISE = tl.constexpr(2)
 # Where the down kernel's per-pair results go (constexpr REDUCE): stored in the output (top-1), added
 # into an fp32 output, or stored per pair for moe_sum_kernel.
-STORE = tl.constexpr(0)
+STORE = tl.constexpr(0)  # the host's TOP1_STORE
 ATOMIC = tl.constexpr(1)
 PAIRS = tl.constexpr(2)
 # The gate-up kernel's HIDDEN: the dtype the intermediate is rounded to (for fp8_block, before quantization).

@@ -30,7 +30,8 @@ PAIRS_PER_PROGRAM = 256  # the count and scatter kernels: one pair per lane
 # launches: Qwen3 T 1 (8 pairs) 30.6 against 37.0 us, T 64 (512) 293.5 against 297.6
 # (perf/decisions/fused_moe.md).
 ROUTE_ONE_PROGRAM_MAX_PAIRS = 512
-REDUCE_MODES = {"atomic": 1, "pairs": 2}  # _fused_moe_kernel's REDUCE for top-k > 1 (top-1 stores: 0)
+REDUCE_MODES = {"atomic": 1, "pairs": 2}  # _fused_moe_kernel's REDUCE for top-k > 1 (LaunchConfig.reduce)
+TOP1_STORE = 0  # its REDUCE for top-1: the down kernel stores the output itself
 QUANTIZE_GROUPS = 8  # fp8_block input quantization: 1 x 128 groups per program
 SUM_BLOCK = 1024  # moe_sum_kernel: columns per program
 FP8_DOT_CAPABILITY = (8, 9)  # tl.dot on e4m3 operands: Ada and Hopper tensor cores
@@ -273,7 +274,7 @@ def fused_moe(
         inter = torch.empty((max_rows, inter_size), dtype=dtype, device=device)
         inter_scale = counts
     # What the down kernel writes: top-1 the output itself, else the fp32 sum or the per-pair rows.
-    reduce = REDUCE_MODES[config.reduce] if topk > 1 else 0
+    reduce = REDUCE_MODES[config.reduce] if topk > 1 else TOP1_STORE
     if reduce == REDUCE_MODES["atomic"]:
         down_out = torch.zeros((num_tokens, hidden_size), dtype=torch.float32, device=device)
     elif reduce == REDUCE_MODES["pairs"]:
@@ -322,8 +323,10 @@ def fused_moe(
             *_scale_strides(w2_scale, blockwise), *topk_weights.stride(), down_out.stride(0), REDUCE=reduce,
             BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, num_warps=gemm.num_warps,
             num_stages=gemm.num_stages, **shared)
-        if reduce != REDUCE_MODES["pairs"]:
-            return down_out.to(dtype) if reduce else down_out
+        if reduce == TOP1_STORE:
+            return down_out
+        if reduce == REDUCE_MODES["atomic"]:
+            return down_out.to(dtype)
         out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
         kernels.moe_sum_kernel[(num_tokens, -(-hidden_size // SUM_BLOCK))](
             down_out, *routing, out, hidden_size, down_out.stride(0), *routing_strides, out.stride(0), TOPK=topk,
