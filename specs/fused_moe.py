@@ -1,6 +1,7 @@
 """fused_moe: a token-routed mixture of experts (gate/up projection, gated activation, down
-projection, router-weighted sum over each token's top-k experts), unquantized or with FP8
-per-tensor or 128-block-scaled weights; the spec, its reference and its cases."""
+projection, router-weighted sum over each token's top-k experts), unquantized, with FP8
+per-tensor or 128-block-scaled weights, or with MXFP4/NVFP4 weights (W4A16); the spec, its
+reference and its cases."""
 
 from typing import Any, Mapping, NamedTuple, Optional
 
@@ -12,7 +13,10 @@ from kernelmux.specs._compare import assert_close_to_magnitude, assert_same_kind
 from kernelmux.specs._key import Layout, layout, size_class
 from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._validate import check_choice, check_tensor
+from kernelmux.specs.fp4_mm import BLOCKS as FP4_BLOCKS, SCALE_DTYPES as FP4_SCALE_DTYPES, dequantize_fp4
 from kernelmux.specs.quantize_fp8 import quantize_fp8
+from kernelmux.specs.quantize_mxfp4 import quantize_mxfp4
+from kernelmux.specs.quantize_nvfp4 import quantize_nvfp4
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
@@ -21,8 +25,10 @@ __all__ = ["SPEC", "Key", "fused_moe"]
 NAME = "fused_moe"
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16)
 ACTIVATIONS = ("silu", "gelu")
-# "none": weights in the hidden dtype. Room is left for "nvfp4" / "mxfp4" (a later version).
-QUANTIZATIONS = ("none", "fp8_per_tensor", "fp8_block")
+# "none": weights in the hidden dtype; fp8 weights and activations; fp4 weights, activations in the
+# hidden dtype (W4A16; version 2 added them and the global-scale arguments).
+FP4_MODES = tuple(FP4_BLOCKS)  # "nvfp4", "mxfp4": fp4_mm's formats and block sizes
+QUANTIZATIONS = ("none", "fp8_per_tensor", "fp8_block", *FP4_MODES)
 # The fp8 weight formats; the activations are quantized to the same format as the weights.
 FP8_NAMES = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e4m3fnuz: "e4m3fnuz"}
 BLOCK = 128  # fp8_block: 128 x 128 weight blocks, 1 x 128 activation groups (DeepSeek-V3)
@@ -40,6 +46,8 @@ def fused_moe(
     quantization: str = "none",
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    w1_global_scale: Optional[torch.Tensor] = None,
+    w2_global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``out[t] = sum_j w[t, j] * (act(x_t @ W1[e].T) @ W2[e].T)`` with ``e = topk_ids[t, j]``.
 
@@ -47,8 +55,12 @@ def fused_moe(
         hidden: ``[T, H]`` bf16/fp16 (``x``), any strides; ``T >= 0``, ``H >= 1``.
         w1: ``[E, 2I, H]``: rows ``0..I-1`` of expert ``e`` are its gate projection, rows
             ``I..2I-1`` its up projection. The hidden dtype for ``quantization="none"``, else
-            float8_e4m3fn or float8_e4m3fnuz (codes; ``W ~ codes * scale``).
-        w2: ``[E, H, I]`` the down projections, the dtype of ``w1``.
+            float8_e4m3fn or float8_e4m3fnuz (codes; ``W ~ codes * scale``) for the fp8 modes,
+            uint8 ``[E, 2I, H/2]`` packed e2m1 codes (two per byte, element ``2j`` in the low
+            nibble, as fp4_mm's ``b``) for the fp4 modes, which need ``H`` and ``I`` multiples
+            of the block (32 mxfp4, 16 nvfp4).
+        w2: ``[E, H, I]`` the down projections, the dtype of ``w1``; ``[E, H, I/2]`` packed
+            for the fp4 modes.
         topk_weights: ``[T, k]`` fp32 router weights, used as given (no renormalization).
         topk_ids: ``[T, k]`` int32 *global* expert ids. Preconditions (checked in checked mode
             only, by ``check_data``: reading the values needs a device sync): every id in
@@ -68,8 +80,15 @@ def fused_moe(
             (one per expert and matrix); ``"fp8_block"``: ``w1_scale [E, ceil(2I/128),
             ceil(H/128)]``, ``w2_scale [E, ceil(H/128), ceil(I/128)]`` over 128 x 128 blocks of
             the ``[2I, H]`` and ``[H, I]`` matrices (a short last block uses its scale for the
-            elements it has; with ``I % 128 != 0`` a block may straddle the gate/up boundary).
+            elements it has; with ``I % 128 != 0`` a block may straddle the gate/up boundary);
+            ``"mxfp4"``: ``w1_scale [E, 2I, H/32]``, ``w2_scale [E, H, I/32]`` uint8 e8m0 codes
+            (``W = e2m1 * 2^(code - 127)``); ``"nvfp4"``: ``w1_scale [E, 2I, H/16]``,
+            ``w2_scale [E, H, I/16]`` float8_e4m3fn, with one fp32 global scale per expert and
+            matrix (``W = e2m1 * sf / gs``). Block scales in fp4_mm's canonical linear layout,
+            one row per output channel. Activations of the fp4 modes stay in the hidden dtype.
         w1_scale, w2_scale: dequantization scales as above; None for ``"none"``.
+        w1_global_scale, w2_global_scale: ``"nvfp4"`` only (required there): fp32 ``[E]``, each
+            expert matrix's ``gs`` as quantize_nvfp4 returns it; None otherwise.
 
     Activation quantization (fp8 modes), dynamic, inside the op, with quantize_fp8's reference
     (its rounding and scale floors) into the weights' fp8 format:
@@ -92,16 +111,16 @@ def fused_moe(
     """
     weights, pairs, inter, _ = _route_and_activate(
         hidden, w1, topk_weights, topk_ids, activation, expert_map, apply_router_weight_on_input,
-        quantization, w1_scale)
+        quantization, w1_scale, w1_global_scale)
     out = hidden.new_zeros(hidden.shape, dtype=torch.float32)
     for e, (tokens, slots) in pairs.items():
-        down = inter[tokens, slots] @ _dequantize_weight(w2, w2_scale, e, quantization).T
+        down = inter[tokens, slots] @ _dequantize_weight(w2, w2_scale, e, quantization, w2_global_scale).T
         out.index_add_(0, tokens, down * weights[tokens, slots].unsqueeze(1))
     return out.to(hidden.dtype)
 
 
 def _route_and_activate(hidden, w1, topk_weights, topk_ids, activation, expert_map,
-                        apply_router_weight_on_input, quantization, w1_scale):
+                        apply_router_weight_on_input, quantization, w1_scale, w1_global_scale=None):
     """The reference up to the down projection: fp32 router weights [T, k] (ones when applied on
     the input), {local expert: (tokens, slots) routed to it}, the intermediate [T, k, I] as the
     down projection sees it (rounded to the hidden dtype, then fp8-quantized in fp8 modes), and
@@ -124,7 +143,8 @@ def _route_and_activate(hidden, w1, topk_weights, topk_ids, activation, expert_m
     pairs = {}
     for e in (int(e) for e in ids.unique().tolist() if e >= 0):
         tokens, slots = pairs[e] = (ids == e).nonzero(as_tuple=True)
-        gate_up = (x[tokens] @ _dequantize_weight(w1, w1_scale, e, quantization).T).to(dtype).float()
+        gate_up = (x[tokens] @ _dequantize_weight(w1, w1_scale, e, quantization, w1_global_scale).T)
+        gate_up = gate_up.to(dtype).float()
         gate, up = gate_up[:, :inter_size], gate_up[:, inter_size:]
         act = torch.nn.functional.silu(gate) if activation == "silu" else torch.nn.functional.gelu(gate)
         inter[tokens, slots] = (act * up).to(dtype).float()
@@ -135,7 +155,7 @@ def _route_and_activate(hidden, w1, topk_weights, topk_ids, activation, expert_m
 
 def _quantize_activations(x: torch.Tensor, quantization: str, fp8_name: str) -> torch.Tensor:
     """``x`` [M, K] fp32 quantized as the op does and dequantized back to fp32 (exact values)."""
-    if quantization == "none":
+    if quantization == "none" or quantization in FP4_MODES:  # W4A16: activations stay as they are
         return x
     if quantization == "fp8_block":
         q, scale = quantize_fp8(x, "per_group", BLOCK, False, fp8_name)
@@ -145,9 +165,13 @@ def _quantize_activations(x: torch.Tensor, quantization: str, fp8_name: str) -> 
 
 
 def _dequantize_weight(
-    w: torch.Tensor, scale: Optional[torch.Tensor], expert: int, quantization: str
+    w: torch.Tensor, scale: Optional[torch.Tensor], expert: int, quantization: str,
+    global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Expert ``expert``'s matrix of ``w`` in fp32, dequantized."""
+    if quantization in FP4_MODES:
+        gs = global_scale[expert] if global_scale is not None else None
+        return dequantize_fp4(w[expert], scale[expert], quantization, gs)
     matrix = w[expert].float()
     if quantization == "none":
         return matrix
@@ -163,10 +187,11 @@ def _block_scale_shape(experts: int, rows: int, cols: int) -> tuple[int, int, in
     return (experts, -(-rows // BLOCK), -(-cols // BLOCK))
 
 
-def _check_scale(name: str, value: Any, shape: tuple, device: torch.device, what: str) -> None:
+def _check_scale(name: str, value: Any, shape: tuple, device: torch.device, what: str,
+                 dtype: torch.dtype = torch.float32) -> None:
     if value is None:
-        raise InvalidArgumentError(NAME, name, f"an fp32 tensor of shape {shape} ({what})", None)
-    check_tensor(NAME, name, value, dtypes=(torch.float32,), shape=shape, device=device, meaning=what)
+        raise InvalidArgumentError(NAME, name, f"a {str(dtype)[6:]} tensor of shape {shape} ({what})", None)
+    check_tensor(NAME, name, value, dtypes=(dtype,), shape=shape, device=device, meaning=what)
 
 
 class Key(NamedTuple):
@@ -176,7 +201,7 @@ class Key(NamedTuple):
 
     device: torch.device
     hidden_dtype: torch.dtype
-    weight_dtype: torch.dtype  # w1's and w2's: hidden_dtype, or an fp8 dtype
+    weight_dtype: torch.dtype  # w1's and w2's: hidden_dtype, an fp8 dtype, or uint8 (fp4, packed)
     quantization: str
     activation: str
     num_experts: int  # E, local: w1.shape[0]
@@ -194,6 +219,8 @@ class Key(NamedTuple):
     expert_map_layout: Optional[Layout]  # None: no expert map
     w1_scale_layout: Optional[Layout]  # None: quantization "none"
     w2_scale_layout: Optional[Layout]
+    w1_global_scale_layout: Optional[Layout]  # None unless quantization "nvfp4"
+    w2_global_scale_layout: Optional[Layout]
 
 
 def validate(
@@ -208,6 +235,8 @@ def validate(
     quantization: str = "none",
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    w1_global_scale: Optional[torch.Tensor] = None,
+    w2_global_scale: Optional[torch.Tensor] = None,
 ) -> Key:
     """Check a call against the spec; return the dispatch key."""
     check_tensor(NAME, "hidden", hidden, dtypes=HIDDEN_DTYPES, rank=2)
@@ -216,20 +245,30 @@ def validate(
     if hidden_size < 1:
         raise InvalidArgumentError(NAME, "hidden", "H = hidden.shape[1] >= 1", f"shape {tuple(hidden.shape)}")
     check_choice(NAME, "quantization", quantization, QUANTIZATIONS)
+    fp4_block = FP4_BLOCKS.get(quantization)  # None: one weight element per tensor element
     if quantization == "none":
         weight_dtypes: tuple = (hidden.dtype,)
+    elif fp4_block:
+        weight_dtypes = (torch.uint8,)
+        if hidden_size % fp4_block:
+            raise InvalidArgumentError(NAME, "hidden", f"H = hidden.shape[1] a multiple of {fp4_block} "
+                                       f"({quantization}'s block)", f"H = {hidden_size}")
     else:
         weight_dtypes = tuple(FP8_NAMES)
+    pack = 2 if fp4_block else 1  # fp4: two codes per byte along K
     check_tensor(NAME, "w1", w1, dtypes=weight_dtypes, rank=3, device=device)
     experts, two_inter, w1_cols = w1.shape
-    if experts < 1 or two_inter < 2 or two_inter % 2 or w1_cols != hidden_size:
+    if experts < 1 or two_inter < 2 or two_inter % 2 or w1_cols != hidden_size // pack:
         raise InvalidArgumentError(
-            NAME, "w1", f"shape (E >= 1, 2I >= 2 even, {hidden_size}) (H = hidden.shape[1])",
-            f"shape {tuple(w1.shape)}",
+            NAME, "w1", f"shape (E >= 1, 2I >= 2 even, {hidden_size // pack}) (H = hidden.shape[1]"
+            + (", two codes per byte)" if pack == 2 else ")"), f"shape {tuple(w1.shape)}",
         )
     inter_size = two_inter // 2
-    check_tensor(NAME, "w2", w2, dtypes=(w1.dtype,), shape=(experts, hidden_size, inter_size), device=device,
-                 meaning="E, H, I from w1 and hidden")
+    if fp4_block and inter_size % fp4_block:
+        raise InvalidArgumentError(NAME, "w1", f"2I with I a multiple of {fp4_block} ({quantization}'s block)",
+                                   f"shape {tuple(w1.shape)}, I = {inter_size}")
+    check_tensor(NAME, "w2", w2, dtypes=(w1.dtype,), shape=(experts, hidden_size, inter_size // pack),
+                 device=device, meaning="E, H, I from w1 and hidden" + (", I packed two per byte" if pack == 2 else ""))
     check_tensor(NAME, "topk_weights", topk_weights, dtypes=(torch.float32,), rank=2, device=device)
     topk = topk_weights.shape[1]
     if topk_weights.shape[0] != num_tokens or topk < 1:
@@ -274,16 +313,29 @@ def validate(
     elif quantization == "fp8_per_tensor":
         _check_scale("w1_scale", w1_scale, (experts,), device, "fp8_per_tensor: one per expert")
         _check_scale("w2_scale", w2_scale, (experts,), device, "fp8_per_tensor: one per expert")
-    else:
+    elif quantization == "fp8_block":
         _check_scale("w1_scale", w1_scale, _block_scale_shape(experts, two_inter, hidden_size),
                      device, "fp8_block: [E, ceil(2I/128), ceil(H/128)]")
         _check_scale("w2_scale", w2_scale, _block_scale_shape(experts, hidden_size, inter_size),
                      device, "fp8_block: [E, ceil(H/128), ceil(I/128)]")
+    else:
+        scale_dtype = FP4_SCALE_DTYPES[quantization]
+        _check_scale("w1_scale", w1_scale, (experts, two_inter, hidden_size // fp4_block), device,
+                     f"{quantization}: [E, 2I, H/{fp4_block}]", scale_dtype)
+        _check_scale("w2_scale", w2_scale, (experts, hidden_size, inter_size // fp4_block), device,
+                     f"{quantization}: [E, H, I/{fp4_block}]", scale_dtype)
+    for name, value in (("w1_global_scale", w1_global_scale), ("w2_global_scale", w2_global_scale)):
+        if quantization == "nvfp4":
+            _check_scale(name, value, (experts,), device, "nvfp4: one gs per expert")
+        elif value is not None:
+            raise InvalidArgumentError(NAME, name, f"None when quantization is {quantization!r}", "a tensor",
+                                       hint="only nvfp4 weights have a global scale")
     return Key(
         device, hidden.dtype, w1.dtype, quantization, activation, experts, global_experts,
         hidden_size, inter_size, topk, apply_router_weight_on_input, size_class(num_tokens),
         layout(hidden), layout(w1), layout(w2), layout(topk_weights), layout(topk_ids),
-        layout(expert_map), layout(w1_scale), layout(w2_scale),
+        layout(expert_map), layout(w1_scale), layout(w2_scale), layout(w1_global_scale),
+        layout(w2_global_scale),
     )
 
 
@@ -299,6 +351,8 @@ def check_data(
     quantization: str = "none",
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    w1_global_scale: Optional[torch.Tensor] = None,
+    w2_global_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """Checked mode: every routed id names an expert (global ids when there is a map), the ids
     of a row are distinct, and the map sends each global id to a local expert or to -1."""
@@ -331,6 +385,8 @@ def fake(
     quantization: str = "none",
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    w1_global_scale: Optional[torch.Tensor] = None,
+    w2_global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     return hidden.new_empty(hidden.shape)
 
@@ -354,6 +410,9 @@ def fake(
 #   prepare does) flips some fp8 codes by one e4m3 ulp (<= 2^-3 relative); such flips, plus the
 #   bf16 terms above, stay below 2^-2 * mag (the variant reaches ~0.45 of it). A wrong expert,
 #   slot, weight or scale moves outputs by ~mag or more, well outside.
+# - fp4 modes (W4A16) take the bf16/fp16 bounds: the activations are not quantized and the weights
+#   dequantize exactly (mxfp4: e2m1 times a power of two; nvfp4: one fp32 rounding of (e2m1 * sf) / gs,
+#   which a kernel may apply after its dot instead, 2^-24 relative either way).
 TOLERANCE = {
     torch.bfloat16: Tolerance(atol=2.0**-5, rtol=1e-2),
     torch.float16: Tolerance(atol=2.0**-7, rtol=2e-3),
@@ -369,12 +428,12 @@ def magnitude(kwargs: Mapping[str, Any]) -> torch.Tensor:
     cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     weights, pairs, inter, floor = _route_and_activate(
         cpu["hidden"], cpu["w1"], cpu["topk_weights"], cpu["topk_ids"], cpu["activation"], cpu["expert_map"],
-        cpu["apply_router_weight_on_input"], cpu["quantization"], cpu["w1_scale"])
+        cpu["apply_router_weight_on_input"], cpu["quantization"], cpu["w1_scale"], cpu.get("w1_global_scale"))
     inter = torch.maximum(inter.abs(), floor)
     square = torch.zeros(cpu["hidden"].shape, dtype=torch.float64)
     for e, (tokens, slots) in pairs.items():
         a = inter[tokens, slots] * weights[tokens, slots].unsqueeze(1)
-        w = _dequantize_weight(cpu["w2"], cpu["w2_scale"], e, cpu["quantization"])
+        w = _dequantize_weight(cpu["w2"], cpu["w2_scale"], e, cpu["quantization"], cpu.get("w2_global_scale"))
         square.index_add_(0, tokens, (a.square() @ w.square().T).double())  # fp32 is plenty
     return square.sqrt()
 
@@ -382,7 +441,7 @@ def magnitude(kwargs: Mapping[str, Any]) -> torch.Tensor:
 def check_close(actual: Any, expected: Any, kwargs: Mapping[str, Any]) -> None:
     """Elementwise within the tolerance of the hidden dtype and quantization, scaled by mag."""
     assert_same_kind(actual, expected, NAME)
-    table = TOLERANCE if kwargs["quantization"] == "none" else FP8_TOLERANCE
+    table = FP8_TOLERANCE if kwargs["quantization"].startswith("fp8") else TOLERANCE
     tolerance = table[expected.dtype]
     if expected.numel() == 0:
         return
@@ -407,9 +466,10 @@ def cost(kwargs: Mapping[str, Any]) -> Cost:
     # GEMM1 2 * 2I * H, GEMM2 2 * H * I per pair; the activation and the sum are negligible.
     flops = pairs * 6 * hidden_size * inter_size
     scale_bytes = 0
-    for name, w in (("w1_scale", w1), ("w2_scale", w2)):
-        if kwargs[name] is not None:
-            scale_bytes += kwargs[name].numel() // w.shape[0] * 4 * used
+    for name in ("w1_scale", "w2_scale", "w1_global_scale", "w2_global_scale"):
+        scale = kwargs.get(name)
+        if scale is not None:
+            scale_bytes += scale[0].numel() * scale.element_size() * used
     bytes_moved = (
         hidden.numel() * hidden.element_size() * 2  # read x, write out
         + used * (w1[0].numel() * w1.element_size() + w2[0].numel() * w2.element_size())
@@ -417,7 +477,8 @@ def cost(kwargs: Mapping[str, Any]) -> Cost:
         + kwargs["topk_weights"].numel() * 4 + kwargs["topk_ids"].numel() * 4
         + (kwargs["expert_map"].numel() * 4 if kwargs["expert_map"] is not None else 0)
     )
-    return Cost(flops=flops, bytes=bytes_moved, matmul="fp8" if w1.element_size() == 1 else "bf16")
+    # W4A16 multiplies in the hidden dtype.
+    return Cost(flops=flops, bytes=bytes_moved, matmul="fp8" if kwargs["quantization"].startswith("fp8") else "bf16")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,7 +502,11 @@ def _weights(experts: int, rows: int, cols: int, dtype: torch.dtype, generator: 
 
 
 def _quantize_weights(w: torch.Tensor, quantization: str, fp8_name: str):
-    """w [E, N, K] -> (codes, scales) in the layout of ``quantization``, via quantize_fp8."""
+    """w [E, N, K] -> (codes, scales) in the layout of ``quantization``, via quantize_fp8 (fp4: the
+    format's quantize op; see _quantize_fp4_weights)."""
+    if quantization in FP4_MODES:
+        codes, scales, _ = _quantize_fp4_weights(w, quantization)
+        return codes, scales
     if quantization == "fp8_per_tensor":
         pairs = [quantize_fp8(m, "per_tensor", BLOCK, False, fp8_name) for m in w]
         return torch.stack([q for q, _ in pairs]), torch.cat([s for _, s in pairs])
@@ -449,6 +514,18 @@ def _quantize_weights(w: torch.Tensor, quantization: str, fp8_name: str):
 
     pairs = [quantize_weight_blocks(m, False, fp8_name) for m in w]
     return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+def _quantize_fp4_weights(w: torch.Tensor, quantization: str):
+    """w [E, N, K] -> (packed codes [E, N, K/2], block scales [E, N, K/block], global scales [E]
+    for nvfp4 else None), expert by expert, via quantize_mxfp4 (OCP floor rounding) or quantize_nvfp4
+    (a dynamic gs per expert matrix, as NVFP4 checkpoints hold)."""
+    if quantization == "mxfp4":
+        pairs = [quantize_mxfp4(m) for m in w]
+        return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs]), None
+    triples = [quantize_nvfp4(m) for m in w]
+    return (torch.stack([q for q, _, _ in triples]), torch.stack([s for _, s, _ in triples]),
+            torch.stack([g.reshape(()) for _, _, g in triples]))
 
 
 def _maker(
@@ -495,7 +572,7 @@ def _maker(
             perm = torch.randperm(experts, generator=generator)
             expert_map = torch.full((experts,), -1, dtype=torch.int32)
             expert_map[perm[:local]] = torch.arange(local, dtype=torch.int32)
-        w1_scale = w2_scale = None
+        w1_scale = w2_scale = w1_global = w2_global = None
         if quantization == "none":
             w1 = _weights(local, 2 * inter_size, hidden_size, dtype, generator)
             w2 = _weights(local, hidden_size, inter_size, dtype, generator)
@@ -504,13 +581,18 @@ def _maker(
             w2 = _weights(local, hidden_size, inter_size, torch.bfloat16, generator)
             # Per-expert spread of magnitudes, so that the scales differ between experts.
             w1 = w1 * (torch.rand(local, 1, 1, generator=generator) + 0.5).to(torch.bfloat16)
-            w1, w1_scale = _quantize_weights(w1, quantization, fp8_name)
-            w2, w2_scale = _quantize_weights(w2, quantization, fp8_name)
+            if quantization in FP4_MODES:
+                w1, w1_scale, w1_global = _quantize_fp4_weights(w1, quantization)
+                w2, w2_scale, w2_global = _quantize_fp4_weights(w2, quantization)
+            else:
+                w1, w1_scale = _quantize_weights(w1, quantization, fp8_name)
+                w2, w2_scale = _quantize_weights(w2, quantization, fp8_name)
         if on_input:
             weights = torch.rand(tokens, topk, generator=generator) + 0.5
         tensors = {
             "hidden": x, "w1": w1, "w2": w2, "topk_weights": weights, "topk_ids": ids,
             "expert_map": expert_map, "w1_scale": w1_scale, "w2_scale": w2_scale,
+            "w1_global_scale": w1_global, "w2_global_scale": w2_global,
         }
         moved = {k: v.to(device) if v is not None else None for k, v in tensors.items()}
         return {
@@ -539,7 +621,11 @@ def _cases() -> tuple[Case, ...]:
              "1x128 dynamic activations, 16 tokens; sliced to one local expert (EP 256)"),
         Case("gpt_oss_120b_t8_bf16_ep32", _maker(8, 128, 4, 2880, 2880, local_experts=4), quick,
              "gpt-oss-120b's shape (E 128, top 4, H 2880, I 2880; H not a multiple of 128) in "
-             "bf16 (its MXFP4 weights are a later version), 8 tokens, 4 local experts (EP 32)"),
+             "bf16, 8 tokens, 4 local experts (EP 32)"),
+        Case("gpt_oss_120b_t8_mxfp4_ep32",
+             _maker(8, 128, 4, 2880, 2880, local_experts=4, quantization="mxfp4"), quick,
+             "gpt-oss-120b with MXFP4 experts (W4A16, bf16 activations; silu, not gpt-oss's clamped "
+             "swiglu with biases), 8 tokens, 4 local experts (EP 32)"),
         Case("small_silu", _maker(7, 8, 2, 64, 48), random, "bf16, no map, odd T"),
         Case("small_gelu_fp16", _maker(5, 6, 3, 40, 24, dtype=torch.float16, activation="gelu"),
              random, "fp16 with the erf GELU, E and H not powers of two"),
@@ -553,6 +639,11 @@ def _cases() -> tuple[Case, ...]:
         Case("small_fp8_per_tensor_fnuz_fp16",
              _maker(5, 4, 2, 64, 32, quantization="fp8_per_tensor", fp8_name="e4m3fnuz",
                     dtype=torch.float16), random, "e4m3fnuz, fp16 hidden"),
+        Case("small_mxfp4", _maker(7, 8, 2, 96, 64, quantization="mxfp4"), random,
+             "MXFP4 weights (blocks of 32, e8m0 scales), bf16 activations"),
+        Case("small_nvfp4_gelu_fp16",
+             _maker(6, 6, 3, 64, 48, quantization="nvfp4", dtype=torch.float16, activation="gelu"),
+             random, "NVFP4 weights (blocks of 16, e4m3 scales, a global scale per expert), fp16"),
         Case("empty", _maker(0, 8, 2, 64, 32), edge, "T = 0: an empty batch gives [0, H]"),
         Case("empty_fp8_block", _maker(0, 4, 2, 128, 128, quantization="fp8_block"), edge,
              "T = 0 with block quantization (no groups to quantize)"),
@@ -576,6 +667,11 @@ def _cases() -> tuple[Case, ...]:
              _maker(3, 3, 2, 72, 40, quantization="fp8_block", activation="gelu"), edge,
              "H and I below 128: one short group/block each"),
         Case("topk_equals_experts", _maker(4, 4, 4, 64, 32), edge, "k = E: every expert used"),
+        Case("mxfp4_expert_map_holes", _maker(9, 12, 3, 64, 32, unmapped=5, quantization="mxfp4"), edge,
+             "MXFP4 at the smallest sizes (H 64, I 32: one block of I), 5 of 12 experts on other ranks"),
+        Case("nvfp4_top1_weight_on_input",
+             _maker(6, 4, 1, 32, 16, on_input=True, quantization="nvfp4"), edge,
+             "NVFP4 with one block of I; the router weight scales the bf16 input (not quantized)"),
     ]
     return tuple(cases)
 
@@ -588,11 +684,12 @@ def _shapes(draw: Any, st: Any) -> Case:
     tokens = draw(st.integers(0, 40))
     experts = draw(st.integers(1, 8))
     topk = draw(st.integers(1, experts))
-    hidden = draw(st.sampled_from([16, 128, 256]))
-    inter = draw(st.sampled_from([16, 128, 256]))
+    quantization = draw(st.sampled_from(QUANTIZATIONS))
+    sizes = [32, 128, 256] if quantization == "mxfp4" else [16, 128, 256]  # mxfp4: blocks of 32
+    hidden = draw(st.sampled_from(sizes))
+    inter = draw(st.sampled_from(sizes))
     dtype = draw(st.sampled_from([torch.bfloat16, torch.float16]))
     activation = draw(st.sampled_from(["silu", "gelu"]))
-    quantization = draw(st.sampled_from(["none", "fp8_per_tensor", "fp8_block"]))
     unmapped = draw(st.integers(0, experts - 1)) if experts > 1 else 0
     on_input = topk == 1 and draw(st.booleans())
     return drawn(f"T {tokens}, E {experts} ({unmapped} on other ranks), top-{topk}, H {hidden}, I {inter}, "
@@ -603,7 +700,7 @@ def _shapes(draw: Any, st: Any) -> Case:
 
 SPEC = OpSpec(
     name=NAME,
-    version=1,
+    version=2,  # 2: the fp4 modes and the global-scale arguments
     reference=fused_moe,
     validate=validate,
     fake=fake,

@@ -28,6 +28,9 @@ MULTIPLE = 128
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     """None when fused_moe computes calls with this dispatch key as the spec defines them, else why not."""
+    if key.quantization in spec.FP4_MODES:
+        return (f"{key.quantization} experts are not wired in this adapter yet (the vendor's fp4 MoE kernels take their own prepared weight and scale layouts, not built here; "
+                "the triton and cpu backends serve them)")
     if key.hidden_dtype not in (torch.bfloat16, torch.float16):
         return f"bf16 or fp16 hidden only (fused_moe's out dtypes), got {key.hidden_dtype}"
     if key.quantization == "fp8_per_tensor":
@@ -100,6 +103,8 @@ def fused_moe(
     quantization: str = "none",
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    w1_global_scale: Optional[torch.Tensor] = None,
+    w2_global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The spec's fused_moe on aiter's fused_moe; arguments are validated by the caller and accepted by
     ``supports``."""

@@ -186,6 +186,8 @@ def fused_moe(
     quantization: str = "none",
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    w1_global_scale: Optional[torch.Tensor] = None,
+    w2_global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The spec's fused_moe on two m_grouped_fp8_gemm_nt_contiguous calls; arguments are validated by
     the caller and accepted by ``supports`` (fp8_block, e4m3fn, bf16 hidden, H and I % 128, sm_90)."""

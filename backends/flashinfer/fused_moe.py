@@ -212,6 +212,9 @@ def _cutlass_reason(key: spec.Key, platform: Platform) -> Optional[str]:
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     """None when this platform's entry (trtllm-gen on sm_100/sm_103 where it takes the call, else
     cutlass_fused_moe) computes calls with this key as the spec defines them, else why not."""
+    if key.quantization in spec.FP4_MODES:
+        return (f"{key.quantization} experts are not wired in this adapter yet (the vendor's fp4 MoE kernels take their own prepared weight and scale layouts, not built here; "
+                "the triton and cpu backends serve them)")
     if platform.capability not in CAPABILITIES:
         return ("cutlass_fused_moe builds for sm_89, sm_90, sm_100, sm_103, sm_110, sm_120, sm_121, "
                 f"not {platform.arch}")
@@ -352,6 +355,8 @@ def fused_moe(
     quantization: str = "none",
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    w1_global_scale: Optional[torch.Tensor] = None,
+    w2_global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The spec's fused_moe on trtllm-gen (sm_100/sm_103, where it takes the call) or cutlass_fused_moe;
     arguments are validated by the caller and accepted by ``supports``."""

@@ -25,6 +25,9 @@ ROW_MULTIPLE = 8
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     """None when XpuFusedMoe computes calls with this key as the spec defines them."""
+    if key.quantization in spec.FP4_MODES:
+        return (f"{key.quantization} experts are not wired in this adapter yet (the vendor's fp4 MoE kernels take their own prepared weight and scale layouts, not built here; "
+                "the triton and cpu backends serve them)")
     if key.quantization == "fp8_per_tensor":
         # Per-tensor fp8 weights run W8A16 there: the activations stay 16-bit (its test passes no
         # a1q_scale, and quant_act_xpu has no per-tensor recipe), while the spec quantizes them.
@@ -79,6 +82,8 @@ def fused_moe(
     quantization: str = "none",
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    w1_global_scale: Optional[torch.Tensor] = None,
+    w2_global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The spec's fused_moe on XpuFusedMoe; arguments are validated by the caller and accepted by
     ``supports`` (16-bit experts)."""

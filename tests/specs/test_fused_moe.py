@@ -24,10 +24,36 @@ FP8_NAME = {torch.float8_e4m3fn: "e4m3fn", torch.float8_e4m3fnuz: "e4m3fnuz"}
 # The oracle: one token, one (token, slot) pair and one 128 x 128 tile at a time, in float64.
 
 
-def _dequant_weight(w: torch.Tensor, scale, quantization: str) -> torch.Tensor:
+# e2m1 magnitudes by code (OCP MX v1.0, table 5); codes 8..15 are the negatives of 0..7.
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _fp4_weight(w: torch.Tensor, scale: torch.Tensor, global_scale, quantization: str) -> torch.Tensor:
+    """One expert's packed [N, K/2] codes in fp64, element by element from the format's definition."""
+    rows, half = w.shape
+    block = 32 if quantization == "mxfp4" else 16
+    out = torch.empty(rows, 2 * half, dtype=torch.float64)
+    codes = w.tolist()
+    scales = scale.float().tolist() if quantization == "nvfp4" else scale.tolist()
+    for r in range(rows):
+        for j in range(2 * half):
+            code = codes[r][j // 2] >> (4 * (j % 2)) & 15  # element 2j in the low nibble
+            value = (-1.0 if code & 8 else 1.0) * E2M1[code & 7]
+            s = scales[r][j // block]
+            if quantization == "mxfp4":
+                factor = math.nan if s == 255 else 2.0 ** (s - 127)
+            else:
+                factor = s / float(global_scale)
+            out[r, j] = value * factor
+    return out
+
+
+def _dequant_weight(w: torch.Tensor, scale, quantization: str, global_scale=None) -> torch.Tensor:
     """One expert's [N, K] matrix in fp64, tile by tile for block scales."""
     if quantization == "none":
         return w.double()
+    if quantization in ("mxfp4", "nvfp4"):
+        return _fp4_weight(w, scale, global_scale, quantization)
     if quantization == "fp8_per_tensor":
         return w.double() * float(scale)
     rows, cols = w.shape
@@ -41,8 +67,8 @@ def _dequant_weight(w: torch.Tensor, scale, quantization: str) -> torch.Tensor:
 
 def _quant_dequant(x: torch.Tensor, quantization: str, fp8: str) -> torch.Tensor:
     """The op's dynamic activation quantization (quantize_fp8's reference, the spec's quantizer),
-    dequantized here group by group in fp64."""
-    if quantization == "none":
+    dequantized here group by group in fp64; W4A16 leaves the activations as they are."""
+    if quantization in ("none", "mxfp4", "nvfp4"):
         return x.double()
     granularity = "per_group" if quantization == "fp8_block" else "per_tensor"
     q, scale = quantize_fp8(x.float(), granularity, 128, False, fp8)
@@ -83,8 +109,10 @@ def _oracle(kw) -> torch.Tensor:
             if e not in w1d:
                 s1 = kw["w1_scale"][e] if kw["w1_scale"] is not None else None
                 s2 = kw["w2_scale"][e] if kw["w2_scale"] is not None else None
-                w1d[e] = _dequant_weight(w1[e], s1, quantization)
-                w2d[e] = _dequant_weight(w2[e], s2, quantization)
+                g1 = kw["w1_global_scale"][e] if kw["w1_global_scale"] is not None else None
+                g2 = kw["w2_global_scale"][e] if kw["w2_global_scale"] is not None else None
+                w1d[e] = _dequant_weight(w1[e], s1, quantization, g1)
+                w2d[e] = _dequant_weight(w2[e], s2, quantization, g2)
             gate_up = (w1d[e] @ x[t]).to(dtype).double()  # stored in the hidden dtype
             gate, up = gate_up[:inter_size], gate_up[inter_size:]
             if kw["activation"] == "silu":
@@ -113,7 +141,7 @@ def _assert_matches_oracle(kw):
     if got.numel():
         mag = spec_module.magnitude(kw)
         err = (got.double() - want).abs()
-        if kw["quantization"] == "none":  # no fp8 code can flip: typically far tighter
+        if not kw["quantization"].startswith("fp8"):  # no fp8 code can flip: typically far tighter
             rms = lambda v: float(v.square().mean().sqrt())
             assert rms(err) <= 2.0**-8 * rms(mag) + 2.0**-8 * rms(want), (rms(err), rms(mag))
 
@@ -237,11 +265,32 @@ def test_cost_counts_local_pairs_and_used_experts():
     assert SPEC.cost(SPEC.case("empty").build()).flops == 0
 
 
+def test_cost_of_fp4_weights_counts_packed_bytes_and_byte_scales():
+    kw = SPEC.case("small_nvfp4_gelu_fp16").build()
+    cost = SPEC.cost(kw)
+    tokens, hidden_size = kw["hidden"].shape
+    inter_size, topk = kw["w1"].shape[1] // 2, kw["topk_ids"].shape[1]
+    used = kw["topk_ids"].unique().numel()
+    weight_bytes = used * 3 * inter_size * hidden_size // 2  # two codes per byte
+    scale_bytes = used * (3 * inter_size * hidden_size // 16 + 2 * 4)  # e4m3 per 16, two fp32 gs
+    assert cost.bytes == tokens * hidden_size * 2 * 2 + weight_bytes + scale_bytes + tokens * topk * 8
+    assert cost.matmul == "bf16" and cost.flops == tokens * topk * 6 * hidden_size * inter_size
+
+
 def _good(mode="none", **changes):
     quantization = mode
     t, e, h, i, k = 4, 3, 256, 128, 2
+    g1 = g2 = None
     if quantization == "none":
         w1, w2, s1, s2 = torch.zeros(e, 2 * i, h, dtype=torch.bfloat16), torch.zeros(e, h, i, dtype=torch.bfloat16), None, None
+    elif quantization in ("mxfp4", "nvfp4"):
+        block = 32 if quantization == "mxfp4" else 16
+        scale_dtype = torch.uint8 if quantization == "mxfp4" else torch.float8_e4m3fn
+        w1, w2 = torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8), torch.zeros(e, h, i // 2, dtype=torch.uint8)
+        s1 = torch.zeros(e, 2 * i, h // block, dtype=scale_dtype)
+        s2 = torch.zeros(e, h, i // block, dtype=scale_dtype)
+        if quantization == "nvfp4":
+            g1, g2 = torch.ones(e), torch.ones(e)
     else:
         w1 = torch.zeros(e, 2 * i, h, dtype=torch.float8_e4m3fn)
         w2 = torch.zeros(e, h, i, dtype=torch.float8_e4m3fn)
@@ -252,7 +301,7 @@ def _good(mode="none", **changes):
     kwargs = dict(hidden=torch.zeros(t, h, dtype=torch.bfloat16), w1=w1, w2=w2,
                   topk_weights=torch.ones(t, k), topk_ids=torch.zeros(t, k, dtype=torch.int32),
                   activation="silu", expert_map=None, apply_router_weight_on_input=False,
-                  quantization=mode, w1_scale=s1, w2_scale=s2)
+                  quantization=mode, w1_scale=s1, w2_scale=s2, w1_global_scale=g1, w2_global_scale=g2)
     kwargs.update(changes)
     return kwargs
 
@@ -287,7 +336,7 @@ BF16 = torch.bfloat16
         ("none", {"expert_map": torch.zeros(2, dtype=torch.int32)}, "expert_map", "E_global >= E = 3"),
         ("none", {"apply_router_weight_on_input": 1}, "apply_router_weight_on_input", "a bool"),
         ("none", {"apply_router_weight_on_input": True}, "apply_router_weight_on_input", "k = "),
-        ("none", {"quantization": "nvfp4"}, "quantization", "one of"),
+        ("none", {"quantization": "int4"}, "quantization", "one of"),
         ("none", {"w1_scale": torch.ones(3)}, "w1_scale", "None when quantization is 'none'"),
         ("none", {"w2_scale": torch.ones(3)}, "w2_scale", "None when quantization is 'none'"),
         ("fp8_per_tensor", {"w1": torch.zeros(3, 256, 256, dtype=BF16)}, "w1", "float8"),
@@ -300,6 +349,20 @@ BF16 = torch.bfloat16
         ("fp8_block", {"w2_scale": torch.ones(3, 1, 2)}, "w2_scale", "shape (3, 2, 1)"),
         ("fp8_block", {"w2_scale": torch.ones(3)}, "w2_scale", "3-d tensor"),
         ("fp8_block", {"w1_scale": torch.ones(3, 2, 2, device="meta")}, "w1_scale", "on cpu"),
+        ("mxfp4", {"hidden": torch.zeros(4, 240, dtype=BF16)}, "hidden", "a multiple of 32"),
+        ("mxfp4", {"w1": torch.zeros(3, 256, 256, dtype=torch.uint8)}, "w1", "(E >= 1, 2I >= 2 even, 128)"),
+        ("mxfp4", {"w1": torch.zeros(3, 256, 128, dtype=torch.float8_e4m3fn)}, "w1", "uint8"),
+        ("mxfp4", {"w1": torch.zeros(3, 272, 128, dtype=torch.uint8)}, "w1", "I a multiple of 32"),
+        ("mxfp4", {"w2": torch.zeros(3, 256, 128, dtype=torch.uint8)}, "w2", "shape (3, 256, 64)"),
+        ("mxfp4", {"w1_scale": torch.zeros(3, 256, 8)}, "w1_scale", "uint8"),
+        ("mxfp4", {"w1_scale": torch.zeros(3, 256, 4, dtype=torch.uint8)}, "w1_scale", "shape (3, 256, 8)"),
+        ("mxfp4", {"w2_scale": None}, "w2_scale", "[E, H, I/32]"),
+        ("mxfp4", {"w1_global_scale": torch.ones(3)}, "w1_global_scale", "None when quantization is 'mxfp4'"),
+        ("nvfp4", {"w2_scale": torch.zeros(3, 256, 8, dtype=torch.uint8)}, "w2_scale", "float8_e4m3fn"),
+        ("nvfp4", {"w1_scale": torch.zeros(3, 256, 8, dtype=torch.float8_e4m3fn)}, "w1_scale", "shape (3, 256, 16)"),
+        ("nvfp4", {"w1_global_scale": None}, "w1_global_scale", "one gs per expert"),
+        ("nvfp4", {"w2_global_scale": torch.ones(3, 1)}, "w2_global_scale", "1-d tensor"),
+        ("nvfp4", {"w2_global_scale": torch.ones(3, dtype=torch.float64)}, "w2_global_scale", "float32"),
     ],
 )
 def test_bad_input_names_the_argument(mode, changes, argument, fragment):

@@ -20,8 +20,8 @@ from kernelmux.specs import fused_moe as spec
 HOPPER = simulate("sm_90")
 ON_HOPPER = DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 needs_sm90 = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm_90 GPU: runs in the GPU suite (perf/run_gpu.sh)")
-# The fp8 cases say so in their names (building them all to read `quantization` takes seconds).
-UNQUANTIZED = [c.name for c in spec.SPEC.cases if "fp8" not in c.name]
+# The quantized cases say so in their names (building them all to read `quantization` takes seconds).
+UNQUANTIZED = [c.name for c in spec.SPEC.cases if "fp8" not in c.name and "fp4" not in c.name]
 
 
 def _build(make, seed: int = 0, device: str = "cpu") -> dict:
@@ -52,13 +52,14 @@ def _misaligned_w1(kwargs: dict) -> dict:
 @pytest.mark.parametrize("make, change, reason", [
     (spec._maker(6, 8, 2, 96, 64, quantization="fp8_per_tensor"), None, "unquantized weights only"),
     (spec._maker(6, 6, 2, 256, 128, quantization="fp8_block"), None, "unquantized weights only"),
+    (spec._maker(6, 6, 2, 64, 64, quantization="mxfp4"), None, "unquantized weights only"),
     (spec._maker(5, 6, 3, 64, 32, dtype=torch.float16), None, "bf16 only, got torch.float16"),
     (spec._maker(5, 6, 2, 60, 32), None, "H and I multiples of 8 only"),
     (spec._maker(5, 6, 2, 64, 36), None, "H and I multiples of 8 only"),
     (spec._maker(5, 6, 2, 64, 32), _misaligned_w1, "w1 needs a unit stride along its rows and 16-byte aligned"),
     (spec._maker(5, 6, 2, 64, 32), lambda kw: dict(kw, w2=kw["w2"].transpose(1, 2).contiguous().transpose(1, 2)),
      "w2 needs a unit stride"),
-], ids=["fp8_per_tensor", "fp8_block", "fp16", "h_60", "i_36", "w1_misaligned", "w2_column_major"])
+], ids=["fp8_per_tensor", "fp8_block", "mxfp4", "fp16", "h_60", "i_36", "w1_misaligned", "w2_column_major"])
 def test_declines_by_name(make, change, reason):
     kwargs = _build(make)
     if change is not None:
