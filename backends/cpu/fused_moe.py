@@ -1,6 +1,6 @@
 """The cpu backend's fused_moe: the (token, expert) pairs grouped per expert on the host, each used
 expert's weights read once (a GEMM in their own dtype for a few rows, else converted to fp32 a chunk
-at a time, fp8 codes dequantized exactly), one activation pass and one weighted index_add_."""
+at a time, fp8 and fp4 codes dequantized exactly), one activation pass and one weighted index_add_."""
 
 # Where the reference converts each used expert's whole matrices to fp32 (`w[e].float()`, a 2x
 # larger copy written to memory and read back, and for fp8 torch's one-element-at-a-time cast):
@@ -12,6 +12,9 @@ at a time, fp8 codes dequantized exactly), one activation pass and one weighted 
 #   reference's dequantized values, bit for bit) and multiplied there by fp32 GEMMs, so the fp32
 #   copy stays in cache. Weights of at most _CHUNK_ELEMENTS in all are converted once for every
 #   expert: small layers are bound by the number of torch calls, not by bytes.
+# - fp4 (W4A16): packed codes decoded a chunk of rows at a time through a byte -> (low, high) value
+#   table (one lookup per two elements, where the reference indexes every element), times the block
+#   scales in the reference's order of operations: its dequantized values, bit for bit.
 # Activations are quantized by the spec's own helper over the same rows as the reference (the
 # whole [T, H] input; the intermediate's local pairs only, as the reference's off-rank rows are
 # zeros and change neither a per-tensor amax nor any 1 x 128 group).
@@ -24,6 +27,8 @@ import torch
 
 from kernelmux.backends.cpu._fp8 import ROUTE_SCALES, fp8_as_half
 from kernelmux.specs import fused_moe as spec
+from kernelmux.specs.fp4_mm import BLOCKS as FP4_BLOCKS, E2M1_TABLE
+from kernelmux.specs.quantize_mxfp4 import e8m0_to_float
 
 __all__ = ["fused_moe"]
 
@@ -43,6 +48,8 @@ _BLOCK = spec.BLOCK
 # CPU sgemm takes 263 / 377 / 263 / 508 / 308 us at M = 2 / 3 / 4 / 8 / 16 for a 256 x 4096 chunk
 # (M = 1 is a GEMV, 136 us), perf/decisions/fused_moe.md.
 _PADDED_ROWS = (4, 16)
+# fp4: a packed byte's two values (element 2j in the low nibble), fp32 [256, 2].
+_FP4_PAIRS = torch.tensor([[E2M1_TABLE[b & 15], E2M1_TABLE[b >> 4]] for b in range(256)], dtype=torch.float32)
 
 
 def fused_moe(
@@ -57,6 +64,8 @@ def fused_moe(
     quantization: str = "none",
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    w1_global_scale: Optional[torch.Tensor] = None,
+    w2_global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The spec's fused_moe on CPU tensors; arguments are validated by the caller."""
     num_tokens, hidden_size = hidden.shape
@@ -93,7 +102,7 @@ def fused_moe(
     # at most, as any rounded product).
     direct = hidden[tokens] if quantization == "none" else None
     gate_up = _expert_gemms(spec._quantize_activations(x, quantization, fp8_name)[tokens], direct,
-                            w1, w1_scale, quantization, spans)
+                            w1, w1_scale, quantization, spans, w1_global_scale)
     if direct is not None and apply_router_weight_on_input:
         for _, span in spans:
             if span.stop - span.start <= _DIRECT_MAX_ROWS:
@@ -104,7 +113,8 @@ def fused_moe(
     gated = torch.nn.functional.silu(gate) if activation == "silu" else torch.nn.functional.gelu(gate)
     inter = gated.mul_(up).to(dtype)
     a2 = spec._quantize_activations(inter.float(), quantization, fp8_name)
-    down = _expert_gemms(a2, inter if quantization == "none" else None, w2, w2_scale, quantization, spans)
+    down = _expert_gemms(a2, inter if quantization == "none" else None, w2, w2_scale, quantization, spans,
+                         w2_global_scale)
     if not apply_router_weight_on_input:
         down.mul_(weights.unsqueeze(1))
     out.index_add_(0, tokens, down)
@@ -113,15 +123,19 @@ def fused_moe(
 
 def _expert_gemms(a: torch.Tensor, a_half: Optional[torch.Tensor], w: torch.Tensor,
                   scale: Optional[torch.Tensor], quantization: str,
-                  spans: list[tuple[int, slice]]) -> torch.Tensor:
+                  spans: list[tuple[int, slice]], global_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[P, N]`` fp32: each span's rows of ``a [P, K]`` (fp32) times the transpose of its expert's
-    matrix of ``w [E, N, K]``, dequantized. ``a_half`` (quantization "none": the same rows in the
-    weights' dtype) serves the spans of at most _DIRECT_MAX_ROWS rows, through a GEMM in that dtype."""
+    matrix of ``w [E, N, K]`` (fp4: ``[E, N, K/2]`` packed), dequantized. ``a_half`` (quantization
+    "none": the same rows in the weights' dtype) serves the spans of at most _DIRECT_MAX_ROWS rows,
+    through a GEMM in that dtype."""
     _, rows, cols = w.shape
     result = torch.empty((a.shape[0], rows), dtype=torch.float32)
     whole = None  # every expert dequantized at once, when w is that small
     for expert, span in spans:
-        if a_half is not None and span.stop - span.start <= _DIRECT_MAX_ROWS:
+        if quantization in FP4_BLOCKS:
+            gs = global_scale[expert] if global_scale is not None else None
+            result[span] = _fp4_gemm(a[span], w[expert], scale[expert], gs, quantization)
+        elif a_half is not None and span.stop - span.start <= _DIRECT_MAX_ROWS:
             result[span] = torch.mm(a_half[span], w[expert].T)
         elif w.numel() <= _CHUNK_ELEMENTS:
             if whole is None:
@@ -175,6 +189,28 @@ def _chunked_gemm(a: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor
                                   buffer, scratch)
         torch.mm(dequantized, a.T, out=result[first:first + count])
     return result[:, :tokens].T
+
+
+def _fp4_gemm(a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, global_scale: Optional[torch.Tensor],
+              quantization: str) -> torch.Tensor:
+    """``a [M, K]`` fp32 @ ``W.T`` -> ``[M, N]`` fp32, where ``W`` is one expert's packed fp4 ``codes
+    [N, K/2]`` with block ``scale [N, K/block]`` (and NVFP4's ``global_scale``), decoded to fp32
+    _CHUNK_ELEMENTS at a time as the reference's dequantize_fp4 computes them."""
+    rows, half = codes.shape
+    cols, block = 2 * half, FP4_BLOCKS[quantization]
+    step = max(1, min(rows, _CHUNK_ELEMENTS // cols))
+    result = torch.empty((rows, a.shape[0]), dtype=torch.float32)  # transposed: chunks are rows
+    for first in range(0, rows, step):
+        chunk = codes[first:first + step]
+        count = chunk.shape[0]
+        values = _FP4_PAIRS.index_select(0, chunk.reshape(-1).int()).view(count, cols // block, block)
+        block_scale = scale[first:first + step]
+        if quantization == "mxfp4":
+            values.mul_(e8m0_to_float(block_scale).unsqueeze(-1))
+        else:  # (e2m1 * sf) / gs, the reference's order
+            values.mul_(block_scale.float().unsqueeze(-1)).div_(global_scale.float())
+        torch.mm(values.view(count, cols), a.T, out=result[first:first + count])
+    return result.T
 
 
 def _dequantize(codes: torch.Tensor, row_scales: Optional[torch.Tensor], buffer: torch.Tensor,

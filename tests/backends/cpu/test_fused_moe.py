@@ -1,6 +1,6 @@
 """The cpu backend's fused_moe against the spec's reference: every named case on seeds of its own,
 drawn shapes with both matmul routes forced and the conversion chunk shrunk, inputs of any strides,
-empty and all-off-rank batches, and the fp8 dequantization bit for bit. The named cases also run in
+empty and all-off-rank batches, and the fp8 and fp4 dequantization bit for bit. The named cases also run in
 tests/backends/test_conformance.py."""
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def _strided(kwargs: dict) -> dict:
         doubled = torch.full((2 * kwargs["expert_map"].numel(),), 1 << 20, dtype=torch.int32)
         doubled[::2] = kwargs["expert_map"]
         out["expert_map"] = doubled[::2]
-    for name in ("w1_scale", "w2_scale"):
-        if kwargs[name] is not None:
+    for name in ("w1_scale", "w2_scale", "w1_global_scale", "w2_global_scale"):
+        if kwargs.get(name) is not None:
             out[name] = _column_major(kwargs[name]) if kwargs[name].dim() == 3 else _every_other_expert(
                 kwargs[name].view(-1, 1, 1)).view(-1)
     return out
@@ -112,7 +112,8 @@ def _strided(kwargs: dict) -> dict:
 
 STRIDED_CASES = ["small_silu", "small_gelu_fp16", "expert_map_with_holes", "top1_weight_on_input",
                  "small_fp8_per_tensor", "expert_map_holes_fp8_per_tensor", "small_fp8_block",
-                 "small_fp8_block_fnuz_gelu", "fp8_block_h_i_not_multiple_of_128"]
+                 "small_fp8_block_fnuz_gelu", "fp8_block_h_i_not_multiple_of_128", "small_mxfp4",
+                 "small_nvfp4_gelu_fp16"]
 
 
 @pytest.mark.parametrize("route", ["default", "chunked"])
@@ -221,6 +222,41 @@ def test_dequantized_weights_are_the_references_bit_for_bit(fp8_name, quantizati
     for expert in range(3):
         want = spec._dequantize_weight(codes, scales, expert, quantization)
         assert torch.equal(every[expert], want), expert
+
+
+# fp4: the chunked decode against an identity input returns each expert's W, which must equal the
+# reference's bit for bit, for every byte and every finite scale code: e8m0 0 (2^-127) to 252 (253 and
+# 254 overflow 6 x 2^k to inf, and 0 x inf in the identity product is NaN), e4m3fn subnormals,
+# negatives and 448, with chunks of one row and of many. A NaN scale (e8m0 0xFF) makes its row NaN.
+
+@pytest.mark.parametrize("quantization", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("chunk", [1, impl._CHUNK_ELEMENTS])
+def test_fp4_weights_decode_to_the_references_bit_for_bit(quantization, chunk):
+    generator = torch.Generator().manual_seed(11)
+    experts, rows, cols = 2, 256, 128
+    block = spec.FP4_BLOCKS[quantization]
+    codes = torch.arange(experts * rows * cols // 2, dtype=torch.int32).remainder(256).to(torch.uint8)
+    codes = codes.view(experts, rows, cols // 2)  # every byte, many times
+    scale_codes = torch.randint(0, 253, (experts, rows, cols // block), generator=generator, dtype=torch.uint8)
+    if quantization == "mxfp4":
+        scale_codes.view(-1)[:253] = torch.arange(253, dtype=torch.int32).to(torch.uint8)
+        scales, global_scale = scale_codes, None
+    else:  # e4m3fn codes without NaN (0x7F, 0xFF): subnormals, negatives and the largest included
+        nan = (scale_codes & 0x7F) == 0x7F
+        scales = torch.where(nan, scale_codes - 1, scale_codes).view(torch.float8_e4m3fn)
+        global_scale = torch.rand(experts, generator=generator) * 1000 + 1
+    eye = torch.eye(cols)
+    for expert in range(experts):
+        with mock.patch.object(impl, "_CHUNK_ELEMENTS", chunk):
+            got = impl._fp4_gemm(eye, codes[expert], scales[expert],
+                                 global_scale[expert] if global_scale is not None else None, quantization).T
+        want = spec._dequantize_weight(codes, scales, expert, quantization, global_scale)
+        assert torch.equal(got, want), expert  # x * 1 + 0 keeps every value
+    if quantization == "mxfp4":
+        scales = scales.clone()
+        scales[0, 5, 1] = 0xFF
+        got = impl._fp4_gemm(torch.eye(cols), codes[0], scales[0], None, quantization).T
+        assert got[5].isnan().all() and not got[torch.arange(rows) != 5].isnan().any()
 
 
 def test_dispatch_chooses_cpu_for_cpu_tensors():
