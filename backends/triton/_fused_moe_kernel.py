@@ -2,8 +2,8 @@
 one program: every (token, slot) pair placed in its local expert's run of rows, each run padded to
 whole BLOCK_M blocks, all on the device), fp8_block's input quantization, the two grouped GEMMs over
 those blocks (gate-up with the gated activation in its epilogue, down with the router weight and
-either the top-k sum in fp32 atomics or a per-pair store), and the per-pair rows' sum. Host side:
-fused_moe.py."""
+either the top-k sum in fp32 atomics or a per-pair store; fp4 weights dequantized in their mainloops),
+and the per-pair rows' sum. Host side: fused_moe.py."""
 
 import torch
 import triton
@@ -12,10 +12,14 @@ import triton.language as tl
 from kernelmux.backends.triton._fp8_kernel import FP8_MAX, e4m3fn_codes
 
 # Quantization modes (constexpr QUANT): weights in the hidden dtype, fp8 with one scale per expert and
-# one dynamic activation scale per tensor, fp8 with 128 x 128 weight blocks and 1 x 128 activation groups.
+# one dynamic activation scale per tensor, fp8 with 128 x 128 weight blocks and 1 x 128 activation groups,
+# and W4A16: packed e2m1 weights with e8m0 scales per 32 (MXFP4), or e4m3 scales per 16 and a global
+# scale per expert (NVFP4), multiplied in the hidden dtype.
 NONE = tl.constexpr(0)
 PER_TENSOR = tl.constexpr(1)
 BLOCKWISE = tl.constexpr(2)
+MXFP4 = tl.constexpr(3)
+NVFP4 = tl.constexpr(4)
 # Where the down kernel's per-pair results go (constexpr REDUCE): stored in the output (top-1), added
 # into an fp32 output, or stored per pair for moe_sum_kernel.
 STORE = tl.constexpr(0)  # the host's TOP1_STORE
@@ -182,6 +186,57 @@ def _quantize_groups(a, NATIVE_FP8: tl.constexpr):
 
 
 @triton.jit
+def _e2m1(codes):
+    """int32 e2m1 codes 0..15 -> fp32 values {0, 0.5, 1, 1.5, 2, 3, 4, 6} and their negatives (8: -0.0),
+    exactly, in five integer operations and a conversion: code bits s e1 e0 m placed as fp16's sign, two
+    low exponent bits and first mantissa bit are the value times 2^-14, subnormal 0.5 included (the
+    fp16 -> fp32 conversion keeps fp16 subnormals; fp32 subnormals might be flushed)."""
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _fp4_scales(codes, QUANT: tl.constexpr):
+    """Block scale codes (uint8; NVFP4's e4m3fn bits) -> fp32, exactly: e8m0 2^(code - 127) (0: 2^-127,
+    0xFF: NaN); e4m3fn 2^(e - 7) (1 + m / 8), subnormal m 2^-9, 0x7F NaN, the sign bit kept."""
+    c = codes.to(tl.int32)
+    if QUANT == MXFP4:
+        scale = tl.where(c == 0, 1 << 22, c << 23).to(tl.float32, bitcast=True)
+        return tl.where(c == 255, float("nan"), scale)
+    exponent = (c >> 3) & 15
+    mantissa = c & 7
+    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # 2^-9
+    value = tl.where((c & 0x7F) == 0x7F, float("nan"), value)
+    return tl.where(c >= 128, -value, value)
+
+
+@triton.jit
+def _fp4_dot(a, acc, w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT: tl.constexpr,
+             SCALED_DOT: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a @ W for a k-step of fp4 weights: rows ``w_rows`` [BLOCK_N, 1] of packed e2m1 bytes (element
+    2j in the low nibble) at k0..k0+BLOCK_K and their block scales (rows ``s_rows``); NVFP4's global scale
+    is left to the caller. SCALED_DOT (MXFP4 with bf16 activations): tl.dot_scaled, whose upcast to bf16
+    is the compiler's; else the weights are decoded here, times their scales (exact:
+    e2m1 times a power of two or an e4m3 value fits bf16 and fp16), into DOT for tl.dot."""
+    FP4_BLOCK: tl.constexpr = 32 if QUANT == MXFP4 else 16
+    tl.static_assert(BLOCK_K % FP4_BLOCK == 0)
+    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_rows + byte[None, :] * stride_wk, mask=n_ok[:, None] & (byte < size_k // 2)[None, :],
+                     other=0)
+    block = k0 // FP4_BLOCK + tl.arange(0, BLOCK_K // FP4_BLOCK)
+    scale_codes = tl.load(s_rows + block[None, :] * stride_sk,
+                          mask=n_ok[:, None] & (block < size_k // FP4_BLOCK)[None, :], other=0)
+    if SCALED_DOT:
+        return tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale_codes, "e2m1", acc)
+    packed = packed.to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_N, BLOCK_K))  # k = 2j low, 2j + 1 high
+    values = tl.reshape(_e2m1(codes), (BLOCK_N, BLOCK_K // FP4_BLOCK, FP4_BLOCK))
+    values = values * _fp4_scales(scale_codes, QUANT)[:, :, None]
+    return tl.dot(a.to(DOT), tl.trans(tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DOT)), acc)
+
+
+@triton.jit
 def moe_quantize_kernel(x_ptr, weights_ptr, codes_ptr, scales_ptr, hidden_size,
                         stride_xm, stride_xk, stride_tw_t, stride_cm, stride_sm,
                         ON_INPUT: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUPS: tl.constexpr):
@@ -201,19 +256,22 @@ def moe_quantize_kernel(x_ptr, weights_ptr, codes_ptr, scales_ptr, hidden_size,
 
 @triton.jit
 def moe_gate_up_kernel(
-    x_ptr, w1_ptr, w1_scale_ptr, x_scale_ptr, weights_ptr, inter_ptr, inter_scale_ptr, amax_ptr,
+    x_ptr, w1_ptr, w1_scale_ptr, w1_global_ptr, x_scale_ptr, weights_ptr, inter_ptr, inter_scale_ptr, amax_ptr,
     sorted_ptr, block_expert_ptr, starts_ptr, counts_ptr, total_ptr,
     hidden_size, inter_size, max_blocks,
-    stride_xm, stride_xk, stride_xs, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_xm, stride_xk, stride_xs, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ge,
     stride_tw_t, stride_tw_k, stride_im, stride_is,
     TOPK: tl.constexpr, ON_INPUT: tl.constexpr, GELU: tl.constexpr, QUANT: tl.constexpr, HIDDEN: tl.constexpr,
-    NATIVE_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, SCALED_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """inter[row, n] = act(x W1_gate^T)[n] * (x W1_up^T)[n] for a block's rows and a tile of n, in the
     hidden dtype HIDDEN (fp32 accumulation; gate and up rounded to it first, as the spec's dataflow).
     BLOCKWISE reads x as moe_quantize_kernel's codes and row scales (stride_xs), and stores the
-    intermediate as 1 x 128 fp8 groups (BLOCK_N == 128: a tile is one group) with their scales."""
+    intermediate as 1 x 128 fp8 groups (BLOCK_N == 128: a tile is one group) with their scales. MXFP4 and
+    NVFP4 read w1 as packed codes (stride_wk per byte) with [E, 2I, H / block] scales and multiply in the
+    hidden dtype (SCALED_DOT: MXFP4 by tl.dot_scaled); NVFP4 divides by the expert's global scale after
+    the sum."""
     block_m, tile_n = _tile(max_blocks, inter_size, BLOCK_N, GROUP_M)
     if block_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -233,44 +291,62 @@ def moe_gate_up_kernel(
         tl.static_assert(BLOCK_K == GROUP and BLOCK_N == GROUP)
         x_scale_rows = x_scale_ptr + token * stride_xs
         scale_cols = w1_scale_ptr + expert.to(tl.int64) * stride_se
+    if QUANT == MXFP4 or QUANT == NVFP4:  # [BLOCK_N, 1] rows of codes and of block scales
+        gate_rows = w1_ptr + expert.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn
+        up_rows = gate_rows + inter_size * stride_wn
+        gate_scales = w1_scale_ptr + expert.to(tl.int64) * stride_se + n[:, None].to(tl.int64) * stride_sn
+        up_scales = gate_scales + inter_size * stride_sn
+        DOT: tl.constexpr = tl.float32 if INTERPRETED else HIDDEN
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
         k_ok = k0 + k < hidden_size
         a = tl.load(x_rows + (k0 + k)[None, :] * stride_xk, mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b_mask = k_ok[:, None] & n_ok[None, :]
-        b_gate = tl.load(w_gate + (k0 + k)[:, None] * stride_wk, mask=b_mask, other=0.0)
-        b_up = tl.load(w_up + (k0 + k)[:, None] * stride_wk, mask=b_mask, other=0.0)
-        if QUANT == NONE:
+        if QUANT == MXFP4 or QUANT == NVFP4:
             if ON_INPUT:
                 a = _round(a.to(tl.float32) * router[:, None], HIDDEN, INTERPRETED)
-            if INTERPRETED:
-                a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
-            gate = tl.dot(a, b_gate, gate)
-            up = tl.dot(a, b_up, up)
-        elif QUANT == BLOCKWISE:  # one activation group and one weight block column per step
-            a_scale = tl.load(x_scale_rows + k0 // GROUP, mask=valid, other=0.0)
-            scale_col = scale_cols + (k0 // GROUP) * stride_sk
-            # Per row: a block of 128 rows of w1 may straddle gate and up when I % 128 != 0.
-            s_gate = tl.load(scale_col + (n // GROUP) * stride_sn, mask=n_ok, other=0.0)
-            s_up = tl.load(scale_col + ((inter_size + n) // GROUP) * stride_sn, mask=n_ok, other=0.0)
-            if INTERPRETED:
-                a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
-            gate += tl.dot(a, b_gate) * (a_scale[:, None] * s_gate[None, :])
-            up += tl.dot(a, b_up) * (a_scale[:, None] * s_up[None, :])
+            gate = _fp4_dot(a, gate, gate_rows, gate_scales, n_ok, k0, hidden_size, stride_wk, stride_sk, QUANT,
+                            SCALED_DOT, DOT, BLOCK_N, BLOCK_K)
+            up = _fp4_dot(a, up, up_rows, up_scales, n_ok, k0, hidden_size, stride_wk, stride_sk, QUANT,
+                          SCALED_DOT, DOT, BLOCK_N, BLOCK_K)
         else:
-            a = a.to(tl.float32)
-            if ON_INPUT:
-                a = a * router[:, None]
-            codes = _fp8(tl.math.div_rn(a, tl.broadcast_to(x_scale, a.shape)), NATIVE_FP8)
-            if INTERPRETED:
-                codes, b_gate, b_up = codes.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
-            gate = tl.dot(codes, b_gate, gate)
-            up = tl.dot(codes, b_up, up)
+            b_mask = k_ok[:, None] & n_ok[None, :]
+            b_gate = tl.load(w_gate + (k0 + k)[:, None] * stride_wk, mask=b_mask, other=0.0)
+            b_up = tl.load(w_up + (k0 + k)[:, None] * stride_wk, mask=b_mask, other=0.0)
+            if QUANT == NONE:
+                if ON_INPUT:
+                    a = _round(a.to(tl.float32) * router[:, None], HIDDEN, INTERPRETED)
+                if INTERPRETED:
+                    a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
+                gate = tl.dot(a, b_gate, gate)
+                up = tl.dot(a, b_up, up)
+            elif QUANT == BLOCKWISE:  # one activation group and one weight block column per step
+                a_scale = tl.load(x_scale_rows + k0 // GROUP, mask=valid, other=0.0)
+                scale_col = scale_cols + (k0 // GROUP) * stride_sk
+                # Per row: a block of 128 rows of w1 may straddle gate and up when I % 128 != 0.
+                s_gate = tl.load(scale_col + (n // GROUP) * stride_sn, mask=n_ok, other=0.0)
+                s_up = tl.load(scale_col + ((inter_size + n) // GROUP) * stride_sn, mask=n_ok, other=0.0)
+                if INTERPRETED:
+                    a, b_gate, b_up = a.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
+                gate += tl.dot(a, b_gate) * (a_scale[:, None] * s_gate[None, :])
+                up += tl.dot(a, b_up) * (a_scale[:, None] * s_up[None, :])
+            else:
+                a = a.to(tl.float32)
+                if ON_INPUT:
+                    a = a * router[:, None]
+                codes = _fp8(tl.math.div_rn(a, tl.broadcast_to(x_scale, a.shape)), NATIVE_FP8)
+                if INTERPRETED:
+                    codes, b_gate, b_up = codes.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
+                gate = tl.dot(codes, b_gate, gate)
+                up = tl.dot(codes, b_up, up)
     if QUANT == PER_TENSOR:
         w_scale = tl.load(w1_scale_ptr + expert * stride_se)
         gate = gate * (x_scale * w_scale)
         up = up * (x_scale * w_scale)
+    if QUANT == NVFP4:  # W = e2m1 sf / gs: the expert's gs divides the sum
+        global_scale = tl.load(w1_global_ptr + expert * stride_ge)
+        gate = tl.math.div_rn(gate, tl.broadcast_to(global_scale, gate.shape))
+        up = tl.math.div_rn(up, tl.broadcast_to(global_scale, up.shape))
     gate = _round(gate, HIDDEN, INTERPRETED).to(tl.float32)
     up = _round(up, HIDDEN, INTERPRETED).to(tl.float32)
     if GELU:
@@ -292,18 +368,19 @@ def moe_gate_up_kernel(
 
 @triton.jit
 def moe_down_kernel(
-    inter_ptr, inter_scale_ptr, w2_ptr, w2_scale_ptr, amax_ptr, weights_ptr, out_ptr,
+    inter_ptr, inter_scale_ptr, w2_ptr, w2_scale_ptr, w2_global_ptr, amax_ptr, weights_ptr, out_ptr,
     sorted_ptr, block_expert_ptr, starts_ptr, counts_ptr, total_ptr,
     hidden_size, inter_size, max_blocks,
-    stride_im, stride_is, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_im, stride_is, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ge,
     stride_tw_t, stride_tw_k, stride_om,
     TOPK: tl.constexpr, ON_INPUT: tl.constexpr, QUANT: tl.constexpr, REDUCE: tl.constexpr,
-    NATIVE_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, SCALED_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """w[token, slot] * (inter[row] W2^T)[n] for a block's rows and a tile of n, to out per REDUCE:
     stored in out[token] (top-1), added into an fp32 out[token] (ATOMIC), or stored in the hidden
-    dtype in out[pair] of a [T * k, H] buffer that moe_sum_kernel reduces (PAIRS)."""
+    dtype in out[pair] of a [T * k, H] buffer that moe_sum_kernel reduces (PAIRS). MXFP4 and NVFP4 read
+    w2 as gate-up reads w1."""
     block_m, tile_n = _tile(max_blocks, hidden_size, BLOCK_N, GROUP_M)
     if block_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -319,28 +396,38 @@ def moe_down_kernel(
         tl.static_assert(BLOCK_K == GROUP)
         a_scale_rows = inter_scale_ptr + row.to(tl.int64) * stride_is
         w_scale_rows = w2_scale_ptr + expert.to(tl.int64) * stride_se + (n // GROUP) * stride_sn
+    if QUANT == MXFP4 or QUANT == NVFP4:
+        code_rows = w2_ptr + expert.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn
+        scale_rows = w2_scale_ptr + expert.to(tl.int64) * stride_se + n[:, None].to(tl.int64) * stride_sn
+        DOT: tl.constexpr = tl.float32 if INTERPRETED else inter_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter_size, BLOCK_K):
         k_ok = k0 + k < inter_size
         a = tl.load(a_rows + (k0 + k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_rows + (k0 + k)[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if QUANT == NONE:
-            if INTERPRETED:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-        elif QUANT == BLOCKWISE:  # a: gate-up's codes of one 1 x 128 group
-            group_scale = tl.load(a_scale_rows + k0 // GROUP, mask=valid, other=0.0)
-            s_w = tl.load(w_scale_rows + (k0 // GROUP) * stride_sk, mask=n_ok, other=0.0)
-            if INTERPRETED:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc += tl.dot(a, b) * (group_scale[:, None] * s_w[None, :])
+        if QUANT == MXFP4 or QUANT == NVFP4:
+            acc = _fp4_dot(a, acc, code_rows, scale_rows, n_ok, k0, inter_size, stride_wk, stride_sk, QUANT,
+                           SCALED_DOT, DOT, BLOCK_N, BLOCK_K)
         else:
-            codes = _fp8(tl.math.div_rn(a.to(tl.float32), tl.broadcast_to(a_scale, a.shape)), NATIVE_FP8)
-            if INTERPRETED:
-                codes, b = codes.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(codes, b, acc)
+            b = tl.load(w_rows + (k0 + k)[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if QUANT == NONE:
+                if INTERPRETED:
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                acc = tl.dot(a, b, acc)
+            elif QUANT == BLOCKWISE:  # a: gate-up's codes of one 1 x 128 group
+                group_scale = tl.load(a_scale_rows + k0 // GROUP, mask=valid, other=0.0)
+                s_w = tl.load(w_scale_rows + (k0 // GROUP) * stride_sk, mask=n_ok, other=0.0)
+                if INTERPRETED:
+                    a, b = a.to(tl.float32), b.to(tl.float32)
+                acc += tl.dot(a, b) * (group_scale[:, None] * s_w[None, :])
+            else:
+                codes = _fp8(tl.math.div_rn(a.to(tl.float32), tl.broadcast_to(a_scale, a.shape)), NATIVE_FP8)
+                if INTERPRETED:
+                    codes, b = codes.to(tl.float32), b.to(tl.float32)
+                acc = tl.dot(codes, b, acc)
     if QUANT == PER_TENSOR:
         acc = acc * (a_scale * tl.load(w2_scale_ptr + expert * stride_se))
+    if QUANT == NVFP4:
+        acc = tl.math.div_rn(acc, tl.broadcast_to(tl.load(w2_global_ptr + expert * stride_ge), acc.shape))
     token = (pair // TOPK).to(tl.int64)
     if not ON_INPUT:
         router = tl.load(weights_ptr + token * stride_tw_t + (pair % TOPK) * stride_tw_k, mask=valid, other=0.0)

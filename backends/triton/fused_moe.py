@@ -24,7 +24,7 @@ __all__ = ["GemmConfig", "LaunchConfig", "MAX_EXPERTS", "describe", "fused_moe",
 # The layout kernel holds every local expert's count in one program's registers.
 MAX_EXPERTS = 1024
 FP8_MAX = 448.0  # e4m3fn
-QUANT_MODES = {"none": 0, "fp8_per_tensor": 1, "fp8_block": 2}  # _fused_moe_kernel's QUANT
+QUANT_MODES = {"none": 0, "fp8_per_tensor": 1, "fp8_block": 2, "mxfp4": 3, "nvfp4": 4}  # _fused_moe_kernel's QUANT
 PAIRS_PER_PROGRAM = 256  # the count and scatter kernels: one pair per lane
 # Up to this many pairs the routing layout is one program (moe_route_kernel) instead of a fill and three
 # launches: Qwen3 T 1 (8 pairs) 30.6 against 37.0 us, T 64 (512) 293.5 against 297.6
@@ -36,6 +36,10 @@ QUANTIZE_GROUPS = 8  # fp8_block input quantization: 1 x 128 groups per program
 SUM_BLOCK = 1024  # moe_sum_kernel: columns per program
 FP8_DOT_CAPABILITY = (8, 9)  # tl.dot on e4m3 operands: Ada and Hopper tensor cores
 FP8_DOT_MIN_K = 32  # tl.dot on e4m3 operands needs K >= 32 (Triton 3.6 on the H200)
+# MXFP4 weights with bf16 activations go through tl.dot_scaled (the compiler's e2m1 -> bf16 upcast: byte
+# permutes and packed multiplies) instead of the kernels' own decoding (fp16 and NVFP4 keep it): 2048
+# against 2520 SASS instructions for a decode gate-up tile, not yet timed (perf/decisions/fused_moe.md).
+MXFP4_SCALED_DOT = True
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,8 @@ _override: ScopedSetting[Optional[LaunchConfig]] = ScopedSetting("override_launc
 def override_launch_config(config: LaunchConfig) -> contextlib.AbstractContextManager[LaunchConfig]:
     """Use ``config`` for every call inside the block (sweeps, tests); restores the previous one.
     fp8 calls keep at least 32 as block_k (tl.dot on e4m3), fp8_block exactly 128 (one activation
-    group per step) and 128 as gate-up's block_n (its tile is one group of the intermediate)."""
+    group per step) and 128 as gate-up's block_n (its tile is one group of the intermediate); fp4 calls
+    at least their scale block (32 mxfp4, 16 nvfp4)."""
     return _override.override(config)
 
 
@@ -152,9 +157,10 @@ def launch_config(num_pairs: int, num_experts: int, quantization: str, device_na
     if quantization == "fp8_block":
         config = replace(config, gate_up=replace(config.gate_up, block_n=spec.BLOCK, block_k=spec.BLOCK),
                          down=replace(config.down, block_k=spec.BLOCK))
-    elif quantization != "none":
-        config = replace(config, gate_up=replace(config.gate_up, block_k=max(config.gate_up.block_k, FP8_DOT_MIN_K)),
-                         down=replace(config.down, block_k=max(config.down.block_k, FP8_DOT_MIN_K)))
+    elif quantization != "none":  # fp8: tl.dot on e4m3 needs K >= 32; fp4: a step holds whole scale blocks
+        least = spec.FP4_BLOCKS.get(quantization, FP8_DOT_MIN_K)
+        config = replace(config, gate_up=replace(config.gate_up, block_k=max(config.gate_up.block_k, least)),
+                         down=replace(config.down, block_k=max(config.down.block_k, least)))
     return config
 
 
@@ -189,7 +195,7 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     if key.weight_dtype == torch.float8_e4m3fnuz:
         return ("e4m3fnuz weights (gfx942's fp8): the kernels quantize and multiply in e4m3fn only "
                 "(the aiter backend serves gfx942)")
-    if (key.quantization != "none" and platform.kind == PlatformKind.CUDA
+    if (key.quantization.startswith("fp8") and platform.kind == PlatformKind.CUDA
             and platform.capability < FP8_DOT_CAPABILITY):
         return (f"{key.quantization} needs fp8 tensor cores (sm_89 or later) for tl.dot on e4m3, "
                 f"not {platform.arch}")
@@ -207,9 +213,9 @@ def _strides(t: Optional[torch.Tensor], rank: int) -> tuple[int, ...]:
     return tuple(t.stride()) if t is not None else (0,) * rank
 
 
-def _scale_strides(scale: Optional[torch.Tensor], blockwise: bool) -> tuple[int, int, int]:
-    """A weight scale's (expert, row block, column block) strides: [E, ., .] block scales, else [E] or none."""
-    return _strides(scale, 3) if blockwise else (*_strides(scale, 1), 0, 0)
+def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int, int]:
+    """A weight scale's (expert, row (block), column block) strides: [E, ., .] block scales, else [E] or none."""
+    return _strides(scale, 3) if scale is not None and scale.dim() == 3 else (*_strides(scale, 1), 0, 0)
 
 
 def fused_moe(
@@ -224,11 +230,14 @@ def fused_moe(
     quantization: str = "none",
     w1_scale: Optional[torch.Tensor] = None,
     w2_scale: Optional[torch.Tensor] = None,
+    w1_global_scale: Optional[torch.Tensor] = None,
+    w2_global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The spec's fused_moe: the routing layout (one launch up to ROUTE_ONE_PROGRAM_MAX_PAIRS pairs,
     else a fill and three), fp8_block's input quantization, gate-up, down, and for top-k > 1 the sum
     (config.reduce "pairs") or an fp32 fill before and a cast after ("atomic"); fp8_per_tensor adds
-    the input's amax. Arguments are validated by the caller."""
+    the input's amax. fp4 weights (W4A16) are dequantized in both GEMMs' mainloops: no other launch.
+    Arguments are validated by the caller."""
     num_tokens, hidden_size = hidden.shape
     dtype, device = hidden.dtype, hidden.device
     if num_tokens == 0:
@@ -244,6 +253,8 @@ def fused_moe(
     max_blocks = max_rows // block_m
     quant = QUANT_MODES[quantization]
     blockwise = quantization == "fp8_block"
+    if quantization == "nvfp4":  # the kernels decode e4m3 scales from their bits (no fp8 dtype needed)
+        w1_scale, w2_scale = w1_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     kernels = _kernels()
 
     index = torch.empty(3 * experts + 1 + max_blocks + max_rows, dtype=torch.int32, device=device)
@@ -283,8 +294,9 @@ def fused_moe(
         down_out = torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
     else:
         down_out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
+    scaled_dot = MXFP4_SCALED_DOT and quantization == "mxfp4" and dtype == torch.bfloat16
     shared = dict(TOPK=topk, ON_INPUT=apply_router_weight_on_input, QUANT=quant, NATIVE_FP8=native_fp8_cast(device),
-                  INTERPRETED=INTERPRETED, BLOCK_M=block_m)
+                  SCALED_DOT=scaled_dot, INTERPRETED=INTERPRETED, BLOCK_M=block_m)
     layout = (sorted_pairs, block_expert, starts, counts, total)
 
     with device_guard(device):
@@ -311,16 +323,20 @@ def fused_moe(
                 NATIVE_FP8=shared["NATIVE_FP8"], GROUPS=QUANTIZE_GROUPS)
         gemm = config.gate_up
         kernels.moe_gate_up_kernel[(max_blocks * -(-inter_size // gemm.block_n),)](
-            x, w1, w1_scale if w1_scale is not None else counts, x_scale, topk_weights, inter, inter_scale, amax,
-            *layout, hidden_size, inter_size, max_blocks, *x.stride(), x_scale_stride, *w1.stride(),
-            *_scale_strides(w1_scale, blockwise), *topk_weights.stride(), inter.stride(0), inter_scale.stride(0),
+            x, w1, w1_scale if w1_scale is not None else counts,
+            w1_global_scale if w1_global_scale is not None else counts, x_scale, topk_weights, inter, inter_scale,
+            amax, *layout, hidden_size, inter_size, max_blocks, *x.stride(), x_scale_stride, *w1.stride(),
+            *_scale_strides(w1_scale), *_strides(w1_global_scale, 1), *topk_weights.stride(), inter.stride(0),
+            inter_scale.stride(0),
             GELU=activation == "gelu", HIDDEN=kernels.HIDDEN_DTYPES[dtype], BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
             GROUP_M=gemm.group_m, num_warps=gemm.num_warps, num_stages=gemm.num_stages, **shared)
         gemm = config.down
         kernels.moe_down_kernel[(max_blocks * -(-hidden_size // gemm.block_n),)](
-            inter, inter_scale, w2, w2_scale if w2_scale is not None else counts, amax, topk_weights, down_out,
+            inter, inter_scale, w2, w2_scale if w2_scale is not None else counts,
+            w2_global_scale if w2_global_scale is not None else counts, amax, topk_weights, down_out,
             *layout, hidden_size, inter_size, max_blocks, inter.stride(0), inter_scale.stride(0), *w2.stride(),
-            *_scale_strides(w2_scale, blockwise), *topk_weights.stride(), down_out.stride(0), REDUCE=reduce,
+            *_scale_strides(w2_scale), *_strides(w2_global_scale, 1), *topk_weights.stride(), down_out.stride(0),
+            REDUCE=reduce,
             BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, num_warps=gemm.num_warps,
             num_stages=gemm.num_stages, **shared)
         if reduce == TOP1_STORE:

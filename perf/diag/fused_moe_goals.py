@@ -1,6 +1,7 @@
 """Issue 28's goal shapes for fused_moe at full model size (every expert on this GPU), built on the
 device: Mixtral-8x7B and Qwen3-30B-A3B in bf16 and DeepSeek-V3 with 128-block fp8 weights, at T = 1,
-64 and 4096. Each implementation that serves a shape (the triton backend's kernels; torch's
+64 and 4096, and gpt-oss-120b with MXFP4 weights (random codes and scales: the values do not change
+the time) at T = 1 and 64. Each implementation that serves a shape (the triton backend's kernels; torch's
 grouped_mm and DeepGEMM as peers) is timed by CUDA-graph replay over four routings (so decode reads
 cold experts, as a serving step does), after its output is checked: against the spec's reference
 where that is cheap (check_close), else against the peer (the largest difference relative to the
@@ -8,10 +9,12 @@ peer's largest output). Times are set against the copy bandwidth and matmul rate
 same run: "roofline" is the larger of the spec's FLOPs at the matmul rate and its bytes (the experts
 actually routed to) at the copy rate. --sweep also times the triton backend under each launch
 configuration of _sweep, checked the same way first; --kernels adds each kernel's device time (the
-profiler), --route-probe the triton call with its routing in three launches.
+profiler), --route-probe the triton call with its routing in three launches, --fp4-probe the MXFP4
+call with the kernels' own e2m1 decoding instead of tl.dot_scaled.
 
     python perf/diag/fused_moe_goals.py --out DIR [--models mixtral qwen3 deepseek] [--tokens 1 64 4096] [--sweep]
         [--impls triton torch deepgemm] [--configs BM/BN/BK/WARPS/STAGES[/REDUCE] ...] [--kernels] [--route-probe]
+        [--fp4-probe]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ MODELS = {  # E, top-k, H, I, quantization
     "mixtral": (8, 2, 4096, 14336, "none"),
     "qwen3": (128, 8, 2048, 768, "none"),
     "deepseek": (256, 8, 7168, 2048, "fp8_block"),
+    "gptoss": (128, 4, 2880, 2880, "mxfp4"),
 }
 ROUTINGS = 4
 # Checked with the spec's reference (its magnitude dequantizes every routed expert on the host) up
@@ -106,8 +110,19 @@ def _build(model: str, tokens: int, seed: int = 0) -> list[dict]:
         return torch.empty(experts, rows, cols, dtype=torch.bfloat16, device="cuda").uniform_(-bound, bound,
                                                                                               generator=gen)
 
-    w1, w2 = weights(2 * inter_size, hidden_size), weights(hidden_size, inter_size)
     w1_scale = w2_scale = None
+    if quantization == "mxfp4":  # any codes; scale codes 118..122 (2^-9..2^-5), a trained layer's range
+        def codes(rows: int, cols: int) -> torch.Tensor:
+            return torch.randint(0, 256, (experts, rows, cols // 2), dtype=torch.uint8, device="cuda", generator=gen)
+
+        def scales(rows: int, cols: int) -> torch.Tensor:
+            return torch.randint(118, 123, (experts, rows, cols // 32), dtype=torch.uint8, device="cuda",
+                                 generator=gen)
+
+        w1, w1_scale = codes(2 * inter_size, hidden_size), scales(2 * inter_size, hidden_size)
+        w2, w2_scale = codes(hidden_size, inter_size), scales(hidden_size, inter_size)
+    else:
+        w1, w2 = weights(2 * inter_size, hidden_size), weights(hidden_size, inter_size)
     if quantization == "fp8_block":
         pairs = [quantize_weight_blocks(m) for m in w1]
         w1, w1_scale = torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
@@ -132,7 +147,7 @@ def _peers(quantization: str) -> dict:
         from kernelmux.backends.torch import fused_moe as torch_moe
 
         impls["torch"] = torch_moe.fused_moe
-    else:
+    elif quantization == "fp8_block":
         try:
             import deep_gemm  # noqa: F401
 
@@ -199,6 +214,8 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="also profile each variant's kernels")
     parser.add_argument("--route-probe", action="store_true",
                         help="also time triton with the routing in three launches (the one-program bound at 0)")
+    parser.add_argument("--fp4-probe", action="store_true",
+                        help="also time triton's MXFP4 calls with its own decoding (MXFP4_SCALED_DOT off)")
     parser.add_argument("--impls", nargs="*", default=None,
                         help="time only these (default: all); the peer still checks the triton rows")
     args = parser.parse_args()
@@ -208,7 +225,7 @@ def main() -> None:
     rows = []
     for model in args.models:
         quantization = MODELS[model][4]
-        rate = ceilings["fp8_tflops" if quantization != "none" else "bf16_tflops"]
+        rate = ceilings["fp8_tflops" if quantization.startswith("fp8") else "bf16_tflops"]  # W4A16: bf16
         for tokens in args.tokens:
             inputs = _build(model, tokens)
             cost = spec.cost(inputs[0])
@@ -223,6 +240,8 @@ def main() -> None:
             variants = [(name, fn, None) for name, fn in impls.items() if args.impls is None or name in args.impls]
             if args.route_probe:
                 variants.append(("triton-3-launch-routing", triton_moe.fused_moe, None))
+            if args.fp4_probe and quantization == "mxfp4":
+                variants.append(("triton-decoded-fp4", triton_moe.fused_moe, None))
             variants += [("triton", triton_moe.fused_moe, _parse_config(text)) for text in args.configs]
             if args.sweep:
                 pairs_per_expert = tokens * MODELS[model][1] / MODELS[model][0]
@@ -238,6 +257,8 @@ def main() -> None:
                             context.enter_context(triton_moe.override_launch_config(config))
                         if name == "triton-3-launch-routing":
                             context.enter_context(mock.patch.object(triton_moe, "ROUTE_ONE_PROGRAM_MAX_PAIRS", 0))
+                        if name == "triton-decoded-fp4":
+                            context.enter_context(mock.patch.object(triton_moe, "MXFP4_SCALED_DOT", False))
                         row["check"] = _check(fn, inputs, expected, use_reference or name == peer)
                         us = _time(fn, inputs)
                         if args.kernels:

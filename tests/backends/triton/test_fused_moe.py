@@ -1,5 +1,5 @@
 """The triton backend's fused_moe against the spec's reference, compiled on a GPU or interpreted on CPU
-tensors: support, launch configurations, every case the kernels serve on fresh seeds, freed memory
+tensors: support, launch configurations, fp4 decoding, every case the kernels serve on fresh seeds, freed memory
 poisoned under every output and scratch buffer, strided and sliced inputs, the routing layout on its
 own, and on the GPU both fp8 routes and a CUDA-graph replay on new routing."""
 
@@ -11,6 +11,8 @@ import torch
 
 # conftest sets TRITON_INTERPRET=1 on machines without a GPU before any kernel module is imported.
 pytest.importorskip("triton", reason="needs triton (pip install kernelmux[test] on Linux x86_64)")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402
 from fakes import ask  # noqa: E402
@@ -26,7 +28,9 @@ from kernelmux.backends.triton.fused_moe import (  # noqa: E402
 )
 from kernelmux.conformance import poison_freed_memory  # noqa: E402
 from kernelmux.platforms import simulate  # noqa: E402
+from kernelmux.specs.fp4_mm import E2M1_TABLE  # noqa: E402
 from kernelmux.specs.fused_moe import SPEC  # noqa: E402
+from kernelmux.specs.quantize_mxfp4 import e8m0_to_float  # noqa: E402
 
 ON_GPU = DEVICE == "cuda"
 if not ON_GPU and not isinstance(
@@ -37,6 +41,7 @@ if not ON_GPU and not isinstance(
         "run on CPU tensors in this process; run this file on its own",
         allow_module_level=True,
     )
+KERNELS = host._kernels()
 
 SERVED = [case.name for case in SPEC.cases
           if "fnuz" not in case.name and (ON_GPU or "gpu" not in case.tags)]
@@ -76,6 +81,8 @@ def test_declines_with_reasons() -> None:
     assert ask(supports, SPEC, kwargs, simulate("sm_90")) is None
     assert "sm_89 or later" in ask(supports, SPEC, kwargs, simulate("sm_80"))
     assert ask(supports, SPEC, SPEC.case("small_silu").build("cpu", 0), simulate("sm_80")) is None
+    # W4A16 multiplies in the hidden dtype: no fp8 tensor cores needed.
+    assert ask(supports, SPEC, SPEC.case("small_mxfp4").build("cpu", 0), simulate("sm_80")) is None
     # Only the shapes matter: meta tensors stand for more local experts than one program counts.
     for experts, refused in ((host.MAX_EXPERTS + 1, True), (host.MAX_EXPERTS, False)):
         kwargs = dict(hidden=torch.empty(4, 64, dtype=torch.bfloat16, device="meta"),
@@ -118,6 +125,36 @@ def test_fp8_steps_keep_the_k_tl_dot_needs() -> None:
         assert launch_config(8, 8, "none").gate_up.block_k == 16
 
 
+def test_fp4_steps_hold_whole_scale_blocks() -> None:
+    tiles = GemmConfig(32, 16)
+    with override_launch_config(LaunchConfig(16, tiles, tiles)):
+        assert launch_config(8, 8, "mxfp4").gate_up.block_k == 32
+        assert launch_config(8, 8, "mxfp4").down.block_k == 32
+        assert launch_config(8, 8, "nvfp4").gate_up.block_k == 16
+
+
+@triton.jit
+def _decode_codes(codes_ptr, e2m1_ptr, e8m0_ptr, e4m3_ptr):
+    i = tl.arange(0, 256)
+    codes = tl.load(codes_ptr + i)
+    tl.store(e2m1_ptr + i, KERNELS._e2m1(codes.to(tl.int32) & 15))
+    tl.store(e8m0_ptr + i, KERNELS._fp4_scales(codes, KERNELS.MXFP4))
+    tl.store(e4m3_ptr + i, KERNELS._fp4_scales(codes, KERNELS.NVFP4))
+
+
+def test_fp4_decoding_of_every_code() -> None:
+    # Every e2m1 code and every scale byte (e8m0: 0 is 2^-127, 0xFF NaN; e4m3fn: subnormals, negatives,
+    # NaN), against the spec's decoders and torch's e4m3fn, bit for bit.
+    codes = torch.arange(256, dtype=torch.int32, device=DEVICE).to(torch.uint8)
+    e2m1, e8m0, e4m3 = (torch.full((256,), 7.0, device=DEVICE) for _ in range(3))
+    _decode_codes[(1,)](codes, e2m1, e8m0, e4m3)
+    table = torch.tensor(E2M1_TABLE)[torch.arange(256) & 15]
+    assert torch.equal(e2m1.cpu(), table) and torch.equal(e2m1.cpu().signbit(), table.signbit())  # 8: -0.0
+    torch.testing.assert_close(e8m0.cpu(), e8m0_to_float(codes.cpu()), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(e4m3.cpu(), codes.cpu().view(torch.float8_e4m3fn).float(), rtol=0, atol=0,
+                               equal_nan=True)
+
+
 def test_describe_names_the_configuration_and_its_source() -> None:
     key = SPEC.validate(**SPEC.case("one_token").build("cpu", 0))
     text = host.describe(key, simulate("sm_90"))
@@ -155,7 +192,8 @@ def test_cases_match_the_reference(name: str, seed: int) -> None:
     LaunchConfig(64, GemmConfig(32, 16, group_m=8), GemmConfig(64, 32, group_m=8), reduce="atomic"),
 ], ids=lambda c: (f"m{c.block_m}-n{c.gate_up.block_n}k{c.gate_up.block_k}-n{c.down.block_n}k{c.down.block_k}-"
                   f"{c.reduce}"))
-@pytest.mark.parametrize("name", ["all_tokens_one_expert", "small_fp8_per_tensor", "fp8_block_h_i_not_multiple_of_128"])
+@pytest.mark.parametrize("name", ["all_tokens_one_expert", "small_fp8_per_tensor", "fp8_block_h_i_not_multiple_of_128",
+                                  "small_mxfp4"])
 def test_each_launch_config(config: LaunchConfig, name: str) -> None:
     # Tiles smaller and larger than H and I, one row block or many per expert, every grouping, both
     # ways of taking the top-k sum.
@@ -205,18 +243,26 @@ def _strided(kwargs: dict) -> dict:
     strided["topk_ids"] = wide(kwargs["topk_ids"])
     if kwargs["expert_map"] is not None:
         strided["expert_map"] = wide(kwargs["expert_map"])
-    for name in ("w1_scale", "w2_scale"):
+    for name in ("w1_scale", "w2_scale", "w1_global_scale", "w2_global_scale"):
         if kwargs[name] is not None:
             strided[name] = wide(kwargs[name])
     return strided
 
 
 @pytest.mark.parametrize("name", ["small_silu", "expert_map_with_holes", "small_fp8_per_tensor", "small_fp8_block",
-                                  "top1_weight_on_input"])
+                                  "top1_weight_on_input", "small_mxfp4", "small_nvfp4_gelu_fp16"])
 def test_strided_and_sliced_inputs(name: str) -> None:
     kwargs = _strided(_build(name, 5))
     assert not kwargs["hidden"].is_contiguous() and not kwargs["w1"].is_contiguous()
     _check(kwargs, f"{name}, strided")
+
+
+@pytest.mark.parametrize("name", ["small_mxfp4", "mxfp4_expert_map_holes"])
+def test_mxfp4_by_the_kernels_own_decoding(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # bf16 MXFP4 calls go through tl.dot_scaled (the cases above); the kernels' own decoding, which fp16
+    # and NVFP4 calls use, is checked here on them too.
+    monkeypatch.setattr(host, "MXFP4_SCALED_DOT", False)
+    _check(_build(name, 8), f"{name}, decoded by the kernels")
 
 
 def test_hidden_a_slice_of_a_wider_batch() -> None:
