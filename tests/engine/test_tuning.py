@@ -293,3 +293,14 @@ def test_beyond_the_tie_the_faster_one_leads(tables):
     tables({CASE: {"hi": 10.0, "lo": 9.0, "reference": 30.0}}, registry=registry)
     engine = Engine(ALL_SPECS, Settings(), platform=HERE, registry=registry)
     assert [b for b, _ in _decide(engine).answers] == ["lo", "hi", "reference"]
+
+
+def test_every_shipped_bucket_names_its_ops_current_key_fields():
+    # A bucket is matched on all of its key's fields: a field added to an op's key (fused_moe's global
+    # scales, spec version 2) must be added to the shipped buckets too, or they silently stop matching.
+    fields = {spec.name: set(spec.key._fields) - {"device"} for spec in ALL_SPECS}
+    shipped = sorted((Path(tuning.__file__).parent / "tables").glob("*.json"))  # conftest hides shipped_dir()
+    assert shipped
+    for path in shipped:
+        for measurement in json.loads(path.read_text())["measurements"]:
+            assert set(measurement["bucket"]) == fields[measurement["op"]], (path.name, measurement["case"])
