@@ -30,7 +30,11 @@ TABLE = (
           "one scatter kernel: a few tokens' K and V rows per program, fp8 quantized in flight"),
     Entry("fused_moe",
           "routing laid out on the device in expert blocks, gate-up GEMM with the activation fused, "
-          "down GEMM with the router weight and top-k sum fused (fp8 quantized in the mainloop)"),
+          "down GEMM with the router weight and top-k sum fused (fp8 quantized, fp4 dequantized in the "
+          "mainloops)"),
+    Entry("quantize_fp8",
+          "per token and per 1 x G group in one launch, per tensor in one (few rows) or two (maxima, then "
+          "codes); e4m3fn"),
     Entry("mla_decode",
           "the paged-attention kernel with one latent head: heads as rows, values from the "
           "key tile, split-KV with a merge kernel"),

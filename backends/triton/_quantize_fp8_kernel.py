@@ -1,0 +1,110 @@
+"""The triton backend's quantize_fp8 kernels: rows (per token, or the whole tensor's one scale from its own
+tile or from per-program partial maxima) and 1 x G groups, each reading its input once for the amax and
+once for the codes, with the spec's fp32 arithmetic (IEEE divisions, its floors, ue8m0 by the bits) and
+the shared e4m3fn code routine. Host side: quantize_fp8.py."""
+
+import triton
+import triton.language as tl
+
+from kernelmux.backends.triton._fp8_kernel import FP8_MAX, e4m3fn_codes
+
+GROUP_AMAX_FLOOR = tl.constexpr(1e-4)  # per_group floors the amax
+SCALE_FLOOR = tl.constexpr(2.0**-126)  # per_token and per_tensor floor the scale
+# Where quantize_rows_kernel's amax comes from (constexpr AMAX): each row's own (per_token), the whole
+# tile's (per_tensor in one program), or amax_partials_kernel's maxima (per_tensor over many programs).
+ROW = tl.constexpr(0)
+TILE = tl.constexpr(1)
+PARTIALS = tl.constexpr(2)
+
+
+@triton.jit
+def _scale(amax, GROUPED: tl.constexpr, UE8M0: tl.constexpr):
+    """The spec's scale of a [n] vector of amax values: max(amax, 1e-4) / 448 for groups, else
+    max(amax / 448, 2^-126); ue8m0 rounds it up to a power of two on the bits (a mantissa carries)."""
+    fp8_max = tl.full(amax.shape, FP8_MAX, tl.float32)
+    if GROUPED:
+        scale = tl.math.div_rn(tl.maximum(amax, GROUP_AMAX_FLOOR), fp8_max)
+    else:
+        scale = tl.maximum(tl.math.div_rn(amax, fp8_max), SCALE_FLOOR)
+    if UE8M0:
+        bits = scale.to(tl.int32, bitcast=True)
+        scale = ((bits + 0x7FFFFF) & -0x800000).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def _codes(x, scale, NATIVE_FP8: tl.constexpr):
+    """fp32 x [r, c] over its per-row scale [r, 1] (broadcast) -> e4m3fn codes, the IEEE division first."""
+    return e4m3fn_codes(tl.math.div_rn(x, tl.broadcast_to(scale, x.shape)), 0, NATIVE_FP8)
+
+
+@triton.jit
+def amax_partials_kernel(x_ptr, partial_ptr, rows, cols, stride_xm, stride_xk,
+                         ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """partial[program] = max |x| over the program's ROWS rows (per_tensor's first pass)."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    x_rows = x_ptr + row[:, None].to(tl.int64) * stride_xm
+    amax = tl.zeros((ROWS,), dtype=tl.float32)
+    for k0 in range(0, cols, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        mask = (row < rows)[:, None] & (k < cols)[None, :]
+        x = tl.load(x_rows + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    tl.store(partial_ptr + tl.program_id(0), tl.max(amax, axis=0))
+
+
+@triton.jit
+def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, rows, cols, num_partials,
+                         stride_xm, stride_xk, stride_qm, stride_sm,
+                         AMAX: tl.constexpr, UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                         ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Codes of the program's ROWS rows and their scale: per row (AMAX ROW, scale [M, 1]) or one for
+    the tensor (TILE: this program's rows are all of it; PARTIALS: the first pass's maxima), stored by
+    program 0 (scale [1])."""
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = row < rows
+    x_rows = x_ptr + row[:, None].to(tl.int64) * stride_xm
+    if AMAX == PARTIALS:
+        amax = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        for p0 in range(0, num_partials, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            amax = tl.maximum(amax, tl.load(partial_ptr + p, mask=p < num_partials, other=0.0))
+        amax = tl.zeros((ROWS,), dtype=tl.float32) + tl.max(amax, axis=0)
+    else:
+        amax = tl.zeros((ROWS,), dtype=tl.float32)
+        for k0 in range(0, cols, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            mask = row_ok[:, None] & (k < cols)[None, :]
+            x = tl.load(x_rows + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        if AMAX == TILE:
+            amax = tl.zeros((ROWS,), dtype=tl.float32) + tl.max(amax, axis=0)
+    scale = _scale(amax, False, UE8M0)
+    if AMAX == ROW:
+        tl.store(scale_ptr + row * stride_sm, scale, mask=row_ok)
+    else:
+        tl.store(scale_ptr + row, scale, mask=row == 0)  # the tensor's one scale, from row 0's lane
+    q_rows = q_ptr + row[:, None].to(tl.int64) * stride_qm
+    for k0 in range(0, cols, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (k < cols)[None, :]
+        x = tl.load(x_rows + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_rows + k[None, :], _codes(x, scale[:, None], NATIVE_FP8), mask=mask)
+
+
+@triton.jit
+def quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, cols, group_size, num_groups,
+                           stride_xm, stride_xk, stride_qm, stride_sm, stride_sg,
+                           UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                           GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr):
+    """per_group: GROUPS 1 x group_size groups of one row per program (GROUP_PAD >= group_size lanes
+    each; a short last group reads only the columns it has), their scales and codes."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    lane = tl.arange(0, GROUP_PAD)
+    col = group[:, None] * group_size + lane[None, :]
+    mask = (group < num_groups)[:, None] & (lane < group_size)[None, :] & (col < cols)
+    x = tl.load(x_ptr + row * stride_xm + col * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    scale = _scale(tl.max(tl.abs(x), axis=1), True, UE8M0)
+    tl.store(scale_ptr + row * stride_sm + group * stride_sg, scale, mask=group < num_groups)
+    tl.store(q_ptr + row * stride_qm + col, _codes(x, scale[:, None], NATIVE_FP8), mask=mask)

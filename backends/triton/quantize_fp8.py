@@ -1,0 +1,85 @@
+"""The triton backend's quantize_fp8: which calls its kernels take and their launches (kernels:
+_quantize_fp8_kernel.py, imported on the first launch so the backend registers without Triton):
+per_token and per_group in one launch; per_tensor in one launch when one program holds every row,
+else a pass of per-program maxima and the quantizing pass (no fill, no host sync). Scales come out
+in the spec's canonical layouts."""
+
+import functools
+from typing import Optional
+
+import torch
+
+from kernelmux.backends.triton._host import device_guard, native_fp8_cast, next_pow2
+from kernelmux.platforms import Platform
+from kernelmux.specs import quantize_fp8 as spec
+
+__all__ = ["quantize_fp8", "supports"]
+
+# Rows per program and columns per step of the row kernels: 4 x 1024 fp32 lanes of a tile, two 16-byte
+# vectors of bf16 per thread at 4 warps; T = 1 with H 7168 is one program of 7 steps per pass. Not swept.
+ROWS = 4
+BLOCK_K = 1024
+# per_tensor: up to this many rows one program reads every row (a tile of them, padded to a power of two),
+# in a single launch (decode sizes).
+ONE_PROGRAM_MAX_ROWS = ROWS
+PARTIALS_BLOCK = 1024  # maxima read per step by the quantizing pass
+GROUPS = 8  # per_group: groups of one row per program
+# quantize_rows_kernel's AMAX
+AMAX_ROW, AMAX_TILE, AMAX_PARTIALS = 0, 1, 2
+
+
+def supports(key: spec.Key, platform: Platform) -> Optional[str]:
+    """None when the kernels compute calls with this key as the spec defines them, else why not."""
+    if key.fp8_dtype != "e4m3fn":
+        return (f"{key.fp8_dtype} codes: the kernels' code routine is e4m3fn's (max 448, bias 7); "
+                "e4m3fnuz (gfx942) needs its own")
+    return None
+
+
+@functools.cache
+def _kernels():
+    from kernelmux.backends.triton import _quantize_fp8_kernel
+
+    return _quantize_fp8_kernel
+
+
+def quantize_fp8(
+    x: torch.Tensor,
+    granularity: str = "per_tensor",
+    group_size: int = 128,
+    ue8m0: bool = False,
+    fp8_dtype: str = "e4m3fn",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec's quantize_fp8; arguments are validated by the caller."""
+    rows, cols = x.shape
+    device = x.device
+    q, scale = spec.fake(x, granularity, group_size, ue8m0, fp8_dtype)  # empty outputs of the spec's shapes
+    if rows == 0:
+        if granularity == "per_tensor":  # the amax of nothing is 0: the floor, a power of two already
+            scale.fill_(spec.SCALE_FLOOR)
+        return q, scale
+    kernels = _kernels()
+    codes = q.view(torch.uint8)  # the kernels write code bytes
+    native = native_fp8_cast(device)
+    with device_guard(device):
+        if granularity == "per_group":
+            groups = scale.shape[1]
+            kernels.quantize_groups_kernel[(rows, -(-groups // GROUPS))](
+                x, codes, scale, cols, group_size, groups, *x.stride(), codes.stride(0), *scale.stride(),
+                UE8M0=ue8m0, NATIVE_FP8=native, GROUPS=GROUPS, GROUP_PAD=next_pow2(group_size))
+            return q, scale
+        block_rows = ROWS
+        partials = scale  # a placeholder unless per_tensor takes two passes
+        if granularity == "per_token":
+            amax = AMAX_ROW
+        elif rows <= ONE_PROGRAM_MAX_ROWS:
+            amax, block_rows = AMAX_TILE, next_pow2(rows)
+        else:
+            amax = AMAX_PARTIALS
+            partials = torch.empty(-(-rows // ROWS), dtype=torch.float32, device=device)
+            kernels.amax_partials_kernel[(partials.numel(),)](x, partials, rows, cols, *x.stride(), ROWS=ROWS,
+                                                              BLOCK_K=BLOCK_K)
+        kernels.quantize_rows_kernel[(-(-rows // block_rows),)](
+            x, codes, scale, partials, rows, cols, partials.numel(), *x.stride(), codes.stride(0), scale.stride(0),
+            AMAX=amax, UE8M0=ue8m0, NATIVE_FP8=native, ROWS=block_rows, BLOCK_K=BLOCK_K, BLOCK_P=PARTIALS_BLOCK)
+    return q, scale

@@ -1,0 +1,95 @@
+"""The triton backend's quantize_fp8 against the spec's reference, bit for bit, compiled on a GPU or
+interpreted on CPU tensors: support, every case it serves on fresh seeds with freed memory poisoned under
+its outputs, both per-tensor routes, strided and sliced inputs, and on the GPU both fp8 code routes."""
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+# conftest sets TRITON_INTERPRET=1 on machines without a GPU before any kernel module is imported.
+pytest.importorskip("triton", reason="needs triton (pip install kernelmux[test] on Linux x86_64)")
+
+from conftest import DEVICE  # noqa: E402
+from fakes import ask  # noqa: E402
+from kernelmux.backends.triton import quantize_fp8 as host  # noqa: E402
+from kernelmux.backends.triton._host import force_software_fp8  # noqa: E402
+from kernelmux.backends.triton.quantize_fp8 import quantize_fp8, supports  # noqa: E402
+from kernelmux.conformance import poison_freed_memory  # noqa: E402
+from kernelmux.platforms import simulate  # noqa: E402
+from kernelmux.specs.quantize_fp8 import SPEC  # noqa: E402
+
+ON_GPU = DEVICE == "cuda"
+if not ON_GPU and not isinstance(
+    getattr(host._kernels(), "quantize_rows_kernel"), importlib.import_module("triton.runtime.interpreter").InterpretedFunction
+):
+    pytest.skip(
+        "the triton kernel module was imported before TRITON_INTERPRET=1 was set, so it cannot "
+        "run on CPU tensors in this process; run this file on its own",
+        allow_module_level=True,
+    )
+
+# The interpreter costs ~10 ms per program: on the CPU the cases of more than 64 rows (4-18 s each) are
+# left to the GPU.
+INTERPRETER_MAX_ROWS = 64
+SERVED = [case.name for case in SPEC.cases if "fnuz" not in case.name]
+
+
+def _check(kwargs: dict, what: str) -> None:
+    expected = SPEC.reference(**kwargs)
+    x = kwargs["x"]
+    poison_freed_memory(DEVICE, 4 * x.numel() + 4096)
+    try:
+        SPEC.check_close(quantize_fp8(**kwargs), expected, kwargs)
+    except AssertionError as error:
+        raise AssertionError(f"{what}: {error}") from None
+
+
+def test_signature_matches_the_spec() -> None:
+    assert inspect.signature(quantize_fp8) == SPEC.signature
+
+
+def test_declines_e4m3fnuz_with_a_reason() -> None:
+    kwargs = SPEC.case("small_fnuz_per_group").build("cpu", 0)
+    assert "e4m3fnuz" in ask(supports, SPEC, kwargs, simulate("sm_90"))
+    assert ask(supports, SPEC, SPEC.case("small_per_group_ue8m0").build("cpu", 0), simulate("sm_90")) is None
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_cases_bit_for_bit(name: str) -> None:
+    kwargs = SPEC.case(name).build(DEVICE, 11)
+    if not ON_GPU and kwargs["x"].shape[0] > INTERPRETER_MAX_ROWS:
+        pytest.skip(f"GPU only: {kwargs['x'].shape[0]} rows take seconds under the Triton interpreter")
+    _check(kwargs, name)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("one_program_max_rows", [0, 1 << 30], ids=["two-passes", "one-program"])
+def test_both_per_tensor_routes(rows: int, one_program_max_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Row counts below, at and above a program's rows; the amax row in the last program.
+    monkeypatch.setattr(host, "ONE_PROGRAM_MAX_ROWS", one_program_max_rows)
+    x = torch.randn(rows, 200, device=DEVICE)
+    x[-1, 7] = 300.0
+    for ue8m0 in (False, True):
+        _check(dict(x=x.to(torch.bfloat16), granularity="per_tensor", group_size=128, ue8m0=ue8m0,
+                    fp8_dtype="e4m3fn"), f"{rows} rows, ue8m0 {ue8m0}")
+
+
+@pytest.mark.parametrize("granularity, group_size", [("per_tensor", 128), ("per_token", 128), ("per_group", 128),
+                                                     ("per_group", 100)])
+def test_strided_and_sliced_inputs(granularity: str, group_size: int) -> None:
+    values = torch.randn(9, 300, device=DEVICE) * torch.rand(9, 1, device=DEVICE) * 10
+    wider = torch.full((12, 700), float("nan"), device=DEVICE)  # NaN around the slice: never read
+    wider[1:10, 100:400] = values
+    for x in (wider[1:10, 100:400], values.t().contiguous().t()):
+        assert not x.is_contiguous()
+        _check(dict(x=x.to(torch.float16) if x.dtype != torch.float32 else x, granularity=granularity,
+                    group_size=group_size, ue8m0=False, fp8_dtype="e4m3fn"), f"{granularity}, strides {x.stride()}")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU only: the native fp8 route is the hardware cast (sm_89+)")
+@pytest.mark.parametrize("name", ["deepseek_v3_m128", "extremes_per_token", "llama3_8b_m1024_per_tensor"])
+def test_the_integer_code_route_on_the_gpu(name: str) -> None:
+    with force_software_fp8():
+        _check(SPEC.case(name).build(DEVICE, 12), f"{name}, integer fp8 route")
