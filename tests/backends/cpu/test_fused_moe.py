@@ -31,8 +31,8 @@ ROUTES = {
 }
 
 
-def _route(name: str):
-    return mock.patch.multiple(impl, **ROUTES[name]) if ROUTES[name] else contextlib.nullcontext()
+def _route(name: str, routes: dict = ROUTES):
+    return mock.patch.multiple(impl, **routes[name]) if routes[name] else contextlib.nullcontext()
 
 
 def _build(make, seed: int) -> dict:
@@ -246,17 +246,59 @@ def test_fp4_weights_decode_to_the_references_bit_for_bit(quantization, chunk):
         scales = torch.where(nan, scale_codes - 1, scale_codes).view(torch.float8_e4m3fn)
         global_scale = torch.rand(experts, generator=generator) * 1000 + 1
     eye = torch.eye(cols)
+    every = impl._fp4_decode_experts(codes, scales, global_scale, quantization)  # small weights' route
     for expert in range(experts):
         with mock.patch.object(impl, "_CHUNK_ELEMENTS", chunk):
             got = impl._fp4_gemm(eye, codes[expert], scales[expert],
                                  global_scale[expert] if global_scale is not None else None, quantization).T
         want = spec._dequantize_weight(codes, scales, expert, quantization, global_scale)
         assert torch.equal(got, want), expert  # x * 1 + 0 keeps every value
+        assert torch.equal(every[expert], want), expert
     if quantization == "mxfp4":
         scales = scales.clone()
         scales[0, 5, 1] = 0xFF
         got = impl._fp4_gemm(torch.eye(cols), codes[0], scales[0], None, quantization).T
         assert got[5].isnan().all() and not got[torch.arange(rows) != 5].isnan().any()
+        every = impl._fp4_decode_experts(codes, scales, None, quantization)[0]
+        nan = torch.zeros(rows, cols, dtype=torch.bool)
+        nan[5, 32:64] = True  # the block of scale [5, 1] only
+        assert torch.equal(every.isnan(), nan)
+
+
+# fp4 end to end, both formats in both hidden dtypes and activations, experts on other ranks: every
+# expert decoded at once (default), or one expert at a time in chunks of one row (chunked) or of
+# several with a short last one (2I = 128 rows of H = 96: chunks of 10; H = 96 rows of I = 64: of 15),
+# with 1 (a GEMV), 5-6 (padded to 16) or 18-22 rows per expert.
+FP4_ROUTES = {**ROUTES, "fp4_chunks": {"_CHUNK_ELEMENTS": 1000}}
+
+
+@pytest.mark.parametrize("route", ["default", "chunked", "fp4_chunks"])
+@pytest.mark.parametrize("dtype, activation", [(torch.bfloat16, "silu"), (torch.bfloat16, "gelu"),
+                                               (torch.float16, "silu"), (torch.float16, "gelu")])
+@pytest.mark.parametrize("quantization", ["mxfp4", "nvfp4"])
+def test_fp4_experts_end_to_end(quantization, dtype, activation, route):
+    for tokens, experts, topk in ((3, 8, 1), (12, 6, 3), (40, 6, 3)):
+        make = spec._maker(tokens, experts, topk, 96, 64, dtype=dtype, activation=activation,
+                           quantization=quantization, unmapped=2)
+        kwargs = _build(make, tokens)
+        with _route(route, FP4_ROUTES):
+            _check(kwargs, f"{quantization} {dtype} {activation}, {route}, T {tokens}")
+
+
+@pytest.mark.parametrize("route", ["default", "chunked"])
+def test_a_nan_mxfp4_scale_poisons_only_its_experts_tokens(route):
+    # e8m0 code 0xFF (NaN) for one block of expert 0's w2: the tokens routed to expert 0 come out NaN
+    # in that output column, as the reference's; every other output is finite.
+    kwargs = _build(spec._maker(6, 3, 1, 64, 32, quantization="mxfp4"), 9)
+    kwargs["w2_scale"][0, 5, 0] = 0xFF
+    expected = spec.SPEC.reference(**kwargs)
+    with _route(route):
+        actual = impl.fused_moe(**kwargs)
+    hit = kwargs["topk_ids"][:, 0] == 0
+    assert bool(hit.any()) and bool((~hit).any())
+    nan = torch.zeros(actual.shape, dtype=torch.bool)
+    nan[hit, 5] = True
+    assert torch.equal(actual.isnan(), nan) and torch.equal(expected.isnan(), nan)
 
 
 def test_dispatch_chooses_cpu_for_cpu_tensors():
