@@ -502,11 +502,7 @@ def _weights(experts: int, rows: int, cols: int, dtype: torch.dtype, generator: 
 
 
 def _quantize_weights(w: torch.Tensor, quantization: str, fp8_name: str):
-    """w [E, N, K] -> (codes, scales) in the layout of ``quantization``, via quantize_fp8 (fp4: the
-    format's quantize op; see _quantize_fp4_weights)."""
-    if quantization in FP4_MODES:
-        codes, scales, _ = _quantize_fp4_weights(w, quantization)
-        return codes, scales
+    """w [E, N, K] -> (codes, scales) in the layout of an fp8 ``quantization``, via quantize_fp8."""
     if quantization == "fp8_per_tensor":
         pairs = [quantize_fp8(m, "per_tensor", BLOCK, False, fp8_name) for m in w]
         return torch.stack([q for q, _ in pairs]), torch.cat([s for _, s in pairs])
