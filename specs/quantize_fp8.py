@@ -6,6 +6,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 import torch
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.specs._arith import ieee_div
 from kernelmux.specs._key import Layout, layout, size_class
 from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._validate import check_choice, check_int, check_tensor
@@ -73,12 +74,12 @@ def quantize_fp8(
         groups = -(-cols // group_size)
         padded = torch.nn.functional.pad(magnitude, (0, groups * group_size - cols))  # zeros
         amax = padded.view(rows, groups, group_size).amax(dim=-1)
-        scale = amax.clamp_min(GROUP_AMAX_FLOOR) / fp8_max
+        scale = ieee_div(amax.clamp_min(GROUP_AMAX_FLOOR), fp8_max)
     elif granularity == "per_token":
-        scale = (magnitude.amax(dim=1, keepdim=True) / fp8_max).clamp_min(SCALE_FLOOR)
+        scale = ieee_div(magnitude.amax(dim=1, keepdim=True), fp8_max).clamp_min(SCALE_FLOOR)
     else:
         amax = magnitude.amax() if magnitude.numel() else magnitude.new_zeros(())
-        scale = (amax / fp8_max).clamp_min(SCALE_FLOOR).reshape(1)
+        scale = ieee_div(amax, fp8_max).clamp_min(SCALE_FLOOR).reshape(1)
     if ue8m0:
         scale = round_up_to_power_of_two(scale)
     if granularity == "per_group":

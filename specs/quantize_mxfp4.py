@@ -6,6 +6,7 @@ from typing import Any, Mapping, NamedTuple
 import torch
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.specs._arith import ieee_div
 from kernelmux.specs._key import Layout, layout, size_class
 from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._validate import check_choice, check_tensor
@@ -75,7 +76,7 @@ def quantize_mxfp4(
         _, exponent = torch.frexp(block_amax)  # amax = m * 2^exponent, m in [0.5, 1)
         e = exponent - 1 - E2M1_EMAX
     else:
-        mantissa, exponent = torch.frexp(block_amax / 6.0)  # fp32 division by a scalar
+        mantissa, exponent = torch.frexp(ieee_div(block_amax, 6.0))
         e = torch.where(mantissa == 0.5, exponent - 1, exponent)
     e = e.clamp(EXPONENT_MIN, EXPONENT_MAX)
     code = (e + E8M0_BIAS).to(torch.uint8)

@@ -7,6 +7,7 @@ from typing import Any, Mapping, NamedTuple, Optional
 import torch
 
 from kernelmux.errors import InvalidArgumentError
+from kernelmux.specs._arith import ieee_div
 from kernelmux.specs._key import Layout, layout, size_class
 from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._validate import check_tensor
@@ -86,7 +87,7 @@ def quantize_nvfp4(
         gs = global_scale.float().reshape(()).clone()
     blocks = values.view(rows, cols // BLOCK, BLOCK)
     block_amax = blocks.abs().amax(dim=-1)
-    sf = ((gs * block_amax) / E2M1_MAX).clamp_max(E4M3_MAX).to(torch.float8_e4m3fn)
+    sf = ieee_div(gs * block_amax, E2M1_MAX).clamp_max(E4M3_MAX).to(torch.float8_e4m3fn)
     sf_value = sf.float()
     ratio = gs / sf_value  # inf where sf = 0; those blocks are masked below
     codes = encode_e2m1(blocks * ratio.unsqueeze(-1))

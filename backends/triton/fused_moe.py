@@ -294,7 +294,10 @@ def fused_moe(
         down_out = torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
     else:
         down_out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
-    scaled_dot = MXFP4_SCALED_DOT and quantization == "mxfp4" and dtype == torch.bfloat16
+    # tl.dot_scaled read packed codes strided 2 along K wrong on the H200 (Triton 3.6, 2026-11-29; a
+    # transposed layout was right): only K-contiguous codes take it, the rest the kernels' own decoding.
+    scaled_dot = (MXFP4_SCALED_DOT and quantization == "mxfp4" and dtype == torch.bfloat16
+                  and w1.stride(-1) == 1 and w2.stride(-1) == 1)
     shared = dict(TOPK=topk, ON_INPUT=apply_router_weight_on_input, QUANT=quant, NATIVE_FP8=native_fp8_cast(device),
                   SCALED_DOT=scaled_dot, INTERPRETED=INTERPRETED, BLOCK_M=block_m)
     layout = (sorted_pairs, block_expert, starts, counts, total)

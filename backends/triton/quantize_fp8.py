@@ -71,7 +71,9 @@ def quantize_fp8(
         block_rows = ROWS
         partials = scale  # a placeholder unless per_tensor takes two passes
         if granularity == "per_token":
-            amax = AMAX_ROW
+            # Fewer rows than ROWS get a tile of their own height: a masked row still costs its divisions
+            # (H200, T 1, H 7168: 38.3 us with a 4-row tile, 6.6 us with one row).
+            amax, block_rows = AMAX_ROW, min(ROWS, next_pow2(rows))
         elif rows <= ONE_PROGRAM_MAX_ROWS:
             amax, block_rows = AMAX_TILE, next_pow2(rows)
         else:
