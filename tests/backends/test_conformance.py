@@ -35,7 +35,8 @@ def _runnable_here():
     platform = detect()
     runnable = []
     for impl in registry.implementations.values():
-        if impl.requirement.check(platform) or impl.missing_packages():
+        # platform_problem includes the static check, where a vendor backend says its package is missing.
+        if impl.platform_problem(platform) or impl.missing_packages():
             continue
         if impl.devices and DEVICE not in impl.devices:
             continue
