@@ -208,17 +208,64 @@ def _fp4_scales(codes, QUANT: tl.constexpr):
     normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
     value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # 2^-9
     value = tl.where((c & 0x7F) == 0x7F, float("nan"), value)
-    return tl.where(c >= 128, -value, value)
+    return (value.to(tl.int32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)  # -0.0 kept
+
+
+# _fp4_pairs' PTX: four packed bytes (one 32-bit register, pack=4) -> their low nibbles as four 16-bit values in
+# $0, $1 and their high nibbles in $2, $3. prmt spreads bytes 0, 1 (then 2, 3) into the two halves of a register;
+# shifts and masks then place each nibble's bits e1 e0 m at the exponent's two low bits and the mantissa's first
+# (bf16: bits 8..6, fp16: 11..9) and its sign bit at bit 15. Per 8 weights: 2 prmt and 4 x (2 shifts, 2 ands, an or).
+_NIBBLES_ASM = """{
+.reg .b32 z, t0, t1, a, b;
+mov.b32 z, 0;
+prmt.b32 t0, $4, z, 0x4140;
+prmt.b32 t1, $4, z, 0x4342;
+shl.b32 a, t0, LO; shl.b32 b, t0, 12; and.b32 a, a, MASK; and.b32 b, b, 0x80008000; or.b32 $0, a, b;
+shl.b32 a, t1, LO; shl.b32 b, t1, 12; and.b32 a, a, MASK; and.b32 b, b, 0x80008000; or.b32 $1, a, b;
+shl.b32 a, t0, HI; shl.b32 b, t0, 8; and.b32 a, a, MASK; and.b32 b, b, 0x80008000; or.b32 $2, a, b;
+shl.b32 a, t1, HI; shl.b32 b, t1, 8; and.b32 a, a, MASK; and.b32 b, b, 0x80008000; or.b32 $3, a, b;
+}"""
+BF16_NIBBLES_ASM = tl.constexpr(_NIBBLES_ASM.replace("LO", "6").replace("HI", "2").replace("MASK", "0x01C001C0"))
+FP16_NIBBLES_ASM = tl.constexpr(_NIBBLES_ASM.replace("LO", "9").replace("HI", "5").replace("MASK", "0x0E000E00"))
+
+
+@triton.jit
+def _fp4_pairs(packed, scale_codes, QUANT: tl.constexpr, HIDDEN: tl.constexpr):
+    """Packed e2m1 bytes [BLOCK_N, BLOCK_K / 2] and their block scale codes -> the weights at even k and at odd
+    k (byte j's low and high nibble), [BLOCK_N, BLOCK_K / 2] each in HIDDEN, exactly, on the GPU (inline PTX):
+    a nibble's bits s e1 e0 m placed as HIDDEN's sign, two low exponent bits and first mantissa bit are the
+    value times 2^-126 (bf16) or 2^-14 (fp16), subnormal 0.5 included; then times 2^126 (2^14) and the scale
+    in HIDDEN, packed multiplies, both exact (an e8m0 scale is a bf16 value, an e4m3 one fits either). Not
+    for MXFP4 with fp16 (e8m0 leaves fp16's range). ~6 SASS instructions a weight in the k-loop against 11.5
+    for _e2m1's fp32 route and 8.6 for tl.dot_scaled (perf/decisions/fused_moe.md)."""
+    FP4_BLOCK: tl.constexpr = 32 if QUANT == MXFP4 else 16
+    rows: tl.constexpr = packed.shape[0]
+    blocks: tl.constexpr = scale_codes.shape[1]
+    if HIDDEN == tl.bfloat16:
+        even, odd = tl.inline_asm_elementwise(asm=BF16_NIBBLES_ASM, constraints="=r,=r,=r,=r,r", args=[packed],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        BIAS: tl.constexpr = 2.0**126
+    else:
+        even, odd = tl.inline_asm_elementwise(asm=FP16_NIBBLES_ASM, constraints="=r,=r,=r,=r,r", args=[packed],
+                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        BIAS: tl.constexpr = 16384.0
+    bias = tl.full((rows, blocks, FP4_BLOCK // 2), BIAS, HIDDEN)
+    scale = _fp4_scales(scale_codes, QUANT).to(HIDDEN)[:, :, None]
+    even = tl.reshape(even, (rows, blocks, FP4_BLOCK // 2)) * bias * scale
+    odd = tl.reshape(odd, (rows, blocks, FP4_BLOCK // 2)) * bias * scale
+    return tl.reshape(even, packed.shape), tl.reshape(odd, packed.shape)
 
 
 @triton.jit
 def _fp4_dot(a, acc, w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT: tl.constexpr,
-             SCALED_DOT: tl.constexpr, DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             HIDDEN: tl.constexpr, DOT: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr):
     """acc + a @ W for a k-step of fp4 weights: rows ``w_rows`` [BLOCK_N, 1] of packed e2m1 bytes (element
     2j in the low nibble) at k0..k0+BLOCK_K and their block scales (rows ``s_rows``); NVFP4's global scale
-    is left to the caller. SCALED_DOT (MXFP4 with bf16 activations): tl.dot_scaled, whose upcast to bf16
-    is the compiler's; else the weights are decoded here, times their scales (exact:
-    e2m1 times a power of two or an e4m3 value fits bf16 and fp16), into DOT for tl.dot."""
+    is left to the caller. The weights are decoded in HIDDEN (_fp4_pairs), even and odd k apart, and the
+    activations split the same way: two dots of BLOCK_K / 2, no interleaving of the decoded halves.
+    MXFP4 with fp16 activations, and every call in the interpreter (whose bf16 arithmetic is wrong: x * 2
+    gives 0, and bf16 -> fp32 flushes subnormals), decode to fp32 (_e2m1) times the scale, then to DOT."""
     FP4_BLOCK: tl.constexpr = 32 if QUANT == MXFP4 else 16
     tl.static_assert(BLOCK_K % FP4_BLOCK == 0)
     byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -227,13 +274,16 @@ def _fp4_dot(a, acc, w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUA
     block = k0 // FP4_BLOCK + tl.arange(0, BLOCK_K // FP4_BLOCK)
     scale_codes = tl.load(s_rows + block[None, :] * stride_sk,
                           mask=n_ok[:, None] & (block < size_k // FP4_BLOCK)[None, :], other=0)
-    if SCALED_DOT:
-        return tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale_codes, "e2m1", acc)
-    packed = packed.to(tl.int32)
-    codes = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_N, BLOCK_K))  # k = 2j low, 2j + 1 high
-    values = tl.reshape(_e2m1(codes), (BLOCK_N, BLOCK_K // FP4_BLOCK, FP4_BLOCK))
-    values = values * _fp4_scales(scale_codes, QUANT)[:, :, None]
-    return tl.dot(a.to(DOT), tl.trans(tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DOT)), acc)
+    if INTERPRETED or (QUANT == MXFP4 and HIDDEN == tl.float16):
+        packed = packed.to(tl.int32)
+        codes = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_N, BLOCK_K))  # k = 2j low, 2j + 1 high
+        values = tl.reshape(_e2m1(codes), (BLOCK_N, BLOCK_K // FP4_BLOCK, FP4_BLOCK))
+        values = values * _fp4_scales(scale_codes, QUANT)[:, :, None]
+        return tl.dot(a.to(DOT), tl.trans(tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DOT)), acc)
+    even, odd = _fp4_pairs(packed, scale_codes, QUANT, HIDDEN)
+    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BLOCK_K // 2, 2)))
+    acc = tl.dot(a_even.to(DOT), tl.trans(even.to(DOT)), acc)
+    return tl.dot(a_odd.to(DOT), tl.trans(odd.to(DOT)), acc)
 
 
 @triton.jit
@@ -262,7 +312,7 @@ def moe_gate_up_kernel(
     stride_xm, stride_xk, stride_xs, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ge,
     stride_tw_t, stride_tw_k, stride_im, stride_is,
     TOPK: tl.constexpr, ON_INPUT: tl.constexpr, GELU: tl.constexpr, QUANT: tl.constexpr, HIDDEN: tl.constexpr,
-    NATIVE_FP8: tl.constexpr, SCALED_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """inter[row, n] = act(x W1_gate^T)[n] * (x W1_up^T)[n] for a block's rows and a tile of n, in the
@@ -270,7 +320,7 @@ def moe_gate_up_kernel(
     BLOCKWISE reads x as moe_quantize_kernel's codes and row scales (stride_xs), and stores the
     intermediate as 1 x 128 fp8 groups (BLOCK_N == 128: a tile is one group) with their scales. MXFP4 and
     NVFP4 read w1 as packed codes (stride_wk per byte) with [E, 2I, H / block] scales and multiply in the
-    hidden dtype (SCALED_DOT: MXFP4 by tl.dot_scaled); NVFP4 divides by the expert's global scale after
+    hidden dtype; NVFP4 divides by the expert's global scale after
     the sum."""
     block_m, tile_n = _tile(max_blocks, inter_size, BLOCK_N, GROUP_M)
     if block_m * BLOCK_M >= tl.load(total_ptr):
@@ -306,9 +356,9 @@ def moe_gate_up_kernel(
             if ON_INPUT:
                 a = _round(a.to(tl.float32) * router[:, None], HIDDEN, INTERPRETED)
             gate = _fp4_dot(a, gate, gate_rows, gate_scales, n_ok, k0, hidden_size, stride_wk, stride_sk, QUANT,
-                            SCALED_DOT, DOT, BLOCK_N, BLOCK_K)
+                            HIDDEN, DOT, INTERPRETED, BLOCK_N, BLOCK_K)
             up = _fp4_dot(a, up, up_rows, up_scales, n_ok, k0, hidden_size, stride_wk, stride_sk, QUANT,
-                          SCALED_DOT, DOT, BLOCK_N, BLOCK_K)
+                          HIDDEN, DOT, INTERPRETED, BLOCK_N, BLOCK_K)
         else:
             b_mask = k_ok[:, None] & n_ok[None, :]
             b_gate = tl.load(w_gate + (k0 + k)[:, None] * stride_wk, mask=b_mask, other=0.0)
@@ -374,7 +424,7 @@ def moe_down_kernel(
     stride_im, stride_is, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ge,
     stride_tw_t, stride_tw_k, stride_om,
     TOPK: tl.constexpr, ON_INPUT: tl.constexpr, QUANT: tl.constexpr, REDUCE: tl.constexpr,
-    NATIVE_FP8: tl.constexpr, SCALED_DOT: tl.constexpr, INTERPRETED: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """w[token, slot] * (inter[row] W2^T)[n] for a block's rows and a tile of n, to out per REDUCE:
@@ -406,7 +456,7 @@ def moe_down_kernel(
         a = tl.load(a_rows + (k0 + k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         if QUANT == MXFP4 or QUANT == NVFP4:
             acc = _fp4_dot(a, acc, code_rows, scale_rows, n_ok, k0, inter_size, stride_wk, stride_sk, QUANT,
-                           SCALED_DOT, DOT, BLOCK_N, BLOCK_K)
+                           inter_ptr.dtype.element_ty, DOT, INTERPRETED, BLOCK_N, BLOCK_K)
         else:
             b = tl.load(w_rows + (k0 + k)[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if QUANT == NONE:

@@ -36,10 +36,6 @@ QUANTIZE_GROUPS = 8  # fp8_block input quantization: 1 x 128 groups per program
 SUM_BLOCK = 1024  # moe_sum_kernel: columns per program
 FP8_DOT_CAPABILITY = (8, 9)  # tl.dot on e4m3 operands: Ada and Hopper tensor cores
 FP8_DOT_MIN_K = 32  # tl.dot on e4m3 operands needs K >= 32 (Triton 3.6 on the H200)
-# MXFP4 weights with bf16 activations go through tl.dot_scaled (the compiler's e2m1 -> bf16 upcast: byte
-# permutes and packed multiplies) instead of the kernels' own decoding (fp16 and NVFP4 keep it): 2048
-# against 2520 SASS instructions for a decode gate-up tile, not yet timed (perf/decisions/fused_moe.md).
-MXFP4_SCALED_DOT = True
 
 
 @dataclass(frozen=True)
@@ -113,6 +109,10 @@ _TABLES: dict[str, tuple[tuple[str, float, float, LaunchConfig], ...]] = {
         ("fp8_block", 1, 16, _measured(16, (128, 128, 1, 4, 3))),
         # DeepSeek-V3 T 4096 (128 per expert): 7335 us; down BN 128 7857, BM 128 15571-23743 (gate-up 12.8 ms).
         ("fp8_block", 16, float("inf"), _measured(64, (128, 128, 8, 8, 3), (256, 128, 8, 8, 3))),
+        # gpt-oss-120b MXFP4 T 1 (0.03 per expert): 65.2 us; BN 64 78.5, BN 128 106.9, 8 warps 77.4.
+        ("mxfp4", 0, 1, _measured(16, (32, 128, 1, 4, 4))),
+        # gpt-oss-120b MXFP4 T 64 (2 per expert): 961.8 us; BK 128 1043.8, BN 32 1153.3, BK 256 1248.1.
+        ("mxfp4", 1, 8, _measured(16, (64, 64, 1, 4, 4))),
     ),
 }
 
@@ -294,12 +294,8 @@ def fused_moe(
         down_out = torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
     else:
         down_out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
-    # tl.dot_scaled read packed codes strided 2 along K wrong on the H200 (Triton 3.6, 2026-11-29; a
-    # transposed layout was right): only K-contiguous codes take it, the rest the kernels' own decoding.
-    scaled_dot = (MXFP4_SCALED_DOT and quantization == "mxfp4" and dtype == torch.bfloat16
-                  and w1.stride(-1) == 1 and w2.stride(-1) == 1)
     shared = dict(TOPK=topk, ON_INPUT=apply_router_weight_on_input, QUANT=quant, NATIVE_FP8=native_fp8_cast(device),
-                  SCALED_DOT=scaled_dot, INTERPRETED=INTERPRETED, BLOCK_M=block_m)
+                  INTERPRETED=INTERPRETED, BLOCK_M=block_m)
     layout = (sorted_pairs, block_expert, starts, counts, total)
 
     with device_guard(device):

@@ -9,12 +9,10 @@ peer's largest output). Times are set against the copy bandwidth and matmul rate
 same run: "roofline" is the larger of the spec's FLOPs at the matmul rate and its bytes (the experts
 actually routed to) at the copy rate. --sweep also times the triton backend under each launch
 configuration of _sweep, checked the same way first; --kernels adds each kernel's device time (the
-profiler), --route-probe the triton call with its routing in three launches, --fp4-probe the MXFP4
-call with the kernels' own e2m1 decoding instead of tl.dot_scaled.
+profiler), --route-probe the triton call with its routing in three launches.
 
     python perf/diag/fused_moe_goals.py --out DIR [--models mixtral qwen3 deepseek] [--tokens 1 64 4096] [--sweep]
         [--impls triton torch deepgemm] [--configs BM/BN/BK/WARPS/STAGES[/REDUCE] ...] [--kernels] [--route-probe]
-        [--fp4-probe]
 """
 
 from __future__ import annotations
@@ -214,8 +212,6 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="also profile each variant's kernels")
     parser.add_argument("--route-probe", action="store_true",
                         help="also time triton with the routing in three launches (the one-program bound at 0)")
-    parser.add_argument("--fp4-probe", action="store_true",
-                        help="also time triton's MXFP4 calls with its own decoding (MXFP4_SCALED_DOT off)")
     parser.add_argument("--impls", nargs="*", default=None,
                         help="time only these (default: all); the peer still checks the triton rows")
     args = parser.parse_args()
@@ -240,8 +236,6 @@ def main() -> None:
             variants = [(name, fn, None) for name, fn in impls.items() if args.impls is None or name in args.impls]
             if args.route_probe:
                 variants.append(("triton-3-launch-routing", triton_moe.fused_moe, None))
-            if args.fp4_probe and quantization == "mxfp4":
-                variants.append(("triton-decoded-fp4", triton_moe.fused_moe, None))
             variants += [("triton", triton_moe.fused_moe, _parse_config(text)) for text in args.configs]
             if args.sweep:
                 pairs_per_expert = tokens * MODELS[model][1] / MODELS[model][0]
@@ -257,8 +251,6 @@ def main() -> None:
                             context.enter_context(triton_moe.override_launch_config(config))
                         if name == "triton-3-launch-routing":
                             context.enter_context(mock.patch.object(triton_moe, "ROUTE_ONE_PROGRAM_MAX_PAIRS", 0))
-                        if name == "triton-decoded-fp4":
-                            context.enter_context(mock.patch.object(triton_moe, "MXFP4_SCALED_DOT", False))
                         row["check"] = _check(fn, inputs, expected, use_reference or name == peer)
                         us = _time(fn, inputs)
                         if args.kernels:

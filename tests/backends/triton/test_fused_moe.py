@@ -151,8 +151,49 @@ def test_fp4_decoding_of_every_code() -> None:
     table = torch.tensor(E2M1_TABLE)[torch.arange(256) & 15]
     assert torch.equal(e2m1.cpu(), table) and torch.equal(e2m1.cpu().signbit(), table.signbit())  # 8: -0.0
     torch.testing.assert_close(e8m0.cpu(), e8m0_to_float(codes.cpu()), rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(e4m3.cpu(), codes.cpu().view(torch.float8_e4m3fn).float(), rtol=0, atol=0,
-                               equal_nan=True)
+    want = codes.cpu().view(torch.float8_e4m3fn).float()
+    torch.testing.assert_close(e4m3.cpu(), want, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(e4m3.cpu().signbit()[~want.isnan()], want.signbit()[~want.isnan()])  # 0x80: -0.0
+
+
+@triton.jit
+def _decode_pairs(packed_ptr, scale_ptr, even_ptr, odd_ptr, QUANT: tl.constexpr, HIDDEN: tl.constexpr,
+                  BLOCKS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    # [256 rows: one per scale code, BLOCKS blocks of BLOCK_BYTES bytes] -> even and odd k in HIDDEN
+    row = tl.arange(0, 256)
+    col = tl.arange(0, BLOCKS * BLOCK_BYTES)
+    packed = tl.load(packed_ptr + row[:, None] * (BLOCKS * BLOCK_BYTES) + col[None, :])
+    scales = tl.load(scale_ptr + row[:, None] * BLOCKS + tl.arange(0, BLOCKS)[None, :])
+    even, odd = KERNELS._fp4_pairs(packed, scales, QUANT, HIDDEN)
+    out = row[:, None] * (BLOCKS * BLOCK_BYTES) + col[None, :]
+    tl.store(even_ptr + out, even)
+    tl.store(odd_ptr + out, odd)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU only: the Triton interpreter's bf16 arithmetic is wrong (x * 2 gives 0, bf16 "
+                                        "-> fp32 flushes subnormals), so the kernels take the fp32 decoding there")
+@pytest.mark.parametrize("quantization, dtype", [("mxfp4", torch.bfloat16), ("nvfp4", torch.bfloat16),
+                                                 ("nvfp4", torch.float16)])
+def test_fp4_pair_decoding_of_every_byte_under_every_scale(quantization: str, dtype: torch.dtype) -> None:
+    # _fp4_pairs, the decoding both GEMMs use on the GPU (but MXFP4 with fp16): every packed byte (two nibbles)
+    # under every scale byte of the format, in the hidden dtype, against the fp32 product of the spec's
+    # decoders rounded to it (exact where it fits: e8m0 0 is a bf16 subnormal, 0xFF NaN), bit for bit.
+    block_bytes = 16 if quantization == "mxfp4" else 8
+    blocks = 32 // block_bytes  # 32 bytes a row: each byte value in every row, spread over the row's blocks
+    packed = (torch.arange(256 * 32) * 37 % 256).to(torch.uint8).view(256, 32)
+    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].expand(256, blocks).contiguous()
+    even, odd = (torch.full((256, 32), 7.0, dtype=dtype, device=DEVICE) for _ in range(2))
+    _decode_pairs[(1,)](packed.to(DEVICE), scales.to(DEVICE), even, odd, QUANT=getattr(KERNELS, quantization.upper()),
+                        HIDDEN=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16, BLOCKS=blocks,
+                        BLOCK_BYTES=block_bytes)
+    table = torch.tensor(E2M1_TABLE)
+    scale = e8m0_to_float(scales) if quantization == "mxfp4" else scales.view(torch.float8_e4m3fn).float()
+    scale = scale.repeat_interleave(block_bytes, dim=1)
+    for name, got, nibble in (("even", even, packed.long() & 15), ("odd", odd, packed.long() >> 4)):
+        want = (table[nibble] * scale).to(dtype)
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True, msg=f"{name} k")
+        number = ~want.isnan()  # a NaN's sign is the device's
+        assert torch.equal(got.cpu().signbit()[number], want.signbit()[number]), f"{name} k: signs"
 
 
 def test_describe_names_the_configuration_and_its_source() -> None:
@@ -258,11 +299,12 @@ def test_strided_and_sliced_inputs(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["small_mxfp4", "mxfp4_expert_map_holes"])
-def test_mxfp4_by_the_kernels_own_decoding(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # bf16 MXFP4 calls go through tl.dot_scaled (the cases above); the kernels' own decoding, which fp16
-    # and NVFP4 calls use, is checked here on them too.
-    monkeypatch.setattr(host, "MXFP4_SCALED_DOT", False)
-    _check(_build(name, 8), f"{name}, decoded by the kernels")
+def test_mxfp4_with_fp16_activations(name: str) -> None:
+    # MXFP4 with fp16 decodes to fp32 first on the GPU too (e8m0 scales leave fp16's range): that route on
+    # the MXFP4 cases with their activations in fp16.
+    kwargs = _build(name, 8)
+    kwargs["hidden"] = kwargs["hidden"].to(torch.float16)
+    _check(kwargs, f"{name}, fp16 activations")
 
 
 def test_hidden_a_slice_of_a_wider_batch() -> None:
