@@ -15,13 +15,17 @@ from kernelmux.specs import quantize_fp8 as spec
 
 __all__ = ["quantize_fp8", "supports"]
 
-# Rows per program and columns per step of the row kernels: 4 x 1024 fp32 lanes of a tile, two 16-byte
-# vectors of bf16 per thread at 4 warps; T = 1 with H 7168 is one program of 7 steps per pass. Not swept.
+# per_tensor's rows per program and the row kernels' columns per step: 4 x 1024 fp32 lanes of a tile, two
+# 16-byte vectors of bf16 per thread at 4 warps. BLOCK_K swept for per_token (below); ROWS not swept.
 ROWS = 4
 BLOCK_K = 1024
 # per_tensor: up to this many rows one program reads every row (a tile of them, padded to a power of two),
 # in a single launch (decode sizes).
 ONE_PROGRAM_MAX_ROWS = ROWS
+# per_token: rows per program. H200, T 4096, bf16, H 2048 / 7168: 12.9 / 43.1 us at 1 row against 14.5 / 50.5 at 4
+# (13.3 / 47.0 at 2, 14.5 / 53.5 at 8; BLOCK_K 512 and 2048 slower at every height). At T 1, H 7168: 6.6 us
+# against 38.3 for a 4-row tile (3 rows masked, their divisions still paid).
+TOKEN_ROWS = 1
 PARTIALS_BLOCK = 1024  # maxima read per step by the quantizing pass
 GROUPS = 8  # per_group: groups of one row per program
 # quantize_rows_kernel's AMAX
@@ -71,9 +75,7 @@ def quantize_fp8(
         block_rows = ROWS
         partials = scale  # a placeholder unless per_tensor takes two passes
         if granularity == "per_token":
-            # Fewer rows than ROWS get a tile of their own height: a masked row still costs its divisions
-            # (H200, T 1, H 7168: 38.3 us with a 4-row tile, 6.6 us with one row).
-            amax, block_rows = AMAX_ROW, min(ROWS, next_pow2(rows))
+            amax, block_rows = AMAX_ROW, TOKEN_ROWS
         elif rows <= ONE_PROGRAM_MAX_ROWS:
             amax, block_rows = AMAX_TILE, next_pow2(rows)
         else:
