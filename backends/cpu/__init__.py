@@ -15,6 +15,8 @@ TABLE = (
           "chunked block gather, GQA heads packed as rows, torch's fused CPU flash attention"),
     Entry("mla_decode",
           "chunked latent gather, all heads as rows of one problem, torch's fused CPU flash attention"),
+    Entry("quantize_fp8",
+          "blocks of rows in cache, IEEE divisions, codes from the quotients' bits by vectorized integer ops"),
     Entry("fused_moe",
           "pairs grouped per expert; bf16/fp16 GEMM in place for few rows, else weights (fp8, fp4 decoded) to fp32 in chunks"),
 )
