@@ -16,7 +16,7 @@ TABLE = (
     Entry("mla_decode",
           "chunked latent gather, all heads as rows of one problem, torch's fused CPU flash attention"),
     Entry("quantize_fp8",
-          "blocks of rows in cache, IEEE divisions, codes from the quotients' bits by vectorized integer ops"),
+          "blocks of rows widened to fp32 once, scales broadcast over their groups, torch's cast into the output"),
     Entry("fused_moe",
           "pairs grouped per expert; bf16/fp16 GEMM in place for few rows, else weights (fp8, fp4 decoded) to fp32 in chunks"),
 )

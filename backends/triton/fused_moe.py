@@ -187,11 +187,13 @@ def describe(key: spec.Key, platform: Platform) -> str:
     config = launch_config(tokens * key.topk, key.num_global_experts, key.quantization, name)
     source = ("measured on this device, perf/decisions/fused_moe.md" if config.tuned
               else f"heuristic: {name or 'this device'} has no measured row for this size")
+
     def gemm(tiles: GemmConfig) -> str:
         split = f", K in {tiles.split_k} slices" if tiles.split_k > 1 else ""
         return f"BN {tiles.block_n} BK {tiles.block_k} {tiles.num_warps} warps {tiles.num_stages} stages{split}"
 
-    return f"at T = {tokens}: BLOCK_M {config.block_m}; gate-up {gemm(config.gate_up)}; down {gemm(config.down)} ({source})"
+    return (f"at T = {tokens}: BLOCK_M {config.block_m}; gate-up {gemm(config.gate_up)}; down {gemm(config.down)} "
+            f"({source})")
 
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
@@ -358,8 +360,8 @@ def fused_moe(
             *layout, hidden_size, inter_size, max_blocks, _k_per_split(inter_size, gemm), inter.stride(0),
             inter_scale.stride(0), *w2.stride(),
             *_scale_strides(w2_scale), *_strides(w2_global_scale, 1), *topk_weights.stride(), down_out.stride(0),
-            REDUCE=reduce, GATED=config.gate_up.split_k > 1, SPLIT_K=gemm.split_k, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
-            GROUP_M=gemm.group_m, num_warps=gemm.num_warps, num_stages=gemm.num_stages, **shared)
+            REDUCE=reduce, GATED=config.gate_up.split_k > 1, SPLIT_K=gemm.split_k, BLOCK_N=gemm.block_n,
+            BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, num_warps=gemm.num_warps, num_stages=gemm.num_stages, **shared)
         if reduce == TOP1_STORE:
             return down_out
         if reduce == REDUCE_MODES["atomic"]:

@@ -12,7 +12,8 @@ configuration of _sweep, checked the same way first; --kernels adds each kernel'
 profiler), --route-probe the triton call with its routing in three launches.
 
     python perf/diag/fused_moe_goals.py --out DIR [--models mixtral qwen3 deepseek] [--tokens 1 64 4096] [--sweep]
-        [--impls triton torch deepgemm] [--configs BM/BN/BK/WARPS/STAGES[/REDUCE[/SPLIT_K[/SPLIT_K]]] ...] [--kernels] [--route-probe]
+        [--impls triton torch deepgemm] [--configs BM/BN/BK/WARPS/STAGES[/REDUCE[/SPLIT_K[/SPLIT_K]]] ...]
+        [--kernels] [--route-probe]
 """
 
 from __future__ import annotations
@@ -213,7 +214,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--tokens", nargs="*", type=int, default=[1, 64, 4096])
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--configs", nargs="*", default=[], metavar="BM/BN/BK/WARPS/STAGES[/REDUCE[/SPLIT_K[/SPLIT_K]]]",
+    parser.add_argument("--configs", nargs="*", default=[],
+                        metavar="BM/BN/BK/WARPS/STAGES[/REDUCE[/SPLIT_K[/SPLIT_K]]]",
                         help="also time these launch configurations (both GEMMs' tiles; group_m 8, 1 at BM 16)")
     parser.add_argument("--kernels", action="store_true", help="also profile each variant's kernels")
     parser.add_argument("--route-probe", action="store_true",

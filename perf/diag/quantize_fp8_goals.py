@@ -61,7 +61,8 @@ def main() -> None:
     copy_gbps = ceilings_module.measure("cuda", only={"memory_gbps"})["memory_gbps"]
     impls = {"triton": triton_quantize.quantize_fp8, "reference": spec.quantize_fp8}
     rows, lines = [], [f"copy {copy_gbps:.0f} GB/s ({torch.cuda.get_device_name()})", "",
-                       "| variant | T | H | impl | us | % of copy | launches | check |", "|---|---|---|---|---|---|---|---|"]
+                       "| variant | T | H | impl | us | % of copy | launches | check |",
+                       "|---|---|---|---|---|---|---|---|"]
     for variant, (granularity, ue8m0) in VARIANTS.items():
         for tokens in args.tokens:
             for hidden in args.hidden:

@@ -12,6 +12,7 @@ import torch
 from kernelmux.backends.cpu import quantize_fp8 as impl
 from kernelmux.specs import quantize_fp8 as spec
 
+
 def _check(kwargs: dict, what: str) -> None:
     expected = spec.SPEC.reference(**kwargs)
     actual = impl.quantize_fp8(**kwargs)

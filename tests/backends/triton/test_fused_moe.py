@@ -170,8 +170,8 @@ def _decode_pairs(packed_ptr, scale_ptr, even_ptr, odd_ptr, QUANT: tl.constexpr,
     tl.store(odd_ptr + out, odd)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="GPU only: the Triton interpreter's bf16 arithmetic is wrong (x * 2 gives 0, bf16 "
-                                        "-> fp32 flushes subnormals), so the kernels take the fp32 decoding there")
+@pytest.mark.skipif(not ON_GPU, reason="GPU only: the Triton interpreter's bf16 arithmetic is wrong (x * 2 gives 0, "
+                                        "bf16 -> fp32 flushes subnormals), so the kernels take the fp32 decoding there")
 @pytest.mark.parametrize("quantization, dtype", [("mxfp4", torch.bfloat16), ("nvfp4", torch.bfloat16),
                                                  ("nvfp4", torch.float16)])
 def test_fp4_pair_decoding_of_every_byte_under_every_scale(quantization: str, dtype: torch.dtype) -> None:
