@@ -18,7 +18,8 @@ TABLE = (
     Entry("quantize_fp8",
           "blocks of rows widened to fp32 once, scales broadcast over their groups, torch's cast into the output"),
     Entry("scaled_mm",
-          "weights dequantized a block of rows at a time through the fp8 -> fp16 bit route, scales broadcast, fp32 GEMM"),
+          "weights dequantized a block of rows at a time through the fp8 -> fp16 bit route, scales broadcast, "
+          "fp32 GEMM"),
     Entry("fused_moe",
           "pairs grouped per expert; bf16/fp16 GEMM in place for few rows, else weights (fp8, fp4 decoded) to fp32 in chunks"),
 )
