@@ -74,20 +74,28 @@ def quantize_fp8(
         groups = -(-cols // group_size)
         padded = torch.nn.functional.pad(magnitude, (0, groups * group_size - cols))  # zeros
         amax = padded.view(rows, groups, group_size).amax(dim=-1)
-        scale = ieee_div(amax.clamp_min(GROUP_AMAX_FLOOR), fp8_max)
     elif granularity == "per_token":
-        scale = ieee_div(magnitude.amax(dim=1, keepdim=True), fp8_max).clamp_min(SCALE_FLOOR)
+        amax = magnitude.amax(dim=1, keepdim=True)
     else:
-        amax = magnitude.amax() if magnitude.numel() else magnitude.new_zeros(())
-        scale = ieee_div(amax, fp8_max).clamp_min(SCALE_FLOOR).reshape(1)
-    if ue8m0:
-        scale = round_up_to_power_of_two(scale)
+        amax = (magnitude.amax() if magnitude.numel() else magnitude.new_zeros(())).reshape(1)
+    scale = scale_from_amax(amax, granularity, ue8m0, fp8_dtype)
     if granularity == "per_group":
         divisor = scale.repeat_interleave(group_size, dim=1)[:, :cols]
     else:
         divisor = scale
     q = (values / divisor).clamp(-fp8_max, fp8_max).to(fp8)
     return q, scale
+
+
+def scale_from_amax(amax: torch.Tensor, granularity: str, ue8m0: bool, fp8_dtype: str) -> torch.Tensor:
+    """The spec's scales from fp32 maxima (any shape): max(amax, 1e-4) / fp8_max for groups, else
+    max(amax / fp8_max, 2^-126), IEEE divisions; ue8m0 rounds each up to a power of two."""
+    fp8_max = FP8_MAX[fp8_dtype]
+    if granularity == "per_group":
+        scale = ieee_div(amax.clamp_min(GROUP_AMAX_FLOOR), fp8_max)
+    else:
+        scale = ieee_div(amax, fp8_max).clamp_min(SCALE_FLOOR)
+    return round_up_to_power_of_two(scale) if ue8m0 else scale
 
 
 def round_up_to_power_of_two(scale: torch.Tensor) -> torch.Tensor:

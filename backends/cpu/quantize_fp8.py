@@ -7,17 +7,12 @@ from __future__ import annotations
 import torch
 
 from kernelmux.specs import quantize_fp8 as spec
-from kernelmux.specs._arith import ieee_div
 
 # Elements of a block of rows (its fp32 copy 4 MiB, in cache between the maxima, the division and the cast).
 # 2-core x86_64 VM, best of 10, us for DeepSeek-V3 M 128 / M 1024 per_group and Llama-3 M 1024 per_token:
 # 1 << 16: 1743 / 13379 / 5912; 1 << 18: 781 / 6972 / 3232; 1 << 20: 484 / 4780 / 2302; one block: 471 / 22730 /
 # 4271 (the reference in that run: 1364 / 67816 / 7838).
 BLOCK_ELEMENTS = 1 << 20
-
-
-def _finish(scale: torch.Tensor, ue8m0: bool) -> torch.Tensor:
-    return spec.round_up_to_power_of_two(scale) if ue8m0 else scale
 
 
 def quantize_fp8(
@@ -33,16 +28,16 @@ def quantize_fp8(
     fp8 = spec.FP8_DTYPES[fp8_dtype]
     fp8_max = spec.FP8_MAX[fp8_dtype]
     if granularity == "per_tensor":
-        amax = torch.zeros((), dtype=torch.float32)
+        amax = torch.zeros(1, dtype=torch.float32)
         if x.numel():  # max(-min, max): one pass in x's dtype, no |x| tensor (1024 x 4096 bf16: 252 against 1082 us)
             low, high = torch.aminmax(x)
-            amax = torch.maximum(-low, high).float()
-        scale = _finish(ieee_div(amax, fp8_max).clamp_min(spec.SCALE_FLOOR).reshape(1), ue8m0)
+            amax = torch.maximum(-low, high).float().reshape(1)
+        scale = spec.scale_from_amax(amax, granularity, ue8m0, fp8_dtype)
     block_rows = max(1, BLOCK_ELEMENTS // cols)
     if rows <= block_rows:  # one block: no copies of the scales, and the cast allocates the codes
         values = x.to(torch.float32, memory_format=torch.contiguous_format)
         if granularity != "per_tensor":
-            scale = _block_scale(values, granularity, group_size, ue8m0, fp8_max)
+            scale = _block_scale(values, granularity, group_size, ue8m0, fp8_dtype)
         quotients = _divided(values, scale, granularity, group_size, in_place=values is not x)
         return quotients.clamp_(-fp8_max, fp8_max).to(fp8), scale
     q = torch.empty((rows, cols), dtype=fp8)
@@ -53,7 +48,7 @@ def quantize_fp8(
         values = torch.empty((stop - start, cols), dtype=torch.float32)
         values.copy_(x[start:stop])  # any input strides; fp32 input copied too (the division is in place)
         if granularity != "per_tensor":
-            scale[start:stop] = block_scale = _block_scale(values, granularity, group_size, ue8m0, fp8_max)
+            scale[start:stop] = block_scale = _block_scale(values, granularity, group_size, ue8m0, fp8_dtype)
         else:
             block_scale = scale
         q[start:stop].copy_(_divided(values, block_scale, granularity, group_size, in_place=True)
@@ -62,14 +57,15 @@ def quantize_fp8(
 
 
 def _block_scale(values: torch.Tensor, granularity: str, group_size: int, ue8m0: bool,
-                 fp8_max: float) -> torch.Tensor:
+                 fp8_dtype: str) -> torch.Tensor:
     """The scales of a block's fp32 rows (per_group [n, groups], per_token [n, 1])."""
     if granularity == "per_token":
-        return _finish(ieee_div(values.abs().amax(dim=1, keepdim=True), fp8_max).clamp_min(spec.SCALE_FLOOR), ue8m0)
-    ragged = values.shape[1] % group_size
-    padded = torch.nn.functional.pad(values, (0, group_size - ragged)) if ragged else values  # zeros: same max
-    amax = padded.view(values.shape[0], -(-values.shape[1] // group_size), group_size).abs().amax(dim=-1)
-    return _finish(ieee_div(amax.clamp_min(spec.GROUP_AMAX_FLOOR), fp8_max), ue8m0)
+        amax = values.abs().amax(dim=1, keepdim=True)
+    else:
+        ragged = values.shape[1] % group_size
+        padded = torch.nn.functional.pad(values, (0, group_size - ragged)) if ragged else values  # zeros: same max
+        amax = padded.view(values.shape[0], -(-values.shape[1] // group_size), group_size).abs().amax(dim=-1)
+    return spec.scale_from_amax(amax, granularity, ue8m0, fp8_dtype)
 
 
 def _divided(values: torch.Tensor, scale: torch.Tensor, granularity: str, group_size: int,

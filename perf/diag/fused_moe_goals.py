@@ -97,7 +97,8 @@ def _parse_config(text: str) -> LaunchConfig:
     for both GEMMs."""
     fields = text.split("/")
     block_m, block_n, block_k, warps, stages = (int(v) for v in fields[:5])
-    splits = [int(v) for v in fields[6:8]] + [1] * (8 - max(len(fields), 6))
+    splits = [int(v) for v in fields[6:8]]
+    splits += [1] * (2 - len(splits))
 
     def tiles(split_k: int) -> GemmConfig:
         return GemmConfig(block_n, block_k, group_m=1 if block_m == 16 else 8, num_warps=warps,
