@@ -171,19 +171,6 @@ def _round(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _act_mul(gate, up, GELU: tl.constexpr, HIDDEN: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The spec's intermediate from fp32 gate and up sums: each rounded to HIDDEN, act(gate) * up in fp32,
-    rounded to HIDDEN."""
-    gate = _round(gate, HIDDEN, INTERPRETED).to(tl.float32)
-    up = _round(up, HIDDEN, INTERPRETED).to(tl.float32)
-    if GELU:
-        act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
-    else:
-        act = gate / (1.0 + tl.exp(-gate))
-    return _round(act * up, HIDDEN, INTERPRETED)
-
-
-@triton.jit
 def _fp8(x, NATIVE_FP8: tl.constexpr):
     """fp32 values already divided by their scale -> e4m3fn, saturated, rounded to nearest even."""
     return e4m3fn_codes(x, 0, NATIVE_FP8).to(tl.float8e4nv, bitcast=True)
@@ -321,11 +308,11 @@ def moe_quantize_kernel(x_ptr, weights_ptr, codes_ptr, scales_ptr, hidden_size,
 def moe_gate_up_kernel(
     x_ptr, w1_ptr, w1_scale_ptr, w1_global_ptr, x_scale_ptr, weights_ptr, inter_ptr, inter_scale_ptr, amax_ptr,
     sorted_ptr, block_expert_ptr, starts_ptr, counts_ptr, total_ptr,
-    hidden_size, inter_size, max_blocks, k_per_split,
+    hidden_size, inter_size, max_blocks,
     stride_xm, stride_xk, stride_xs, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ge,
     stride_tw_t, stride_tw_k, stride_im, stride_is,
     TOPK: tl.constexpr, ON_INPUT: tl.constexpr, GELU: tl.constexpr, QUANT: tl.constexpr, HIDDEN: tl.constexpr,
-    NATIVE_FP8: tl.constexpr, INTERPRETED: tl.constexpr, SPLIT_K: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """inter[row, n] = act(x W1_gate^T)[n] * (x W1_up^T)[n] for a block's rows and a tile of n, in the
@@ -333,9 +320,8 @@ def moe_gate_up_kernel(
     BLOCKWISE reads x as moe_quantize_kernel's codes and row scales (stride_xs), and stores the
     intermediate as 1 x 128 fp8 groups (BLOCK_N == 128: a tile is one group) with their scales. MXFP4 and
     NVFP4 read w1 as packed codes (stride_wk per byte) with [E, 2I, H / block] scales and multiply in the
-    hidden dtype; NVFP4 divides by the expert's global scale after the sum. SPLIT_K > 1 (no fp8): program
-    axis 1 picks a k_per_split slice of H, and the slice's fp32 gate and up sums are added atomically into
-    inter, then [rows, 2I] fp32 and zeroed, for the down kernel to finish (GATED)."""
+    hidden dtype; NVFP4 divides by the expert's global scale after
+    the sum."""
     block_m, tile_n = _tile(max_blocks, inter_size, BLOCK_N, GROUP_M)
     if block_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -363,8 +349,7 @@ def moe_gate_up_kernel(
         DOT: tl.constexpr = tl.float32 if INTERPRETED else HIDDEN
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = tl.program_id(1) * k_per_split  # k_per_split: a multiple of BLOCK_K, >= H when SPLIT_K is 1
-    for k0 in range(k_start, min(k_start + k_per_split, hidden_size), BLOCK_K):
+    for k0 in range(0, hidden_size, BLOCK_K):
         k_ok = k0 + k < hidden_size
         a = tl.load(x_rows + (k0 + k)[None, :] * stride_xk, mask=valid[:, None] & k_ok[None, :], other=0.0)
         if QUANT == MXFP4 or QUANT == NVFP4:
@@ -412,14 +397,15 @@ def moe_gate_up_kernel(
         global_scale = tl.load(w1_global_ptr + expert * stride_ge)
         gate = tl.math.div_rn(gate, tl.broadcast_to(global_scale, gate.shape))
         up = tl.math.div_rn(up, tl.broadcast_to(global_scale, up.shape))
+    gate = _round(gate, HIDDEN, INTERPRETED).to(tl.float32)
+    up = _round(up, HIDDEN, INTERPRETED).to(tl.float32)
+    if GELU:
+        act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    inter = _round(act * up, HIDDEN, INTERPRETED)
     mask = valid[:, None] & n_ok[None, :]
     out = inter_ptr + row[:, None].to(tl.int64) * stride_im + n[None, :]
-    if SPLIT_K > 1:
-        tl.static_assert(QUANT != PER_TENSOR and QUANT != BLOCKWISE)
-        tl.atomic_add(out, gate, mask=mask)
-        tl.atomic_add(out + inter_size, up, mask=mask)
-        return
-    inter = _act_mul(gate, up, GELU, HIDDEN, INTERPRETED)
     if QUANT == BLOCKWISE:  # the spec quantizes the rounded intermediate, 1 x 128 per pair
         codes, scale = _quantize_groups(tl.where(mask, inter.to(tl.float32), 0.0), NATIVE_FP8)
         tl.store(out, codes, mask=mask)
@@ -434,20 +420,17 @@ def moe_gate_up_kernel(
 def moe_down_kernel(
     inter_ptr, inter_scale_ptr, w2_ptr, w2_scale_ptr, w2_global_ptr, amax_ptr, weights_ptr, out_ptr,
     sorted_ptr, block_expert_ptr, starts_ptr, counts_ptr, total_ptr,
-    hidden_size, inter_size, max_blocks, k_per_split,
+    hidden_size, inter_size, max_blocks,
     stride_im, stride_is, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ge,
     stride_tw_t, stride_tw_k, stride_om,
-    TOPK: tl.constexpr, ON_INPUT: tl.constexpr, QUANT: tl.constexpr, REDUCE: tl.constexpr, GELU: tl.constexpr,
-    HIDDEN: tl.constexpr, NATIVE_FP8: tl.constexpr, INTERPRETED: tl.constexpr, GATED: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    TOPK: tl.constexpr, ON_INPUT: tl.constexpr, QUANT: tl.constexpr, REDUCE: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """w[token, slot] * (inter[row] W2^T)[n] for a block's rows and a tile of n, to out per REDUCE:
     stored in out[token] (top-1), added into an fp32 out[token] (ATOMIC), or stored in the hidden
     dtype in out[pair] of a [T * k, H] buffer that moe_sum_kernel reduces (PAIRS). MXFP4 and NVFP4 read
-    w2 as gate-up reads w1. GATED: inter holds a split gate-up's fp32 gate and up sums ([rows, 2I]), which
-    the k-loop turns into the intermediate as it loads them (_act_mul). SPLIT_K > 1 (ATOMIC only): program
-    axis 1 picks a k_per_split slice of I."""
+    w2 as gate-up reads w1."""
     block_m, tile_n = _tile(max_blocks, hidden_size, BLOCK_N, GROUP_M)
     if block_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -466,22 +449,14 @@ def moe_down_kernel(
     if QUANT == MXFP4 or QUANT == NVFP4:
         code_rows = w2_ptr + expert.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn
         scale_rows = w2_scale_ptr + expert.to(tl.int64) * stride_se + n[:, None].to(tl.int64) * stride_sn
-        DOT: tl.constexpr = tl.float32 if INTERPRETED else HIDDEN
-    tl.static_assert(SPLIT_K == 1 or REDUCE == ATOMIC)
+        DOT: tl.constexpr = tl.float32 if INTERPRETED else inter_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = tl.program_id(1) * k_per_split  # k_per_split: a multiple of BLOCK_K, >= I when SPLIT_K is 1
-    for k0 in range(k_start, min(k_start + k_per_split, inter_size), BLOCK_K):
+    for k0 in range(0, inter_size, BLOCK_K):
         k_ok = k0 + k < inter_size
-        a_mask = valid[:, None] & k_ok[None, :]
-        if GATED:
-            a = _act_mul(tl.load(a_rows + (k0 + k)[None, :], mask=a_mask, other=0.0),
-                         tl.load(a_rows + inter_size + (k0 + k)[None, :], mask=a_mask, other=0.0),
-                         GELU, HIDDEN, INTERPRETED)
-        else:
-            a = tl.load(a_rows + (k0 + k)[None, :], mask=a_mask, other=0.0)
+        a = tl.load(a_rows + (k0 + k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         if QUANT == MXFP4 or QUANT == NVFP4:
             acc = _fp4_dot(a, acc, code_rows, scale_rows, n_ok, k0, inter_size, stride_wk, stride_sk, QUANT,
-                           HIDDEN, DOT, INTERPRETED, BLOCK_N, BLOCK_K)
+                           inter_ptr.dtype.element_ty, DOT, INTERPRETED, BLOCK_N, BLOCK_K)
         else:
             b = tl.load(w_rows + (k0 + k)[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if QUANT == NONE:

@@ -41,15 +41,13 @@ FP8_DOT_MIN_K = 32  # tl.dot on e4m3 operands needs K >= 32 (Triton 3.6 on the H
 @dataclass(frozen=True)
 class GemmConfig:
     """One grouped GEMM's tiles: columns and reduction per step, row blocks sharing a column tile
-    in L2 (GROUP_M), warps and software-pipeline stages, and how many slices of K run as programs of
-    their own (split_k: more programs at decode sizes, their fp32 sums added atomically; not with fp8)."""
+    in L2 (GROUP_M), warps and software-pipeline stages."""
 
     block_n: int
     block_k: int
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    split_k: int = 1
 
 
 @dataclass(frozen=True)
@@ -130,8 +128,6 @@ def _config_problem(config: Optional[LaunchConfig]) -> Optional[str]:
         for value in (gemm.block_n, gemm.block_k):
             if value < 16 or value & (value - 1):
                 return f"{gemm}: tl.dot needs tiles that are powers of two >= 16"
-        if gemm.split_k < 1:
-            return f"{gemm}: split_k must be >= 1"
     return None
 
 
@@ -158,8 +154,6 @@ def launch_config(num_pairs: int, num_experts: int, quantization: str, device_na
                        if kind == quantization and lo < pairs_per_expert <= hi), None)
     if config is None:
         config = _heuristic(pairs_per_expert, quantization)
-    if quantization.startswith("fp8"):  # the fp8 epilogues need whole sums: the intermediate's amax or groups
-        config = replace(config, gate_up=replace(config.gate_up, split_k=1), down=replace(config.down, split_k=1))
     if quantization == "fp8_block":
         config = replace(config, gate_up=replace(config.gate_up, block_n=spec.BLOCK, block_k=spec.BLOCK),
                          down=replace(config.down, block_k=spec.BLOCK))
@@ -187,13 +181,9 @@ def describe(key: spec.Key, platform: Platform) -> str:
     config = launch_config(tokens * key.topk, key.num_global_experts, key.quantization, name)
     source = ("measured on this device, perf/decisions/fused_moe.md" if config.tuned
               else f"heuristic: {name or 'this device'} has no measured row for this size")
-
-    def gemm(tiles: GemmConfig) -> str:
-        split = f", K in {tiles.split_k} slices" if tiles.split_k > 1 else ""
-        return f"BN {tiles.block_n} BK {tiles.block_k} {tiles.num_warps} warps {tiles.num_stages} stages{split}"
-
-    return (f"at T = {tokens}: BLOCK_M {config.block_m}; gate-up {gemm(config.gate_up)}; down {gemm(config.down)} "
-            f"({source})")
+    return (f"at T = {tokens}: BLOCK_M {config.block_m}; gate-up BN {config.gate_up.block_n} BK {config.gate_up.block_k} "
+            f"{config.gate_up.num_warps} warps {config.gate_up.num_stages} stages; down BN {config.down.block_n} "
+            f"BK {config.down.block_k} {config.down.num_warps} warps {config.down.num_stages} stages ({source})")
 
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
@@ -221,12 +211,6 @@ def _kernels():
 
 def _strides(t: Optional[torch.Tensor], rank: int) -> tuple[int, ...]:
     return tuple(t.stride()) if t is not None else (0,) * rank
-
-
-def _k_per_split(size_k: int, gemm: GemmConfig) -> int:
-    """The K each of a GEMM's split_k slices reduces: whole k-steps, the last slice the shortest."""
-    steps = -(-size_k // gemm.block_k)
-    return -(-steps // gemm.split_k) * gemm.block_k
 
 
 def _scale_strides(scale: Optional[torch.Tensor]) -> tuple[int, int, int]:
@@ -297,17 +281,11 @@ def fused_moe(
         x_scale_stride = x_scale.stride(0)
         inter = torch.empty((max_rows, inter_size), dtype=w2.dtype, device=device)
         inter_scale = torch.empty((max_rows, -(-inter_size // spec.BLOCK)), dtype=torch.float32, device=device)
-    elif config.gate_up.split_k > 1:  # the slices' fp32 gate and up sums, added atomically
-        inter = torch.zeros((max_rows, 2 * inter_size), dtype=torch.float32, device=device)
-        inter_scale = counts
     else:
         inter = torch.empty((max_rows, inter_size), dtype=dtype, device=device)
         inter_scale = counts
-    # What the down kernel writes: top-1 the output itself, else the fp32 sum or the per-pair rows; a split
-    # down adds its slices into the fp32 sum in every case.
+    # What the down kernel writes: top-1 the output itself, else the fp32 sum or the per-pair rows.
     reduce = REDUCE_MODES[config.reduce] if topk > 1 else TOP1_STORE
-    if config.down.split_k > 1:
-        reduce = REDUCE_MODES["atomic"]
     if reduce == REDUCE_MODES["atomic"]:
         down_out = torch.zeros((num_tokens, hidden_size), dtype=torch.float32, device=device)
     elif reduce == REDUCE_MODES["pairs"]:
@@ -316,9 +294,8 @@ def fused_moe(
         down_out = torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
     else:
         down_out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
-    shared = dict(TOPK=topk, ON_INPUT=apply_router_weight_on_input, QUANT=quant, GELU=activation == "gelu",
-                  HIDDEN=kernels.HIDDEN_DTYPES[dtype], NATIVE_FP8=native_fp8_cast(device), INTERPRETED=INTERPRETED,
-                  BLOCK_M=block_m)
+    shared = dict(TOPK=topk, ON_INPUT=apply_router_weight_on_input, QUANT=quant, NATIVE_FP8=native_fp8_cast(device),
+                  INTERPRETED=INTERPRETED, BLOCK_M=block_m)
     layout = (sorted_pairs, block_expert, starts, counts, total)
 
     with device_guard(device):
@@ -344,24 +321,23 @@ def fused_moe(
                 x.stride(0), x_scale_stride, ON_INPUT=apply_router_weight_on_input,
                 NATIVE_FP8=shared["NATIVE_FP8"], GROUPS=QUANTIZE_GROUPS)
         gemm = config.gate_up
-        kernels.moe_gate_up_kernel[(max_blocks * -(-inter_size // gemm.block_n), gemm.split_k)](
+        kernels.moe_gate_up_kernel[(max_blocks * -(-inter_size // gemm.block_n),)](
             x, w1, w1_scale if w1_scale is not None else counts,
             w1_global_scale if w1_global_scale is not None else counts, x_scale, topk_weights, inter, inter_scale,
-            amax, *layout, hidden_size, inter_size, max_blocks, _k_per_split(hidden_size, gemm), *x.stride(),
-            x_scale_stride, *w1.stride(),
+            amax, *layout, hidden_size, inter_size, max_blocks, *x.stride(), x_scale_stride, *w1.stride(),
             *_scale_strides(w1_scale), *_strides(w1_global_scale, 1), *topk_weights.stride(), inter.stride(0),
             inter_scale.stride(0),
-            SPLIT_K=gemm.split_k, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m,
-            num_warps=gemm.num_warps, num_stages=gemm.num_stages, **shared)
+            GELU=activation == "gelu", HIDDEN=kernels.HIDDEN_DTYPES[dtype], BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k,
+            GROUP_M=gemm.group_m, num_warps=gemm.num_warps, num_stages=gemm.num_stages, **shared)
         gemm = config.down
-        kernels.moe_down_kernel[(max_blocks * -(-hidden_size // gemm.block_n), gemm.split_k)](
+        kernels.moe_down_kernel[(max_blocks * -(-hidden_size // gemm.block_n),)](
             inter, inter_scale, w2, w2_scale if w2_scale is not None else counts,
             w2_global_scale if w2_global_scale is not None else counts, amax, topk_weights, down_out,
-            *layout, hidden_size, inter_size, max_blocks, _k_per_split(inter_size, gemm), inter.stride(0),
-            inter_scale.stride(0), *w2.stride(),
+            *layout, hidden_size, inter_size, max_blocks, inter.stride(0), inter_scale.stride(0), *w2.stride(),
             *_scale_strides(w2_scale), *_strides(w2_global_scale, 1), *topk_weights.stride(), down_out.stride(0),
-            REDUCE=reduce, GATED=config.gate_up.split_k > 1, SPLIT_K=gemm.split_k, BLOCK_N=gemm.block_n,
-            BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, num_warps=gemm.num_warps, num_stages=gemm.num_stages, **shared)
+            REDUCE=reduce,
+            BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, num_warps=gemm.num_warps,
+            num_stages=gemm.num_stages, **shared)
         if reduce == TOP1_STORE:
             return down_out
         if reduce == REDUCE_MODES["atomic"]:

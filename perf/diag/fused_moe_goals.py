@@ -12,8 +12,7 @@ configuration of _sweep, checked the same way first; --kernels adds each kernel'
 profiler), --route-probe the triton call with its routing in three launches.
 
     python perf/diag/fused_moe_goals.py --out DIR [--models mixtral qwen3 deepseek] [--tokens 1 64 4096] [--sweep]
-        [--impls triton torch deepgemm] [--configs BM/BN/BK/WARPS/STAGES[/REDUCE[/SPLIT_K[/SPLIT_K]]] ...]
-        [--kernels] [--route-probe]
+        [--impls triton torch deepgemm] [--configs BM/BN/BK/WARPS/STAGES[/REDUCE] ...] [--kernels] [--route-probe]
 """
 
 from __future__ import annotations
@@ -93,18 +92,11 @@ def _sweep(quantization: str, pairs_per_expert: float) -> list[LaunchConfig]:
 
 
 def _parse_config(text: str) -> LaunchConfig:
-    """BM/BN/BK/WARPS/STAGES[/REDUCE[/GATE_UP_SPLIT_K[/DOWN_SPLIT_K]]] -> the configuration with those tiles
-    for both GEMMs."""
+    """BM/BN/BK/WARPS/STAGES[/REDUCE] -> the configuration with those tiles for both GEMMs."""
     fields = text.split("/")
     block_m, block_n, block_k, warps, stages = (int(v) for v in fields[:5])
-    splits = [int(v) for v in fields[6:8]]
-    splits += [1] * (2 - len(splits))
-
-    def tiles(split_k: int) -> GemmConfig:
-        return GemmConfig(block_n, block_k, group_m=1 if block_m == 16 else 8, num_warps=warps,
-                          num_stages=stages, split_k=split_k)
-
-    return LaunchConfig(block_m, tiles(splits[0]), tiles(splits[1]), *fields[5:6])
+    tiles = GemmConfig(block_n, block_k, group_m=1 if block_m == 16 else 8, num_warps=warps, num_stages=stages)
+    return LaunchConfig(block_m, tiles, tiles, *fields[5:])
 
 
 def _build(model: str, tokens: int, seed: int = 0) -> list[dict]:
@@ -215,8 +207,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--tokens", nargs="*", type=int, default=[1, 64, 4096])
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--configs", nargs="*", default=[],
-                        metavar="BM/BN/BK/WARPS/STAGES[/REDUCE[/SPLIT_K[/SPLIT_K]]]",
+    parser.add_argument("--configs", nargs="*", default=[], metavar="BM/BN/BK/WARPS/STAGES[/REDUCE]",
                         help="also time these launch configurations (both GEMMs' tiles; group_m 8, 1 at BM 16)")
     parser.add_argument("--kernels", action="store_true", help="also profile each variant's kernels")
     parser.add_argument("--route-probe", action="store_true",
