@@ -101,6 +101,21 @@ def graph_replay_time(
     return _summary(per_call)
 
 
+def sized_replay_time(fn: Callable[..., Any], inputs: Sequence[dict[str, Any]], *, budget_us: float = 200_000,
+                      max_calls: int = 32, trials: int = 10) -> float:
+    """The median per-call time (us) of graph_replay_time with as many calls per graph as fit ``budget_us``
+    by one eager call's time (at least one per input set, at most ``max_calls``): the diag scripts'
+    timing of variants whose times differ by 1000x."""
+    fn(**inputs[0])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn(**inputs[0])
+    torch.cuda.synchronize()
+    eager_us = (time.perf_counter() - start) * 1e6
+    calls = max(len(inputs), min(max_calls, int(budget_us / max(eager_us, 1.0))))
+    return graph_replay_time(fn, inputs, calls_per_graph=calls, trials=trials).median_us
+
+
 def checked_replay_time(fn: Callable[..., Any], inputs: Sequence[dict[str, Any]], expected: Any,
                         check_close: Callable[[Any, Any, dict[str, Any]], None], **replay: int) -> Timing:
     """``check_close(fn(**inputs[0]), expected, inputs[0])`` (a spec's: AssertionError when wrong),

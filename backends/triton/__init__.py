@@ -35,6 +35,9 @@ TABLE = (
     Entry("quantize_fp8",
           "per token and per 1 x G group in one launch, per tensor in one (few rows) or two (maxima, then "
           "codes); e4m3fn"),
+    Entry("scaled_mm",
+          "tiled fp8 GEMM with every scale layout and the bias fused; at decode sizes split-K over the weight "
+          "stream, the slices summed in one more launch"),
     Entry("mla_decode",
           "the paged-attention kernel with one latent head: heads as rows, values from the "
           "key tile, split-KV with a merge kernel"),

@@ -387,8 +387,9 @@ def moe_gate_up_kernel(
                 codes = _fp8(tl.math.div_rn(a, tl.broadcast_to(x_scale, a.shape)), NATIVE_FP8)
                 if INTERPRETED:
                     codes, b_gate, b_up = codes.to(tl.float32), b_gate.to(tl.float32), b_up.to(tl.float32)
-                gate = tl.dot(codes, b_gate, gate)
-                up = tl.dot(codes, b_up, up)
+                # Added by the CUDA cores each step: Hopper's fp8 MMA accumulator has fewer bits than fp32.
+                gate += tl.dot(codes, b_gate)
+                up += tl.dot(codes, b_up)
     if QUANT == PER_TENSOR:
         w_scale = tl.load(w1_scale_ptr + expert * stride_se)
         gate = gate * (x_scale * w_scale)
@@ -473,7 +474,7 @@ def moe_down_kernel(
                 codes = _fp8(tl.math.div_rn(a.to(tl.float32), tl.broadcast_to(a_scale, a.shape)), NATIVE_FP8)
                 if INTERPRETED:
                     codes, b = codes.to(tl.float32), b.to(tl.float32)
-                acc = tl.dot(codes, b, acc)
+                acc += tl.dot(codes, b)  # added by the CUDA cores each step, as in gate-up
     if QUANT == PER_TENSOR:
         acc = acc * (a_scale * tl.load(w2_scale_ptr + expert * stride_se))
     if QUANT == NVFP4:

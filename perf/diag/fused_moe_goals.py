@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import json
 import os
-import time
 from unittest import mock
 
 import torch
@@ -29,7 +28,7 @@ import torch
 from kernelmux.backends.triton import fused_moe as triton_moe
 from kernelmux.backends.triton.fused_moe import GemmConfig, LaunchConfig
 from kernelmux.perf import ceilings as ceilings_module
-from kernelmux.perf.timing import graph_replay_time
+from kernelmux.perf.timing import sized_replay_time
 from kernelmux.specs import fused_moe as spec
 from kernelmux.specs.scaled_mm import quantize_weight_blocks
 
@@ -157,17 +156,6 @@ def _peers(quantization: str) -> dict:
     return impls
 
 
-def _time(fn, inputs) -> float:
-    fn(**inputs[0])
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn(**inputs[0])
-    torch.cuda.synchronize()
-    eager_us = (time.perf_counter() - start) * 1e6
-    calls = max(4, min(32, int(200_000 / max(eager_us, 1.0))))
-    return graph_replay_time(fn, inputs, calls_per_graph=calls, trials=10).median_us
-
-
 KERNELS = ("route", "count", "layout", "scatter", "quantize", "gate_up", "down", "sum")
 
 
@@ -252,7 +240,7 @@ def main() -> None:
                         if name == "triton-3-launch-routing":
                             context.enter_context(mock.patch.object(triton_moe, "ROUTE_ONE_PROGRAM_MAX_PAIRS", 0))
                         row["check"] = _check(fn, inputs, expected, use_reference or name == peer)
-                        us = _time(fn, inputs)
+                        us = sized_replay_time(fn, inputs)
                         if args.kernels:
                             row["kernels_us"] = _kernel_times(fn, inputs)
                     row.update(us=round(us, 2), roofline_pct=round(100 * floor_us / us, 1),
