@@ -71,6 +71,9 @@ _TABLES: dict[str, tuple[tuple[int, float, LaunchConfig], ...]] = {
         # M 128: 63.5 / 16.3 / 14.8 / 150.6 us; 128 x 128 tiles, 8 warps 86.7 / 14.8 / 19.3 / 150.0, BN 64
         # whole K 73.8 / 21.4 / 11.1 / 162.5.
         (64, 128, LaunchConfig(64, 128, 128, 8, 4, 4, AUTO, tuned=True)),
+        # M 4096, 7168 x 16384 / 36864 x 7168: 1578.7 / 3444.4 us; 3 stages 1590.8 / 3460.4, 64 x 128 tiles 1669.2 /
+        # 3756.1, 64 x 256 1713.8 / 3806.5, 128 x 256 4530.4 / 10101.9, 4 warps 7299.1 / 15181.2.
+        (256, float("inf"), LaunchConfig(128, 128, 128, 8, 8, 4, 1, tuned=True)),
     ),
 }
 
