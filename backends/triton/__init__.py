@@ -34,7 +34,7 @@ TABLE = (
           "mainloops)"),
     Entry("quantize_fp8",
           "per token and per 1 x G group in one launch, per tensor in one (few rows) or two (maxima, then "
-          "codes); e4m3fn"),
+          "codes); e4m3fn and e4m3fnuz"),
     Entry("scaled_mm",
           "tiled fp8 GEMM with every scale layout and the bias fused; at decode sizes split-K over the weight "
           "stream, the slices summed in one more launch"),

@@ -1,6 +1,7 @@
-"""fp8 (float8_e4m3fn) codes from fp32 in Triton kernels, as torch's round-to-nearest-even saturating
-cast makes them: the one fp8 conversion every kernel of the triton backend uses (kv_cache_write's
-cache writes, fused_moe's dynamic activation quantization). Host side: _host.native_fp8_cast."""
+"""fp8 codes from fp32 in Triton kernels, as torch's round-to-nearest-even saturating cast makes them:
+the one fp8 conversion every kernel of the triton backend uses (kv_cache_write's cache writes,
+fused_moe's dynamic activation quantization, quantize_fp8), float8_e4m3fn and, for quantize_fp8,
+float8_e4m3fnuz (gfx942's). Host side: _host.native_fp8_cast."""
 
 import triton
 import triton.language as tl
@@ -39,6 +40,7 @@ import triton.language as tl
 # approximate div.full.f32, up to 2 ulp), and one ulp moves a value across an e4m3 boundary.
 
 FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn
+FNUZ_MAX = tl.constexpr(240.0)  # largest finite float8_e4m3fnuz
 # fp32 bit patterns: 2**-6 (the smallest normal e4m3fn), 2**23 (the rounding magic) and +inf.
 _MIN_NORMAL_BITS = tl.constexpr(0x3C800000)
 _MAGIC_BITS = tl.constexpr(0x4B000000)
@@ -46,6 +48,9 @@ _INF_BITS = tl.constexpr(0x7F800000)
 # e4m3fn's exponent bias is 7, fp32's 127: a normal fp32 exponent e becomes e - 120, which is
 # 120 << 3 = 960 once the fp32 bits are shifted down to sign-less e4m3 bits (exponent, 3 mantissa).
 _REBIAS = tl.constexpr(960)
+# e4m3fnuz: exponent bias 8, so its smallest normal is 2**-7 and its rebias 119 << 3; 0x80 is its one NaN.
+_FNUZ_MIN_NORMAL_BITS = tl.constexpr(0x3C000000)
+_FNUZ_REBIAS = tl.constexpr(952)
 
 
 @triton.jit
@@ -74,4 +79,26 @@ def e4m3fn_codes(x, nan_sign, NATIVE_FP8: tl.constexpr):
         subnormal = scaled.to(tl.int32, bitcast=True) - _MAGIC_BITS
         code = sign | tl.where(mag < _MIN_NORMAL_BITS, subnormal, normal)
     code = tl.where(mag > _INF_BITS, nan_sign | 0x7F, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def e4m3fnuz_codes(x):
+    """fp32 (already divided by the scale) -> float8_e4m3fnuz codes (uint8), as torch's cast makes
+    them: saturated to +-240, rounded to nearest even, NaN -> 0x80, and no negative zero (0x80 is the
+    NaN: a value that rounds to 0 gets 0x00 whatever its sign). The integer route only: no hardware
+    converts to this format on NVIDIA, and on gfx942 (its home) the kernels take the integer route."""
+    x = tl.where(x > FNUZ_MAX, FNUZ_MAX, x)  # NaN passes, as in e4m3fn_codes
+    x = tl.where(x < -FNUZ_MAX, -FNUZ_MAX, x)
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # e4m3fn_codes' integer rounding, one exponent lower: normal codes from the rounded mantissa,
+    # subnormal ones (|x| < 2**-7) as |x| / 2**-10 rounded to nearest even by the 2**23 add.
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - _FNUZ_REBIAS
+    scaled = mag.to(tl.float32, bitcast=True) * 1024.0 + 8388608.0
+    subnormal = scaled.to(tl.int32, bitcast=True) - _MAGIC_BITS
+    magnitude = tl.where(mag < _FNUZ_MIN_NORMAL_BITS, subnormal, normal)
+    code = tl.where(magnitude == 0, 0, sign | magnitude)
+    code = tl.where(mag > _INF_BITS, 0x80, code)
     return code.to(tl.uint8)

@@ -1,12 +1,12 @@
 """The triton backend's quantize_fp8 kernels: rows (per token, or the whole tensor's one scale from its own
 tile or from per-program partial maxima) and 1 x G groups, each reading its input once for the amax and
 once for the codes, with the spec's fp32 arithmetic (IEEE divisions, its floors, ue8m0 by the bits) and
-the shared e4m3fn code routine. Host side: quantize_fp8.py."""
+the shared code routines (e4m3fn, or e4m3fnuz under FNUZ). Host side: quantize_fp8.py."""
 
 import triton
 import triton.language as tl
 
-from kernelmux.backends.triton._fp8_kernel import FP8_MAX, e4m3fn_codes
+from kernelmux.backends.triton._fp8_kernel import FNUZ_MAX, FP8_MAX, e4m3fn_codes, e4m3fnuz_codes
 
 GROUP_AMAX_FLOOR = tl.constexpr(1e-4)  # per_group floors the amax
 SCALE_FLOOR = tl.constexpr(2.0**-126)  # per_token and per_tensor floor the scale
@@ -18,10 +18,11 @@ PARTIALS = tl.constexpr(2)
 
 
 @triton.jit
-def _scale(amax, GROUPED: tl.constexpr, UE8M0: tl.constexpr):
-    """The spec's scale of a [n] vector of amax values: max(amax, 1e-4) / 448 for groups, else
-    max(amax / 448, 2^-126); ue8m0 rounds it up to a power of two on the bits (a mantissa carries)."""
-    fp8_max = tl.full(amax.shape, FP8_MAX, tl.float32)
+def _scale(amax, GROUPED: tl.constexpr, UE8M0: tl.constexpr, FNUZ: tl.constexpr):
+    """The spec's scale of a [n] vector of amax values: max(amax, 1e-4) / fp8_max for groups, else
+    max(amax / fp8_max, 2^-126) (fp8_max 448, 240 under FNUZ); ue8m0 rounds it up to a power of two on
+    the bits (a mantissa carries)."""
+    fp8_max = tl.full(amax.shape, FNUZ_MAX if FNUZ else FP8_MAX, tl.float32)
     if GROUPED:
         scale = tl.math.div_rn(tl.maximum(amax, GROUP_AMAX_FLOOR), fp8_max)
     else:
@@ -33,9 +34,11 @@ def _scale(amax, GROUPED: tl.constexpr, UE8M0: tl.constexpr):
 
 
 @triton.jit
-def _codes(x, scale, NATIVE_FP8: tl.constexpr):
-    """fp32 x [r, c] over its per-row scale [r, 1] (broadcast) -> e4m3fn codes, the IEEE division first."""
-    return e4m3fn_codes(tl.math.div_rn(x, tl.broadcast_to(scale, x.shape)), 0, NATIVE_FP8)
+def _codes(x, scale, NATIVE_FP8: tl.constexpr, FNUZ: tl.constexpr):
+    """fp32 x [r, c] over its per-row scale [r, 1] (broadcast) -> e4m3fn (e4m3fnuz under FNUZ) codes, the
+    IEEE division first."""
+    x = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
+    return e4m3fnuz_codes(x) if FNUZ else e4m3fn_codes(x, 0, NATIVE_FP8)
 
 
 @triton.jit
@@ -56,7 +59,7 @@ def amax_partials_kernel(x_ptr, partial_ptr, rows, cols, stride_xm, stride_xk,
 @triton.jit
 def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, rows, cols, num_partials,
                          stride_xm, stride_xk, stride_qm, stride_sm,
-                         AMAX: tl.constexpr, UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                         AMAX: tl.constexpr, UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr, FNUZ: tl.constexpr,
                          ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
     """Codes of the program's ROWS rows and their scale: per row (AMAX ROW, scale [M, 1]) or one for
     the tensor (TILE: this program's rows are all of it; PARTIALS: the first pass's maxima), stored by
@@ -79,7 +82,7 @@ def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, rows, cols, num_p
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         if AMAX == TILE:
             amax = tl.zeros((ROWS,), dtype=tl.float32) + tl.max(amax, axis=0)
-    scale = _scale(amax, False, UE8M0)
+    scale = _scale(amax, False, UE8M0, FNUZ)
     if AMAX == ROW:
         tl.store(scale_ptr + row * stride_sm, scale, mask=row_ok)
     else:
@@ -89,13 +92,13 @@ def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, rows, cols, num_p
         k = k0 + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (k < cols)[None, :]
         x = tl.load(x_rows + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_rows + k[None, :], _codes(x, scale[:, None], NATIVE_FP8), mask=mask)
+        tl.store(q_rows + k[None, :], _codes(x, scale[:, None], NATIVE_FP8, FNUZ), mask=mask)
 
 
 @triton.jit
 def quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, cols, group_size, num_groups,
                            stride_xm, stride_xk, stride_qm, stride_sm, stride_sg,
-                           UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                           UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr, FNUZ: tl.constexpr,
                            GROUPS: tl.constexpr, GROUP_PAD: tl.constexpr):
     """per_group: GROUPS 1 x group_size groups of one row per program (GROUP_PAD >= group_size lanes
     each; a short last group reads only the columns it has), their scales and codes."""
@@ -105,6 +108,6 @@ def quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, cols, group_size, num_groups
     col = group[:, None] * group_size + lane[None, :]
     mask = (group < num_groups)[:, None] & (lane < group_size)[None, :] & (col < cols)
     x = tl.load(x_ptr + row * stride_xm + col * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    scale = _scale(tl.max(tl.abs(x), axis=1), True, UE8M0)
+    scale = _scale(tl.max(tl.abs(x), axis=1), True, UE8M0, FNUZ)
     tl.store(scale_ptr + row * stride_sm + group * stride_sg, scale, mask=group < num_groups)
-    tl.store(q_ptr + row * stride_qm + col, _codes(x, scale[:, None], NATIVE_FP8), mask=mask)
+    tl.store(q_ptr + row * stride_qm + col, _codes(x, scale[:, None], NATIVE_FP8, FNUZ), mask=mask)

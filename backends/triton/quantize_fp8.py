@@ -1,19 +1,17 @@
-"""The triton backend's quantize_fp8: which calls its kernels take and their launches (kernels:
+"""The triton backend's quantize_fp8, every call the spec allows, and its launches (kernels:
 _quantize_fp8_kernel.py, imported on the first launch so the backend registers without Triton):
 per_token and per_group in one launch; per_tensor in one launch when one program holds every row,
 else a pass of per-program maxima and the quantizing pass (no fill, no host sync). Scales come out
-in the spec's canonical layouts."""
+in the spec's canonical layouts; both fp8 formats (e4m3fnuz's codes by the integer route)."""
 
 import functools
-from typing import Optional
 
 import torch
 
 from kernelmux.backends.triton._host import device_guard, native_fp8_cast, next_pow2
-from kernelmux.platforms import Platform
 from kernelmux.specs import quantize_fp8 as spec
 
-__all__ = ["quantize_fp8", "supports"]
+__all__ = ["quantize_fp8"]
 
 # per_tensor's rows per program and the row kernels' columns per step: 4 x 1024 fp32 lanes of a tile, two
 # 16-byte vectors of bf16 per thread at 4 warps. BLOCK_K swept for per_token (below); ROWS not swept.
@@ -32,12 +30,6 @@ GROUPS = 8  # per_group: groups of one row per program
 AMAX_ROW, AMAX_TILE, AMAX_PARTIALS = 0, 1, 2
 
 
-def supports(key: spec.Key, platform: Platform) -> Optional[str]:
-    """None when the kernels compute calls with this key as the spec defines them, else why not."""
-    if key.fp8_dtype != "e4m3fn":
-        return (f"{key.fp8_dtype} codes: the kernels' code routine is e4m3fn's (max 448, bias 7); "
-                "e4m3fnuz (gfx942) needs its own")
-    return None
 
 
 @functools.cache
@@ -65,12 +57,13 @@ def quantize_fp8(
     kernels = _kernels()
     codes = q.view(torch.uint8)  # the kernels write code bytes
     native = native_fp8_cast(device)
+    fnuz = fp8_dtype == "e4m3fnuz"
     with device_guard(device):
         if granularity == "per_group":
             groups = scale.shape[1]
             kernels.quantize_groups_kernel[(rows, -(-groups // GROUPS))](
                 x, codes, scale, cols, group_size, groups, *x.stride(), codes.stride(0), *scale.stride(),
-                UE8M0=ue8m0, NATIVE_FP8=native, GROUPS=GROUPS, GROUP_PAD=next_pow2(group_size))
+                UE8M0=ue8m0, NATIVE_FP8=native, FNUZ=fnuz, GROUPS=GROUPS, GROUP_PAD=next_pow2(group_size))
             return q, scale
         block_rows = ROWS
         partials = scale  # a placeholder unless per_tensor takes two passes
@@ -85,5 +78,5 @@ def quantize_fp8(
                                                               BLOCK_K=BLOCK_K)
         kernels.quantize_rows_kernel[(-(-rows // block_rows),)](
             x, codes, scale, partials, rows, cols, partials.numel(), *x.stride(), codes.stride(0), scale.stride(0),
-            AMAX=amax, UE8M0=ue8m0, NATIVE_FP8=native, ROWS=block_rows, BLOCK_K=BLOCK_K, BLOCK_P=PARTIALS_BLOCK)
+            AMAX=amax, UE8M0=ue8m0, NATIVE_FP8=native, FNUZ=fnuz, ROWS=block_rows, BLOCK_K=BLOCK_K, BLOCK_P=PARTIALS_BLOCK)
     return q, scale

@@ -12,12 +12,10 @@ import torch
 pytest.importorskip("triton", reason="needs triton (pip install kernelmux[test] on Linux x86_64)")
 
 from conftest import DEVICE  # noqa: E402
-from fakes import ask  # noqa: E402
 from kernelmux.backends.triton import quantize_fp8 as host  # noqa: E402
 from kernelmux.backends.triton._host import force_software_fp8  # noqa: E402
-from kernelmux.backends.triton.quantize_fp8 import quantize_fp8, supports  # noqa: E402
+from kernelmux.backends.triton.quantize_fp8 import quantize_fp8  # noqa: E402
 from kernelmux.conformance import poison_freed_memory  # noqa: E402
-from kernelmux.platforms import simulate  # noqa: E402
 from kernelmux.specs.quantize_fp8 import SPEC  # noqa: E402
 
 ON_GPU = DEVICE == "cuda"
@@ -33,7 +31,7 @@ if not ON_GPU and not isinstance(
 # The interpreter costs ~10 ms per program: on the CPU the cases of more than 64 rows (4-18 s each) are
 # left to the GPU.
 INTERPRETER_MAX_ROWS = 64
-SERVED = [case.name for case in SPEC.cases if "fnuz" not in case.name]
+SERVED = [case.name for case in SPEC.cases]
 
 
 def _check(kwargs: dict, what: str) -> None:
@@ -50,10 +48,28 @@ def test_signature_matches_the_spec() -> None:
     assert inspect.signature(quantize_fp8) == SPEC.signature
 
 
-def test_declines_e4m3fnuz_with_a_reason() -> None:
-    kwargs = SPEC.case("small_fnuz_per_group").build("cpu", 0)
-    assert "e4m3fnuz" in ask(supports, SPEC, kwargs, simulate("sm_90"))
-    assert ask(supports, SPEC, SPEC.case("small_per_group_ue8m0").build("cpu", 0), simulate("sm_90")) is None
+def _fnuz_grid_and_ties() -> torch.Tensor:
+    """fp32 values covering every e4m3fnuz code's neighbourhood: every finite bf16 value of magnitude <= 240
+    (subnormals, zeros of both signs, every exponent) and each midpoint between adjacent codes, with the
+    fp32 values just below and above it (ties go to even, the others to the nearer code)."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    grid = every[every.isfinite() & (every.abs() <= 240)]
+    codes = torch.arange(0, 0x80, dtype=torch.uint8).view(torch.float8_e4m3fnuz).float()  # 0 .. 240
+    mid = (codes[1:] + codes[:-1]) / 2
+    ties = torch.cat([mid, torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1)])
+    return torch.cat([grid, ties, -ties])
+
+
+@pytest.mark.parametrize("rows_per_program", [1, 4])
+def test_every_e4m3fnuz_code_at_unit_scale(rows_per_program: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows of 255 values and a 240: every row's per_token scale is 240 / 240 = 1 exactly, so each code is
+    # the value's own e4m3fnuz rounding (torch's cast, the reference's), bit for bit.
+    monkeypatch.setattr(host, "TOKEN_ROWS", rows_per_program)
+    values = _fnuz_grid_and_ties()
+    values = torch.cat([values, values.new_zeros(-values.numel() % 255)]).view(-1, 255)
+    x = torch.cat([values.new_full((values.shape[0], 1), 240.0), values], 1).to(DEVICE)
+    _check(dict(x=x, granularity="per_token", group_size=128, ue8m0=False, fp8_dtype="e4m3fnuz"),
+           f"every e4m3fnuz code, {rows_per_program} rows a program")
 
 
 @pytest.mark.parametrize("name", SERVED)
