@@ -1,5 +1,6 @@
 """quantize_fp8: dynamic FP8 (e4m3) quantization per tensor, per token or per 1xG group; the spec,
-its reference and its cases. The codes and scales it returns are the inputs of ``scaled_mm``."""
+its reference and its cases. The codes and scales it returns are the inputs of ``scaled_mm``, the
+scales in the layout the caller's GEMM reads (K-major, or MN-major for TMA)."""
 
 from typing import Any, Mapping, NamedTuple, Optional
 
@@ -30,6 +31,11 @@ GROUP_AMAX_FLOOR = 1e-4
 # "scale = amax / fp8_max" intact for every real input while keeping the scale a normal,
 # non-zero number: no 0/0 for an all-zero row, and kernels that flush subnormals still agree.
 SCALE_FLOOR = torch.finfo(torch.float32).tiny
+# Where a [M, G] scale's elements lie: "k_major" (row after row: contiguous) or "mn_major" (column after
+# column, each column of M scales padded to a multiple of TMA_ALIGN: the layout that Hopper's block-scaled
+# GEMMs load by TMA, DeepGEMM's "MN-major TMA-aligned" one), so no transpose runs between the two ops.
+SCALE_LAYOUTS = ("k_major", "mn_major")
+TMA_ALIGN = 4  # fp32 scales per 16 bytes: TMA's alignment of a column's start
 
 
 def quantize_fp8(
@@ -38,6 +44,7 @@ def quantize_fp8(
     group_size: int = 128,
     ue8m0: bool = False,
     fp8_dtype: str = "e4m3fn",
+    scale_layout: str = "k_major",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` to FP8 e4m3 with dynamically computed fp32 scales: ``x ~ q * scale``.
 
@@ -55,6 +62,10 @@ def quantize_fp8(
         ue8m0: round every scale *up* to the next power of two (exact: the smallest 2^e >= s),
             as UE8M0 scale formats need; codes are then computed with the rounded scale.
         fp8_dtype: ``"e4m3fn"`` (fp8_max 448) or ``"e4m3fnuz"`` (fp8_max 240).
+        scale_layout: the strides of a ``[M, G]`` scale (per_group; per_token's ``[M, 1]`` is the same
+            either way): ``"k_major"`` contiguous, ``"mn_major"`` ``(1, round_up(max(M, 1), 4))``,
+            each column of M scales 16-byte aligned (what DeepGEMM's and CUTLASS's Hopper block
+            GEMMs load by TMA). The values do not depend on it.
 
     Every step is fp32 and correctly rounded: ``scale = amax / fp8_max`` (an IEEE division, not a
     multiply by 1/fp8_max), ``q = fp8(clamp(x / scale, -fp8_max, fp8_max))`` with an IEEE division
@@ -67,7 +78,7 @@ def quantize_fp8(
     """
     fp8 = FP8_DTYPES[fp8_dtype]
     fp8_max = FP8_MAX[fp8_dtype]
-    values = x.float()
+    values = x.float().contiguous()  # q contiguous whatever x's strides, as fake says
     rows, cols = values.shape
     magnitude = values.abs()
     if granularity == "per_group":
@@ -84,7 +95,28 @@ def quantize_fp8(
     else:
         divisor = scale
     q = (values / divisor).clamp(-fp8_max, fp8_max).to(fp8)
-    return q, scale
+    return q, in_scale_layout(scale, scale_layout)
+
+
+def empty_scale(shape: tuple[int, ...], scale_layout: str, device: torch.device) -> torch.Tensor:
+    """An uninitialized fp32 scale of ``shape`` with ``scale_layout``'s strides (SCALE_LAYOUTS)."""
+    if scale_layout == "mn_major" and len(shape) == 2:
+        column = -(-max(shape[0], 1) // TMA_ALIGN) * TMA_ALIGN
+        return torch.empty_strided(shape, (1, column), dtype=torch.float32, device=device)
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def in_scale_layout(scale: torch.Tensor, scale_layout: str) -> torch.Tensor:
+    """``scale`` itself when its strides are ``scale_layout``'s, else a copy that has them."""
+    wanted = empty_scale(tuple(scale.shape), scale_layout, scale.device)
+    if _strides_that_matter(wanted) == _strides_that_matter(scale):
+        return scale
+    return wanted.copy_(scale)
+
+
+def _strides_that_matter(t: torch.Tensor) -> tuple[int, ...]:
+    """The strides of the dims longer than 1 (a dim of length 1 is never stepped along)."""
+    return tuple(stride for stride, size in zip(t.stride(), t.shape) if size > 1)
 
 
 def scale_from_amax(amax: torch.Tensor, granularity: str, ue8m0: bool, fp8_dtype: str) -> torch.Tensor:
@@ -120,6 +152,7 @@ class Key(NamedTuple):
     group_size: Optional[int]  # None unless per_group: the other granularities ignore it
     ue8m0: bool
     fp8_dtype: str
+    scale_layout: str
     k: int
     m_class: int
     x_layout: Layout
@@ -131,6 +164,7 @@ def validate(
     group_size: int = 128,
     ue8m0: bool = False,
     fp8_dtype: str = "e4m3fn",
+    scale_layout: str = "k_major",
 ) -> Key:
     """Check a call against the spec; return the dispatch key."""
     check_tensor(NAME, "x", x, dtypes=INPUT_DTYPES, rank=2)
@@ -145,9 +179,10 @@ def validate(
     if type(ue8m0) is not bool:
         raise InvalidArgumentError(NAME, "ue8m0", "a bool", type(ue8m0).__name__)
     check_choice(NAME, "fp8_dtype", fp8_dtype, FP8_DTYPES)
+    check_choice(NAME, "scale_layout", scale_layout, SCALE_LAYOUTS)
     return Key(
         x.device, x.dtype, granularity, group_size if granularity == "per_group" else None, ue8m0,
-        fp8_dtype, cols, size_class(x.shape[0]), layout(x),
+        fp8_dtype, scale_layout, cols, size_class(x.shape[0]), layout(x),
     )
 
 
@@ -157,6 +192,7 @@ def fake(
     group_size: int = 128,
     ue8m0: bool = False,
     fp8_dtype: str = "e4m3fn",
+    scale_layout: str = "k_major",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     if granularity == "per_group":
@@ -167,7 +203,7 @@ def fake(
         scale_shape = (1,)
     return (
         x.new_empty((rows, cols), dtype=FP8_DTYPES[fp8_dtype]),
-        x.new_empty(scale_shape, dtype=torch.float32),
+        empty_scale(scale_shape, scale_layout, x.device),
     )
 
 
@@ -195,13 +231,17 @@ def _first_mismatch(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def check_close(actual: Any, expected: Any, kwargs: Mapping[str, Any]) -> None:
-    """Codes and scales must be bit-identical (codes compared as bytes, scales as int32 bits)."""
+    """Codes and scales must be bit-identical (codes compared as bytes, scales as int32 bits), and laid
+    out as the spec's (the strides of dims longer than 1: a consumer, or a compiled graph, reads them)."""
     for got, want, what in zip(actual, expected, ("q", "scale")):
         if got.shape != want.shape or got.dtype != want.dtype or got.device != want.device:
             raise AssertionError(
                 f"{NAME} {what}: got {tuple(got.shape)} {got.dtype} on {got.device}, expected "
                 f"{tuple(want.shape)} {want.dtype} on {want.device}"
             )
+        if _strides_that_matter(got) != _strides_that_matter(want):
+            raise AssertionError(f"{NAME} {what}: got strides {got.stride()}, expected {want.stride()} "
+                                 f"(scale_layout {kwargs.get('scale_layout', 'k_major')!r})")
         _first_mismatch(got, want, what)
 
 
@@ -240,6 +280,7 @@ def _maker(
     ue8m0: bool = False,
     fp8_dtype: str = "e4m3fn",
     fill: str = "random",
+    scale_layout: str = "k_major",
 ):
     def make(device: torch.device, generator: torch.Generator) -> dict[str, Any]:
         x = _activations(rows, cols, torch.float32, generator)
@@ -265,6 +306,7 @@ def _maker(
             "group_size": group_size,
             "ue8m0": ue8m0,
             "fp8_dtype": fp8_dtype,
+            "scale_layout": scale_layout,
         }
 
     return make
@@ -282,6 +324,10 @@ def _cases() -> tuple[Case, ...]:
         for ue8m0 in (False, True)
     ]
     cases += [
+        Case("deepseek_v3_m1_mn_major", _maker(1, 7168, "per_group", scale_layout="mn_major"), quick,
+             "DeepSeek-V3 decode, 1x128 groups, scales MN-major for the block GEMM's TMA (column stride 4)"),
+        Case("deepseek_v3_m128_mn_major", _maker(128, 7168, "per_group", scale_layout="mn_major"), quick,
+             "DeepSeek-V3 at 128 tokens, scales MN-major (column stride 128)"),
         Case("deepseek_v3_moe_down_m128", _maker(128, 2048, "per_group"), quick,
              "DeepSeek-V3 expert intermediate (I 2048) before the down projection"),
         Case("llama3_8b_m1_per_token", _maker(1, 4096, "per_token"), quick,
@@ -301,10 +347,16 @@ def _cases() -> tuple[Case, ...]:
         Case("small_fnuz_per_token_ue8m0",
              _maker(3, 64, "per_token", ue8m0=True, fp8_dtype="e4m3fnuz", dtype=torch.float16),
              random, "e4m3fnuz with rounded-up per-token scales"),
+        Case("small_mn_major_ragged", _maker(5, 200, "per_group", scale_layout="mn_major"), random,
+             "MN-major scales of 5 rows (column stride 8) over a full and a short group"),
+        Case("small_per_token_mn_major", _maker(6, 96, "per_token", ue8m0=True, scale_layout="mn_major"),
+             random, "per-token scales asked MN-major: one column, the same layout either way"),
         Case("small_group_64", _maker(4, 192, "per_group", group_size=64), random,
              "a group size other than 128"),
         Case("empty_per_group", _maker(0, 7168, "per_group"), edge,
              "M = 0: an empty batch returns [0, K] codes and [0, 56] scales"),
+        Case("empty_mn_major", _maker(0, 256, "per_group", scale_layout="mn_major"), edge,
+             "M = 0 with MN-major scales: a [0, 2] scale"),
         Case("empty_per_tensor", _maker(0, 256, "per_tensor"), edge,
              "M = 0 with one scale: amax of nothing is 0, so the scale is the floor 2^-126"),
         Case("one_token_per_group", _maker(1, 256, "per_group"), edge, "M = 1: a decode step"),
@@ -336,7 +388,7 @@ def _cases() -> tuple[Case, ...]:
 @shapes_strategy
 def _shapes(draw: Any, st: Any) -> Case:
     """Drawn quantizations: 0-40 rows of 1-300 columns, every granularity, groups of 64 or 128 with
-    ragged tails, ue8m0 scales, both e4m3 flavours, zero rows and extremes."""
+    ragged tails, ue8m0 scales, both e4m3 flavours, zero rows and extremes, both scale layouts."""
     rows = draw(st.integers(0, 40))
     cols = draw(st.integers(1, 300))
     granularity = draw(st.sampled_from(GRANULARITIES))
@@ -345,15 +397,16 @@ def _shapes(draw: Any, st: Any) -> Case:
     ue8m0 = draw(st.booleans())
     flavour = draw(st.sampled_from(["e4m3fn", "e4m3fnuz"]))
     fill = draw(st.sampled_from(["random", "random", "zero_rows", "extremes"]))
+    scale_layout = draw(st.sampled_from(SCALE_LAYOUTS))
     return drawn(f"{rows} x {cols}, {granularity}{f' (groups of {group})' if granularity == 'per_group' else ''}, "
-                 f"{str(dtype)[6:]}, {flavour}{', ue8m0' if ue8m0 else ''}, {fill}",
+                 f"{str(dtype)[6:]}, {flavour}{', ue8m0' if ue8m0 else ''}, {fill}, {scale_layout} scales",
                  _maker(rows, cols, granularity, dtype=dtype, group_size=group, ue8m0=ue8m0, fp8_dtype=flavour,
-                        fill=fill))
+                        fill=fill, scale_layout=scale_layout))
 
 
 SPEC = OpSpec(
     name=NAME,
-    version=1,
+    version=2,  # 2: scale_layout
     reference=quantize_fp8,
     validate=validate,
     fake=fake,

@@ -272,6 +272,7 @@ def _maker(
     ue8m0: bool = False,
     fp8_dtype: str = "e4m3fn",
     scalar_scales: bool = False,
+    scale_a_layout: str = "k_major",
 ):
     def make(device: torch.device, generator: torch.Generator) -> dict[str, Any]:
         x = torch.randn(rows, cols, generator=generator)
@@ -282,7 +283,7 @@ def _maker(
         w = torch.randn(channels, cols, generator=generator) / cols**0.5
         w *= torch.rand(channels, 1, generator=generator) + 0.5
         if layout == "block":
-            a, scale_a = quantize_fp8(x, "per_group", BLOCK, ue8m0, fp8_dtype)
+            a, scale_a = quantize_fp8(x, "per_group", BLOCK, ue8m0, fp8_dtype, scale_a_layout)
             b, scale_b = quantize_weight_blocks(w, ue8m0, fp8_dtype)
         else:
             granularity = "per_tensor" if layout == "tensor" else "per_token"
@@ -314,6 +315,9 @@ def _cases() -> tuple[Case, ...]:
     cases += [
         Case("deepseek_v3_m64_n7168_k2048_ue8m0", _maker(64, 7168, 2048, "block", ue8m0=True),
              model, "DeepSeek-V3 with UE8M0 (power-of-two) scales, as DeepGEMM uses on SM100"),
+        Case("deepseek_v3_m1_n2048_k7168_mn_major", _maker(1, 2048, 7168, "block", scale_a_layout="mn_major"),
+             quick, "DeepSeek-V3 H 7168 -> 2048 at one token, activation scales MN-major as quantize_fp8 writes "
+             "them for a TMA consumer (no transpose before the GEMM)"),
         Case("llama3_8b_m1_per_token", _maker(1, 4096, 4096, "channel"), model,
              "Llama-3-8B o_proj (4096 x 4096), decode, per-token x per-channel scales"),
         Case("llama3_8b_m1024_per_token", _maker(1024, 4096, 4096, "channel"), model,
@@ -328,6 +332,8 @@ def _cases() -> tuple[Case, ...]:
              _maker(6, 40, 96, "channel", out_dtype="float16", with_bias=True),
              random, "per-token x per-channel, fp16 output and bias"),
         Case("small_block", _maker(9, 256, 384, "block"), random, "2 x 3 blocks, bf16 out"),
+        Case("small_block_mn_major", _maker(9, 256, 384, "block", scale_a_layout="mn_major"), random,
+             "block scales with scale_a MN-major (column stride 12)"),
         Case("small_block_bias_fp32",
              _maker(4, 128, 256, "block", out_dtype="float32", with_bias=True), random,
              "block scales with an fp32 bias and output"),

@@ -30,6 +30,7 @@ def quantize_fp8(
     group_size: int = 128,
     ue8m0: bool = False,
     fp8_dtype: str = "e4m3fn",
+    scale_layout: str = "k_major",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec's quantize_fp8 for per_token and per_group (K % group_size == 0) on aiter's dynamic
     per-row quantizer, kept wired for when the arithmetic agrees; never selected today."""
@@ -42,11 +43,13 @@ def quantize_fp8(
     codes = torch.empty((rows, cols), dtype=spec.FP8_DTYPES[fp8_dtype], device=x.device)
     scales = torch.empty((rows * (cols // width), 1), dtype=torch.float32, device=x.device)
     if rows == 0:
-        return codes, scales.view(rows, cols // width) if granularity == "per_group" else scales
+        return codes, spec.in_scale_layout(scales.view(rows, cols // width) if granularity == "per_group" else scales,
+                                           scale_layout)
     source = x.contiguous().view(-1, width)
 
     def call():
         aiter.dynamic_per_token_scaled_quant(out=codes.view(-1, width), input=source, scales=scales)
 
     first_calls.run(AITER, spec.NAME, (x.dtype, fp8_dtype), WHERE + " (module_quant)", call)
-    return codes, scales.view(rows, cols // width) if granularity == "per_group" else scales
+    return codes, spec.in_scale_layout(scales.view(rows, cols // width) if granularity == "per_group" else scales,
+                                       scale_layout)

@@ -21,6 +21,7 @@ def quantize_fp8(
     group_size: int = 128,
     ue8m0: bool = False,
     fp8_dtype: str = "e4m3fn",
+    scale_layout: str = "k_major",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec's quantize_fp8; arguments are validated by the caller. Each block of rows is widened to
     fp32 once; its maxima, scales, quotients and codes come from that copy."""
@@ -35,14 +36,14 @@ def quantize_fp8(
         scale = spec.scale_from_amax(amax, granularity, ue8m0, fp8_dtype)
     block_rows = max(1, BLOCK_ELEMENTS // cols)
     if rows <= block_rows:  # one block: no copies of the scales, and the cast allocates the codes
-        values = x.to(torch.float32, memory_format=torch.contiguous_format)
+        values = x.float().contiguous()  # (.to(memory_format=) keeps a strided fp32 x as it is)
         if granularity != "per_tensor":
             scale = _block_scale(values, granularity, group_size, ue8m0, fp8_dtype)
         quotients = _divided(values, scale, granularity, group_size, in_place=values is not x)
-        return quotients.clamp_(-fp8_max, fp8_max).to(fp8), scale
+        return quotients.clamp_(-fp8_max, fp8_max).to(fp8), spec.in_scale_layout(scale, scale_layout)
     q = torch.empty((rows, cols), dtype=fp8)
     if granularity != "per_tensor":
-        scale = spec.fake(x, granularity, group_size)[1]
+        scale = spec.fake(x, granularity, group_size, scale_layout=scale_layout)[1]
     for start in range(0, rows, block_rows):
         stop = min(rows, start + block_rows)
         values = torch.empty((stop - start, cols), dtype=torch.float32)

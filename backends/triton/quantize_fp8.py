@@ -1,8 +1,9 @@
 """The triton backend's quantize_fp8, every call the spec allows, and its launches (kernels:
 _quantize_fp8_kernel.py, imported on the first launch so the backend registers without Triton):
 per_token and per_group in one launch; per_tensor in one launch when one program holds every row,
-else a pass of per-program maxima and the quantizing pass (no fill, no host sync). Scales come out
-in the spec's canonical layouts; both fp8 formats (e4m3fnuz's codes by the integer route)."""
+else a pass of per-program maxima and the quantizing pass (no fill, no host sync). Scales are written
+in the layout asked for (K-major, or MN-major for a TMA consumer: the kernels take the strides); both fp8
+formats (e4m3fnuz's codes by the integer route)."""
 
 import functools
 
@@ -45,11 +46,12 @@ def quantize_fp8(
     group_size: int = 128,
     ue8m0: bool = False,
     fp8_dtype: str = "e4m3fn",
+    scale_layout: str = "k_major",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec's quantize_fp8; arguments are validated by the caller."""
     rows, cols = x.shape
     device = x.device
-    q, scale = spec.fake(x, granularity, group_size, ue8m0, fp8_dtype)  # empty outputs of the spec's shapes
+    q, scale = spec.fake(x, granularity, group_size, ue8m0, fp8_dtype, scale_layout)  # the spec's shapes and strides
     if rows == 0:
         if granularity == "per_tensor":  # the amax of nothing is 0: the floor, a power of two already
             scale.fill_(spec.SCALE_FLOOR)

@@ -35,6 +35,7 @@ def quantize_fp8(
     group_size: int = 128,
     ue8m0: bool = False,
     fp8_dtype: str = "e4m3fn",
+    scale_layout: str = "k_major",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec's quantize_fp8 on the vendor's quantizers (kept wired for when the arithmetic agrees;
     declined today): per_tensor on dynamic_scaled_fp8_quant, per_token on
@@ -58,4 +59,4 @@ def quantize_fp8(
             fp8_min=FP8_MIN, fp8_max=FP8_MAX, scale_ue8m0=ue8m0, dummy_is_scale_transposed=False,
             dummy_is_tma_aligned=False,
         )
-    return q, scale
+    return q, spec.in_scale_layout(scale, scale_layout)
