@@ -20,6 +20,11 @@ TABLE = (
     Entry("scaled_mm",
           "weights dequantized a block of rows at a time through the fp8 -> fp16 bit route, scales broadcast, "
           "fp32 GEMM"),
+    Entry("selective_state_update",
+          "a request at a time, its state slot decayed, rank-1 updated and read out in place (three passes)"),
+    Entry("ssd_scan",
+          "the reference's chunks with fp64 decay sums, each Q x Q matrix written once and scaled in place, C.B "
+          "per group; small chunks batched"),
     Entry("fused_moe",
           "pairs grouped per expert; bf16/fp16 GEMM in place for few rows, else weights (fp8, fp4 decoded) to fp32 in chunks"),
 )
