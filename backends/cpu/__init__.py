@@ -20,6 +20,9 @@ TABLE = (
     Entry("scaled_mm",
           "weights dequantized a block of rows at a time through the fp8 -> fp16 bit route, scales broadcast, "
           "fp32 GEMM"),
+    Entry("fp4_mm",
+          "W4A16 and W4A4, both formats: weights decoded a chunk of rows at a time (byte -> value-pair table, "
+          "scales by code) into fp32 GEMMs"),
     Entry("selective_state_update",
           "a request at a time, its state slot decayed, rank-1 updated and read out in place (three passes)"),
     Entry("ssd_scan",

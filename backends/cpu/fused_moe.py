@@ -13,9 +13,8 @@ at a time, fp8 and fp4 codes dequantized exactly), one activation pass and one w
 #   copy stays in cache. Weights of at most _CHUNK_ELEMENTS in all are converted once for every
 #   expert: small layers are bound by the number of torch calls, not by bytes.
 # - fp4 (W4A16): packed codes decoded to fp32 a chunk of rows at a time into reused buffers, through
-#   a byte -> (low, high) value-pair table (one 8-byte gather per two elements, where the reference
-#   indexes every element), times the block scales (256-entry code -> value tables) in the
-#   reference's order of operations: its dequantized values, bit for bit; fp32 GEMMs as above.
+#   _fp4's byte -> (low, high) value-pair table, times the block scales in the reference's order of
+#   operations: its dequantized values, bit for bit; fp32 GEMMs as above.
 #   Weights of at most _CHUNK_ELEMENTS in all are decoded once for every expert, as fp8's.
 # Activations are quantized by the spec's own helper over the same rows as the reference (the
 # whole [T, H] input; the intermediate's local pairs only, as the reference's off-rank rows are
@@ -27,10 +26,12 @@ from typing import Optional
 
 import torch
 
+from kernelmux.backends.cpu._fp4 import decode_experts as fp4_decode_experts
+from kernelmux.backends.cpu._fp4 import gemm as fp4_gemm
 from kernelmux.backends.cpu._fp8 import ROUTE_SCALES, fp8_as_half
+from kernelmux.backends.cpu._gemm import padded_rows
 from kernelmux.specs import fused_moe as spec
-from kernelmux.specs.fp4_mm import BLOCKS as FP4_BLOCKS, E2M1_TABLE
-from kernelmux.specs.quantize_mxfp4 import e8m0_to_float
+from kernelmux.specs.fp4_mm import BLOCKS as FP4_BLOCKS
 
 __all__ = ["fused_moe"]
 
@@ -46,20 +47,6 @@ _DIRECT_MAX_ROWS = 3
 # converted: 39.5 / 39.8 / 39.6 / 35.1 / 35.4 / 51.4 ms, perf/decisions/fused_moe.md.
 _CHUNK_ELEMENTS = 1 << 20
 _BLOCK = spec.BLOCK
-# fp32 GEMMs [n, K] x [K, M] with 2 <= M <= 16 run as M = 4 or 16 (zero rows appended): torch's
-# CPU sgemm takes 263 / 377 / 263 / 508 / 308 us at M = 2 / 3 / 4 / 8 / 16 for a 256 x 4096 chunk
-# (M = 1 is a GEMV, 136 us), perf/decisions/fused_moe.md.
-_PADDED_ROWS = (4, 16)
-# fp4: a packed byte's two values (element 2j in the low nibble), fp32 [256, 2], read as one int64
-# per byte: a 1M-weight MXFP4 chunk decodes (gather and scales) in 0.55-0.6 ms into reused buffers,
-# against 1.9 ms for torch's [256, 2] row gather into new tensors and e8m0_to_float (2-core VM); a
-# two-byte [65536] table or one keyed by (scale code, byte), dropping the scale pass, are no faster.
-_FP4_PAIRS = torch.tensor([[E2M1_TABLE[b & 15], E2M1_TABLE[b >> 4]] for b in range(256)], dtype=torch.float32)
-_FP4_PAIR_BITS = _FP4_PAIRS.view(torch.int64).view(-1)
-# fp4 block scales' fp32 value per code byte, from the reference's own conversions (e8m0_to_float;
-# torch's e4m3fn cast): one small gather instead of e8m0_to_float's six passes or the fp8 cast.
-_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-_FP4_SCALE_VALUES = {"mxfp4": e8m0_to_float(_CODES), "nvfp4": _CODES.view(torch.float8_e4m3fn).float()}
 
 
 def fused_moe(
@@ -145,10 +132,10 @@ def _expert_gemms(a: torch.Tensor, a_half: Optional[torch.Tensor], w: torch.Tens
     for expert, span in spans:
         if fp4 and 2 * w.numel() > _CHUNK_ELEMENTS:
             gs = global_scale[expert] if global_scale is not None else None
-            result[span] = _fp4_gemm(a[span], w[expert], scale[expert], gs, quantization)
+            result[span] = fp4_gemm(a[span], w[expert], scale[expert], gs, quantization, _CHUNK_ELEMENTS)
         elif fp4:
             if whole is None:
-                whole = _fp4_decode_experts(w, scale, global_scale, quantization)
+                whole = fp4_decode_experts(w, scale, global_scale, quantization)
             torch.mm(a[span], whole[expert].T, out=result[span])
         elif a_half is not None and span.stop - span.start <= _DIRECT_MAX_ROWS:
             result[span] = torch.mm(a_half[span], w[expert].T)
@@ -190,7 +177,7 @@ def _chunked_gemm(a: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor
     K]`` dequantized to fp32 ``_CHUNK_ELEMENTS`` at a time."""
     rows, cols = w.shape
     tokens = a.shape[0]
-    a = _padded(a)
+    a = padded_rows(a)
     padded = a.shape[0]
     step = min(rows, max(_BLOCK, _CHUNK_ELEMENTS // cols // _BLOCK * _BLOCK))
     buffer = torch.empty(step * cols, dtype=torch.float32)
@@ -203,62 +190,6 @@ def _chunked_gemm(a: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor
                                   buffer, scratch)
         torch.mm(dequantized, a.T, out=result[first:first + count])
     return result[:, :tokens].T
-
-
-def _padded(a: torch.Tensor) -> torch.Tensor:
-    """``a [M, K]`` with zero rows appended up to the next of _PADDED_ROWS (2 <= M <= 16)."""
-    tokens = a.shape[0]
-    padded = next((p for p in _PADDED_ROWS if tokens <= p), tokens) if tokens > 1 else tokens
-    return torch.cat([a, a.new_zeros((padded - tokens, a.shape[1]))]) if padded != tokens else a
-
-
-def _fp4_gemm(a: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, global_scale: Optional[torch.Tensor],
-              quantization: str) -> torch.Tensor:
-    """``a [M, K]`` fp32 @ ``W.T`` -> ``[M, N]`` fp32, where ``W`` is one expert's packed fp4 ``codes
-    [N, K/2]`` with block ``scale [N, K/block]`` (and NVFP4's ``global_scale``), decoded to fp32
-    _CHUNK_ELEMENTS at a time as the reference's dequantize_fp4 computes them."""
-    rows, half = codes.shape
-    tokens = a.shape[0]
-    a = _padded(a)
-    step = max(1, min(rows, _CHUNK_ELEMENTS // (2 * half)))
-    buffer = torch.empty(step * 2 * half, dtype=torch.float32)
-    index = torch.empty(step * half, dtype=torch.int32)
-    result = torch.empty((rows, a.shape[0]), dtype=torch.float32)  # transposed: chunks are rows
-    for first in range(0, rows, step):
-        chunk = codes[first:first + step]
-        values = _fp4_decode(chunk, scale[first:first + step], global_scale, quantization, buffer, index)
-        torch.mm(values, a.T, out=result[first:first + chunk.shape[0]])
-    return result[:, :tokens].T
-
-
-def _fp4_decode_experts(w: torch.Tensor, scale: torch.Tensor, global_scale: Optional[torch.Tensor],
-                        quantization: str) -> torch.Tensor:
-    """Every expert of packed ``w [E, N, K/2]`` decoded at once: ``[E, N, K]`` fp32."""
-    experts, rows, half = w.shape
-    gs = global_scale.float().repeat_interleave(rows).view(-1, 1, 1) if global_scale is not None else None
-    values = _fp4_decode(w.reshape(-1, half), scale.reshape(experts * rows, -1), gs, quantization,
-                         torch.empty(2 * w.numel(), dtype=torch.float32),
-                         torch.empty(w.numel(), dtype=torch.int32))
-    return values.view(experts, rows, 2 * half)
-
-
-def _fp4_decode(codes: torch.Tensor, scale: torch.Tensor, global_scale: Optional[torch.Tensor], quantization: str,
-                buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Packed ``codes [n, K/2]`` with block ``scale [n, K/block]`` (NVFP4: over ``global_scale``,
-    one or ``[n, 1, 1]``) -> ``[n, K]`` fp32 in ``buffer``'s memory (``index``: int32 scratch of
-    ``codes.numel()``), each value the reference's dequantize_fp4's: ``e2m1 * 2^(code - 127)``, or
-    ``(e2m1 * sf) / gs`` in that order."""
-    rows, half = codes.shape
-    cols, block = 2 * half, FP4_BLOCKS[quantization]
-    pairs = index[: codes.numel()].view(rows, half).copy_(codes).view(-1)
-    out = buffer[: 2 * codes.numel()]
-    torch.index_select(_FP4_PAIR_BITS, 0, pairs, out=out.view(torch.int64))
-    codes_of_scales = scale.view(torch.uint8).reshape(-1).int()
-    block_scale = _FP4_SCALE_VALUES[quantization].index_select(0, codes_of_scales).view(rows, cols // block, 1)
-    values = out.view(rows, cols // block, block).mul_(block_scale)
-    if quantization == "nvfp4":  # (e2m1 * sf) / gs: the reference's order (a product by 1/gs rounds twice)
-        values.div_(global_scale.float())
-    return out.view(rows, cols)
 
 
 def _dequantize(codes: torch.Tensor, row_scales: Optional[torch.Tensor], buffer: torch.Tensor,

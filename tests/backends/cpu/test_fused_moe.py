@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kernelmux
+from kernelmux.backends.cpu import _fp4 as fp4
 from kernelmux.backends.cpu import fused_moe as impl
 from kernelmux.specs import fused_moe as spec
 
@@ -246,20 +247,19 @@ def test_fp4_weights_decode_to_the_references_bit_for_bit(quantization, chunk):
         scales = torch.where(nan, scale_codes - 1, scale_codes).view(torch.float8_e4m3fn)
         global_scale = torch.rand(experts, generator=generator) * 1000 + 1
     eye = torch.eye(cols)
-    every = impl._fp4_decode_experts(codes, scales, global_scale, quantization)  # small weights' route
+    every = fp4.decode_experts(codes, scales, global_scale, quantization)  # small weights' route
     for expert in range(experts):
-        with mock.patch.object(impl, "_CHUNK_ELEMENTS", chunk):
-            got = impl._fp4_gemm(eye, codes[expert], scales[expert],
-                                 global_scale[expert] if global_scale is not None else None, quantization).T
+        got = fp4.gemm(eye, codes[expert], scales[expert], global_scale[expert] if global_scale is not None else None,
+                       quantization, chunk).T
         want = spec._dequantize_weight(codes, scales, expert, quantization, global_scale)
         assert torch.equal(got, want), expert  # x * 1 + 0 keeps every value
         assert torch.equal(every[expert], want), expert
     if quantization == "mxfp4":
         scales = scales.clone()
         scales[0, 5, 1] = 0xFF
-        got = impl._fp4_gemm(torch.eye(cols), codes[0], scales[0], None, quantization).T
+        got = fp4.gemm(torch.eye(cols), codes[0], scales[0], None, quantization, chunk).T
         assert got[5].isnan().all() and not got[torch.arange(rows) != 5].isnan().any()
-        every = impl._fp4_decode_experts(codes, scales, None, quantization)[0]
+        every = fp4.decode_experts(codes, scales, None, quantization)[0]
         nan = torch.zeros(rows, cols, dtype=torch.bool)
         nan[5, 32:64] = True  # the block of scale [5, 1] only
         assert torch.equal(every.isnan(), nan)
