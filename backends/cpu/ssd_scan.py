@@ -84,8 +84,9 @@ def ssd_scan(
 def _chunks(tokens: slice, chunk_size: int, dtx: torch.Tensor, B_groups: torch.Tensor, C_groups: torch.Tensor,
             exponents: torch.Tensor, state: torch.Tensor, y_heads: torch.Tensor, heads_per_group: int) -> torch.Tensor:
     """Consecutive whole chunks of one sequence (``tokens`` a multiple of ``chunk_size`` long): writes
-    their tokens' y (without D and z) into y_heads and returns the state after the last token. Operands are head- (group-) major: dtx [Hh, T, P], B and C [G, T, N],
-    exponents [Hh, T] fp64; state [Hh, P, N] fp32."""
+    their tokens' y (without D and z) into y_heads and returns the state after the last token. Operands
+    are head- (group-) major: dtx [Hh, T, P], B and C [G, T, N], exponents [Hh, T] fp64; state [Hh, P, N]
+    fp32."""
     num_heads, _, head_dim = dtx.shape
     num_groups, _, state_dim = B_groups.shape
     q = chunk_size

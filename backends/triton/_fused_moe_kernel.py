@@ -320,8 +320,7 @@ def moe_gate_up_kernel(
     BLOCKWISE reads x as moe_quantize_kernel's codes and row scales (stride_xs), and stores the
     intermediate as 1 x 128 fp8 groups (BLOCK_N == 128: a tile is one group) with their scales. MXFP4 and
     NVFP4 read w1 as packed codes (stride_wk per byte) with [E, 2I, H / block] scales and multiply in the
-    hidden dtype; NVFP4 divides by the expert's global scale after
-    the sum."""
+    hidden dtype; NVFP4 divides by the expert's global scale after the sum."""
     block_m, tile_n = _tile(max_blocks, inter_size, BLOCK_N, GROUP_M)
     if block_m * BLOCK_M >= tl.load(total_ptr):
         return

@@ -181,9 +181,10 @@ def describe(key: spec.Key, platform: Platform) -> str:
     config = launch_config(tokens * key.topk, key.num_global_experts, key.quantization, name)
     source = ("measured on this device, perf/decisions/fused_moe.md" if config.tuned
               else f"heuristic: {name or 'this device'} has no measured row for this size")
-    return (f"at T = {tokens}: BLOCK_M {config.block_m}; gate-up BN {config.gate_up.block_n} BK {config.gate_up.block_k} "
-            f"{config.gate_up.num_warps} warps {config.gate_up.num_stages} stages; down BN {config.down.block_n} "
-            f"BK {config.down.block_k} {config.down.num_warps} warps {config.down.num_stages} stages ({source})")
+    up, down = config.gate_up, config.down
+    return (f"at T = {tokens}: BLOCK_M {config.block_m}; gate-up BN {up.block_n} BK {up.block_k} {up.num_warps} warps "
+            f"{up.num_stages} stages; down BN {down.block_n} BK {down.block_k} {down.num_warps} warps "
+            f"{down.num_stages} stages ({source})")
 
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
@@ -335,8 +336,7 @@ def fused_moe(
             w2_global_scale if w2_global_scale is not None else counts, amax, topk_weights, down_out,
             *layout, hidden_size, inter_size, max_blocks, inter.stride(0), inter_scale.stride(0), *w2.stride(),
             *_scale_strides(w2_scale), *_strides(w2_global_scale, 1), *topk_weights.stride(), down_out.stride(0),
-            REDUCE=reduce,
-            BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, num_warps=gemm.num_warps,
+            REDUCE=reduce, BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, GROUP_M=gemm.group_m, num_warps=gemm.num_warps,
             num_stages=gemm.num_stages, **shared)
         if reduce == TOP1_STORE:
             return down_out

@@ -31,8 +31,6 @@ GROUPS = 8  # per_group: groups of one row per program
 AMAX_ROW, AMAX_TILE, AMAX_PARTIALS = 0, 1, 2
 
 
-
-
 @functools.cache
 def _kernels():
     from kernelmux.backends.triton import _quantize_fp8_kernel
@@ -80,5 +78,6 @@ def quantize_fp8(
                                                               BLOCK_K=BLOCK_K)
         kernels.quantize_rows_kernel[(-(-rows // block_rows),)](
             x, codes, scale, partials, rows, cols, partials.numel(), *x.stride(), codes.stride(0), scale.stride(0),
-            AMAX=amax, UE8M0=ue8m0, NATIVE_FP8=native, FNUZ=fnuz, ROWS=block_rows, BLOCK_K=BLOCK_K, BLOCK_P=PARTIALS_BLOCK)
+            AMAX=amax, UE8M0=ue8m0, NATIVE_FP8=native, FNUZ=fnuz, ROWS=block_rows, BLOCK_K=BLOCK_K,
+            BLOCK_P=PARTIALS_BLOCK)
     return q, scale

@@ -130,7 +130,8 @@ def main() -> None:
             scale = expected.abs().max().item()
             weight_bytes = cols * depth + inputs[0]["scale_b"].numel() * 4
             flops = 2 * rows * cols * depth
-            floor_us = max(flops / (ceilings["fp8_tflops"] * 1e12), weight_bytes / (ceilings["memory_gbps"] * 1e9)) * 1e6
+            floor_us = max(flops / (ceilings["fp8_tflops"] * 1e12),
+                           weight_bytes / (ceilings["memory_gbps"] * 1e9)) * 1e6
             variants = [(name, fn, None) for name, fn in impls.items() if args.impls is None or name in args.impls]
             variants += [("triton", impls["triton"], _parse_config(text)) for text in args.configs]
             if args.sweep:

@@ -23,9 +23,8 @@ from kernelmux.specs.quantize_fp8 import quantize_fp8  # noqa: E402
 from kernelmux.specs.scaled_mm import SPEC, quantize_weight_blocks  # noqa: E402
 
 ON_GPU = DEVICE == "cuda"
-if not ON_GPU and not isinstance(
-    getattr(host._kernels(), "scaled_mm_kernel"), importlib.import_module("triton.runtime.interpreter").InterpretedFunction
-):
+_INTERPRETED_FUNCTION = importlib.import_module("triton.runtime.interpreter").InterpretedFunction
+if not ON_GPU and not isinstance(getattr(host._kernels(), "scaled_mm_kernel"), _INTERPRETED_FUNCTION):
     pytest.skip(
         "the triton kernel module was imported before TRITON_INTERPRET=1 was set, so it cannot "
         "run on CPU tensors in this process; run this file on its own",
