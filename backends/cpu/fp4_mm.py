@@ -38,4 +38,6 @@ def fp4_mm(
                                   torch.empty(rows * half, dtype=torch.int32))
     else:
         activations = a.float()
-    return _fp4.gemm(activations, b, b_scale, b_global_scale, fmt, CHUNK_ELEMENTS).to(dtype)
+    # The GEMM's result is [N, M] transposed; the spec's output (and its fake's) is a contiguous [M, N].
+    out = torch.empty((rows, channels), dtype=dtype)
+    return out.copy_(_fp4.gemm(activations, b, b_scale, b_global_scale, fmt, CHUNK_ELEMENTS))
