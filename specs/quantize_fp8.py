@@ -98,25 +98,34 @@ def quantize_fp8(
     return q, in_scale_layout(scale, scale_layout)
 
 
-def empty_scale(shape: tuple[int, ...], scale_layout: str, device: torch.device) -> torch.Tensor:
-    """An uninitialized fp32 scale of ``shape`` with ``scale_layout``'s strides (SCALE_LAYOUTS)."""
+def _scale_strides(shape: tuple[int, ...], scale_layout: str) -> tuple[int, ...]:
+    """The strides of a scale of ``shape`` in ``scale_layout`` (SCALE_LAYOUTS)."""
     if scale_layout == "mn_major" and len(shape) == 2:
-        column = -(-max(shape[0], 1) // TMA_ALIGN) * TMA_ALIGN
-        return torch.empty_strided(shape, (1, column), dtype=torch.float32, device=device)
-    return torch.empty(shape, dtype=torch.float32, device=device)
+        return (1, -(-max(shape[0], 1) // TMA_ALIGN) * TMA_ALIGN)
+    strides, step = [], 1  # contiguous, as torch.empty makes them
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def empty_scale(shape: tuple[int, ...], scale_layout: str, device: torch.device) -> torch.Tensor:
+    """An uninitialized fp32 scale of ``shape`` with ``scale_layout``'s strides."""
+    return torch.empty_strided(shape, _scale_strides(shape, scale_layout), dtype=torch.float32, device=device)
 
 
 def in_scale_layout(scale: torch.Tensor, scale_layout: str) -> torch.Tensor:
     """``scale`` itself when its strides are ``scale_layout``'s, else a copy that has them."""
-    wanted = empty_scale(tuple(scale.shape), scale_layout, scale.device)
-    if _strides_that_matter(wanted) == _strides_that_matter(scale):
+    shape = tuple(scale.shape)
+    if _strides_that_matter(shape, _scale_strides(shape, scale_layout)) == _strides_that_matter(
+            shape, scale.stride()):
         return scale
-    return wanted.copy_(scale)
+    return empty_scale(shape, scale_layout, scale.device).copy_(scale)
 
 
-def _strides_that_matter(t: torch.Tensor) -> tuple[int, ...]:
+def _strides_that_matter(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
     """The strides of the dims longer than 1 (a dim of length 1 is never stepped along)."""
-    return tuple(stride for stride, size in zip(t.stride(), t.shape) if size > 1)
+    return tuple(stride for stride, size in zip(strides, shape) if size > 1)
 
 
 def scale_from_amax(amax: torch.Tensor, granularity: str, ue8m0: bool, fp8_dtype: str) -> torch.Tensor:
@@ -239,7 +248,7 @@ def check_close(actual: Any, expected: Any, kwargs: Mapping[str, Any]) -> None:
                 f"{NAME} {what}: got {tuple(got.shape)} {got.dtype} on {got.device}, expected "
                 f"{tuple(want.shape)} {want.dtype} on {want.device}"
             )
-        if _strides_that_matter(got) != _strides_that_matter(want):
+        if _strides_that_matter(got.shape, got.stride()) != _strides_that_matter(want.shape, want.stride()):
             raise AssertionError(f"{NAME} {what}: got strides {got.stride()}, expected {want.stride()} "
                                  f"(scale_layout {kwargs.get('scale_layout', 'k_major')!r})")
         _first_mismatch(got, want, what)

@@ -123,6 +123,15 @@ def scale_layout(
     )
 
 
+def validated_scaling(scale_a: torch.Tensor, scale_b: torch.Tensor, channels: int) -> str:
+    """scale_layout's answer for a call that validate accepted (N = ``channels``), from the scales' ranks
+    and scale_b's shape alone: no checks and no shape tables on an implementation's hot path. Where the
+    channel and block shapes coincide (N = 1, K <= 128) it says "channel", as scale_layout does."""
+    if scale_a.dim() < 2:
+        return "tensor"
+    return "channel" if tuple(scale_b.shape) == (channels, 1) else "block"
+
+
 def _check_scale(name: str, value: Any, device: torch.device) -> None:
     if not isinstance(value, torch.Tensor):
         raise InvalidArgumentError(NAME, name, "a torch.Tensor", type(value).__name__)

@@ -58,7 +58,7 @@ def prepare_scales(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int,
 def metadata(kwargs: Mapping[str, Any]) -> Any:
     """What a call does before its GEMM, for the bench to time apart: the scale layout."""
     a, b = kwargs["a"], kwargs["b"]
-    scaling = spec.scale_layout(a, b, kwargs["scale_a"], kwargs["scale_b"])
+    scaling = spec.validated_scaling(kwargs["scale_a"], kwargs["scale_b"], b.shape[0])
     return prepare_scales(kwargs["scale_a"], kwargs["scale_b"], a.shape[0], b.shape[0], scaling)
 
 
@@ -87,7 +87,7 @@ def scaled_mm(
     dtype = spec.OUT_DTYPES[out_dtype]
     if m == 0:
         return torch.empty((0, n), dtype=dtype, device=a.device)
-    scaling = spec.scale_layout(a, b, scale_a, scale_b)
+    scaling = spec.validated_scaling(scale_a, scale_b, n)
     x_scale, w_scale = prepare_scales(scale_a, scale_b, m, n, scaling)
     lhs, rhs = _rows(a), _rows(b)
     if scaling == "block":

@@ -53,7 +53,7 @@ def scaled_mm(
     """The spec's scaled_mm; arguments are validated by the caller."""
     rows, cols = a.shape
     channels = b.shape[0]
-    layout = spec.scale_layout(a, b, scale_a, scale_b)
+    layout = spec.validated_scaling(scale_a, scale_b, channels)
     sa, sb = scale_a.float(), scale_b.float()
     if layout == "tensor":
         sa, sb = sa.reshape(()), sb.reshape(())

@@ -104,7 +104,7 @@ def scaled_mm(
     dtype = spec.OUT_DTYPES[out_dtype]
     if rows == 0:
         return a.new_empty((0, channels), dtype=dtype)
-    layout = spec.scale_layout(a, b, scale_a, scale_b)
+    layout = spec.validated_scaling(scale_a, scale_b, channels)
     a = _dense_rows(a)
     b_col_major = _dense_rows(b).t()
     # torch's epilogue adds bf16/fp16 biases with per-tensor and per-channel scales; an fp32 output

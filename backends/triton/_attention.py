@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from kernelmux.backends._scoped import ScopedSetting
-from kernelmux.backends.triton._host import INTERPRETED, device_guard, next_pow2
+from kernelmux.backends.triton._host import INTERPRETED, compute_units, device_guard, next_pow2
 from kernelmux.platforms import Platform, PlatformKind, probes
 
 __all__ = ["FP8", "AttentionPlan", "kind_for", "launch", "launch_limit", "override_plan", "plan_for"]
@@ -61,10 +61,7 @@ def override_plan(**fields) -> contextlib.AbstractContextManager[Optional[dict]]
     return _override.override(fields)
 
 
-def _sm_count(device: torch.device) -> int:
-    """Units a program runs on (probes.compute_units); 4 under the interpreter, so that a few
-    splits still exercise the merge."""
-    return probes.compute_units(device) if device.type in ("cuda", "xpu") else 4
+_sm_count = compute_units  # (a module name of its own: tests pin it)
 
 
 # Base plans by kind of call, chosen on an H100 by perf/diag/attention_sweep.py. "decode": one

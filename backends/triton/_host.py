@@ -8,7 +8,7 @@ import os
 import torch
 
 from kernelmux.backends._scoped import ScopedSetting
-from kernelmux.platforms import probes
+from kernelmux.platforms import Platform, PlatformKind, probes
 
 # Triton reads TRITON_INTERPRET when a kernel is decorated (the kernel modules' first import), so
 # the process's value at start-up is the one its kernels run under.
@@ -26,6 +26,31 @@ def triton_cache_dir() -> str:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): Triton's block dims must be powers of two."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+# Units compute_units reports off the GPU (the interpreter): a few, so that launches sized to fill a GPU's
+# SMs (split-KV, split-K) still take their multi-program routes in CPU tests.
+INTERPRETER_UNITS = 4
+
+
+def compute_units(device: torch.device) -> int:
+    """Units a program runs on (probes.compute_units); INTERPRETER_UNITS off cuda and xpu."""
+    return probes.compute_units(device) if device.type in ("cuda", "xpu") else INTERPRETER_UNITS
+
+
+@functools.cache
+def table_name(device: torch.device) -> str:
+    """The name the backend's measured launch tables are keyed by ("" under the interpreter and off CUDA:
+    the heuristics); the platform probe Platform.device_name comes from, so describe() and a call key
+    the same row (platform_table_name)."""
+    if INTERPRETED or device.type != "cuda":
+        return ""
+    return probes.device_name("cuda", device.index if device.index is not None else probes.current_index("cuda"))
+
+
+def platform_table_name(platform: Platform) -> str:
+    """table_name for the platform explain describes."""
+    return "" if INTERPRETED or platform.kind != PlatformKind.CUDA else platform.device_name
 
 
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager:

@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 
 from kernelmux.backends._scoped import ScopedSetting
-from kernelmux.backends.triton._host import INTERPRETED, device_guard, native_fp8_cast, next_pow2
-from kernelmux.platforms import Platform, PlatformKind, probes
+from kernelmux.backends.triton._host import (INTERPRETED, device_guard, native_fp8_cast, next_pow2, platform_table_name,
+                                              table_name)
+from kernelmux.platforms import Platform, PlatformKind
 from kernelmux.specs import fused_moe as spec
 
 __all__ = ["GemmConfig", "LaunchConfig", "MAX_EXPERTS", "describe", "fused_moe", "launch_config",
@@ -164,19 +165,10 @@ def launch_config(num_pairs: int, num_experts: int, quantization: str, device_na
     return config
 
 
-@functools.cache
-def _device_name(device: torch.device) -> str:
-    """The name the tables are keyed by ("" under the interpreter and off CUDA: the heuristic)."""
-    if INTERPRETED or device.type != "cuda":
-        return ""
-    # The platform probe Platform.device_name comes from, so describe() and a call key the same row.
-    return probes.device_name("cuda", device.index if device.index is not None else probes.current_index("cuda"))
-
-
 def describe(key: spec.Key, platform: Platform) -> str:
     """The launch configuration a call with ``key`` runs, and where it comes from (for explain). The
     key holds T's power-of-two class, so this is the configuration at the class's largest T."""
-    name = "" if INTERPRETED or platform.kind != PlatformKind.CUDA else platform.device_name
+    name = platform_table_name(platform)
     tokens = key.num_tokens_class
     config = launch_config(tokens * key.topk, key.num_global_experts, key.quantization, name)
     source = ("measured on this device, perf/decisions/fused_moe.md" if config.tuned
@@ -247,7 +239,7 @@ def fused_moe(
     topk = topk_ids.shape[1]
     pairs = num_tokens * topk
     config = launch_config(pairs, expert_map.shape[0] if expert_map is not None else experts, quantization,
-                           _device_name(device))
+                           table_name(device))
     block_m = config.block_m
     # Each used expert's run pads to whole blocks: at most min(E, pairs) runs of < block_m padding.
     max_rows = -(-(pairs + min(experts, pairs) * (block_m - 1)) // block_m) * block_m

@@ -13,8 +13,9 @@ from typing import Optional
 import torch
 
 from kernelmux.backends._scoped import ScopedSetting
-from kernelmux.backends.triton._host import INTERPRETED, device_guard, next_pow2
-from kernelmux.platforms import Platform, PlatformKind, probes
+from kernelmux.backends.triton._host import (INTERPRETED, compute_units, device_guard, next_pow2, platform_table_name,
+                                              table_name)
+from kernelmux.platforms import Platform, PlatformKind
 from kernelmux.specs import scaled_mm as spec
 
 __all__ = ["LaunchConfig", "describe", "launch_config", "override_launch_config", "scaled_mm", "supports"]
@@ -27,8 +28,6 @@ AUTO = 0  # LaunchConfig.split_k: chosen per call (split_count)
 MIN_SPLIT_STEPS = 4
 MAX_SPLITS = 16
 SUM_BLOCK = 1024  # scaled_mm_sum_kernel: elements per program
-# Under the interpreter: SMs to fill, so that small calls still take the split-K route in tests.
-INTERPRETER_UNITS = 4
 
 
 @dataclass(frozen=True)
@@ -122,22 +121,10 @@ def split_count(config: LaunchConfig, rows: int, cols: int, depth: int, units: i
     return max(1, min(wanted, MAX_SPLITS, steps // MIN_SPLIT_STEPS))
 
 
-@functools.cache
-def _device_name(device: torch.device) -> str:
-    """The name the tables are keyed by ("" under the interpreter and off CUDA: the heuristic)."""
-    if INTERPRETED or device.type != "cuda":
-        return ""
-    return probes.device_name("cuda", device.index if device.index is not None else probes.current_index("cuda"))
-
-
-def _units(device: torch.device) -> int:
-    return INTERPRETER_UNITS if INTERPRETED or device.type not in ("cuda", "xpu") else probes.compute_units(device)
-
-
 def describe(key: spec.Key, platform: Platform) -> str:
     """The launch configuration a call with ``key`` runs, and where it comes from (for explain). The
     key holds M's power-of-two class, so this is the configuration at the class's largest M."""
-    name = "" if INTERPRETED or platform.kind != PlatformKind.CUDA else platform.device_name
+    name = platform_table_name(platform)
     rows = key.m_class
     config = launch_config(rows, name)
     source = ("measured on this device, perf/decisions/scaled_mm.md" if config.tuned
@@ -189,8 +176,8 @@ def scaled_mm(
     out = torch.empty((rows, cols), dtype=spec.OUT_DTYPES[out_dtype], device=device)
     if rows == 0:
         return out
-    config = launch_config(rows, _device_name(device))
-    splits = split_count(config, rows, cols, depth, _units(device))
+    config = launch_config(rows, table_name(device))
+    splits = split_count(config, rows, cols, depth, compute_units(device))
     k_per_split = -(-depth // (splits * config.block_k)) * config.block_k
     splits = -(-depth // k_per_split)  # no empty slice
     kernels = _kernels()
@@ -204,7 +191,7 @@ def scaled_mm(
             a, b, scale_a, scale_b, bias if bias is not None else out, target, rows, cols, depth, k_per_split,
             *a.stride(), *b.stride(), *_scale_strides(scale_a), *_scale_strides(scale_b), bias_stride,
             target.stride(0) if splits > 1 else 0, target.stride(-2),
-            SCALING=SCALINGS[spec.scale_layout(a, b, scale_a, scale_b)], HAS_BIAS=bias is not None,
+            SCALING=SCALINGS[spec.validated_scaling(scale_a, scale_b, cols)], HAS_BIAS=bias is not None,
             INTERPRETED=INTERPRETED, SPLIT_K=splits,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
             num_warps=config.num_warps, num_stages=config.num_stages)

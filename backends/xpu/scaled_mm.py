@@ -69,7 +69,7 @@ def metadata(kwargs: Mapping[str, Any]) -> Any:
     a, b, scale_a, scale_b = kwargs["a"], kwargs["b"], kwargs["scale_a"], kwargs["scale_b"]
     if a.shape[0] == 0:
         return None
-    return prepare_scales(scale_a, scale_b, spec.scale_layout(a, b, scale_a, scale_b), b.shape[0])
+    return prepare_scales(scale_a, scale_b, spec.validated_scaling(scale_a, scale_b, b.shape[0]), b.shape[0])
 
 
 def scaled_mm(
@@ -88,7 +88,7 @@ def scaled_mm(
     dtype = spec.OUT_DTYPES[out_dtype]
     if m == 0:
         return torch.empty((0, n), dtype=dtype, device=a.device)
-    layout = spec.scale_layout(a, b, scale_a, scale_b)  # shapes only
+    layout = spec.validated_scaling(scale_a, scale_b, b.shape[0])
     scales = prepare_scales(scale_a, scale_b, layout, n)
     # B is the [K, N] weight; b.t() is its NT view (stride(-2) == 1), no copy. A is read with one row
     # stride, and the output is laid out from A's strides (check_and_create_output_tensor): contiguous.

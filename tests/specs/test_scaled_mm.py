@@ -248,6 +248,16 @@ def test_layouts_are_identified_from_the_shapes():
     assert layout(a1, b1, torch.ones(4, 1), torch.ones(1, 1)) == "channel"
 
 
+@given(m=st.integers(0, 9), n=st.integers(1, 300), k=st.integers(1, 300), layout=st.sampled_from(spec_module.LAYOUTS),
+       scalar=st.booleans())
+def test_validated_scaling_agrees_with_scale_layout(m, n, k, layout, scalar):
+    # The implementations' cheap reading of a validated call's layout, against the spec's own.
+    make = spec_module._maker(m, n, k, layout, scalar_scales=scalar and layout == "tensor")
+    kwargs = make(torch.device("cpu"), torch.Generator().manual_seed(m * 1000 + n + k))
+    a, b, scale_a, scale_b = kwargs["a"], kwargs["b"], kwargs["scale_a"], kwargs["scale_b"]
+    assert spec_module.validated_scaling(scale_a, scale_b, n) == spec_module.scale_layout(a, b, scale_a, scale_b)
+
+
 def test_good_input_passes_and_key_reflects_dispatch_properties():
     key = SPEC.validate(**_good())
     assert isinstance(key, spec_module.Key)
