@@ -31,7 +31,7 @@ TABLE = (
     Entry("fused_moe",
           "routing laid out on the device in expert blocks, gate-up GEMM with the activation fused, "
           "down GEMM with the router weight and top-k sum fused (fp8 quantized, fp4 dequantized in the "
-          "mainloops)"),
+          "mainloops); fp4 decode steps in two GEMVs with no routing layout"),
     Entry("quantize_fp8",
           "per token and per 1 x G group in one launch, per tensor in one (few rows) or two (maxima, then "
           "codes); e4m3fn and e4m3fnuz"),

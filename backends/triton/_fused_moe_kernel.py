@@ -3,12 +3,14 @@ one program: every (token, slot) pair placed in its local expert's run of rows, 
 whole BLOCK_M blocks, all on the device), fp8_block's input quantization, the two grouped GEMMs over
 those blocks (gate-up with the gated activation in its epilogue, down with the router weight and
 either the top-k sum in fp32 atomics or a per-pair store; fp4 weights dequantized in their mainloops),
-and the per-pair rows' sum. Host side: fused_moe.py."""
+the per-pair rows' sum, and the decode GEMVs (one program per pair or token and tile of columns, no
+routing layout: each pair finds its expert in topk_ids). Host side: fused_moe.py."""
 
 import torch
 import triton
 import triton.language as tl
 
+from kernelmux.backends.triton._fp4_kernel import e2m1_values, e4m3fn_values, e8m0_values
 from kernelmux.backends.triton._fp8_kernel import FP8_MAX, e4m3fn_codes
 
 # Quantization modes (constexpr QUANT): weights in the hidden dtype, fp8 with one scale per expert and
@@ -171,6 +173,19 @@ def _round(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _gated(gate, up, GELU: tl.constexpr, HIDDEN: tl.constexpr, INTERPRETED: tl.constexpr):
+    """act(gate) * up from fp32 sums, as the spec's dataflow: gate and up rounded to HIDDEN first, the
+    activation in fp32, the product rounded to HIDDEN."""
+    gate = _round(gate, HIDDEN, INTERPRETED).to(tl.float32)
+    up = _round(up, HIDDEN, INTERPRETED).to(tl.float32)
+    if GELU:
+        act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    return _round(act * up, HIDDEN, INTERPRETED)
+
+
+@triton.jit
 def _fp8(x, NATIVE_FP8: tl.constexpr):
     """fp32 values already divided by their scale -> e4m3fn, saturated, rounded to nearest even."""
     return e4m3fn_codes(x, 0, NATIVE_FP8).to(tl.float8e4nv, bitcast=True)
@@ -186,29 +201,11 @@ def _quantize_groups(a, NATIVE_FP8: tl.constexpr):
 
 
 @triton.jit
-def _e2m1(codes):
-    """int32 e2m1 codes 0..15 -> fp32 values {0, 0.5, 1, 1.5, 2, 3, 4, 6} and their negatives (8: -0.0),
-    exactly, in five integer operations and a conversion: code bits s e1 e0 m placed as fp16's sign, two
-    low exponent bits and first mantissa bit are the value times 2^-14, subnormal 0.5 included (the
-    fp16 -> fp32 conversion keeps fp16 subnormals; fp32 subnormals might be flushed)."""
-    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
-
-
-@triton.jit
 def _fp4_scales(codes, QUANT: tl.constexpr):
-    """Block scale codes (uint8; NVFP4's e4m3fn bits) -> fp32, exactly: e8m0 2^(code - 127) (0: 2^-127,
-    0xFF: NaN); e4m3fn 2^(e - 7) (1 + m / 8), subnormal m 2^-9, 0x7F NaN, the sign bit kept."""
-    c = codes.to(tl.int32)
+    """Block scale codes (uint8; NVFP4's e4m3fn bits) -> fp32, exactly (_fp4_kernel's decoders)."""
     if QUANT == MXFP4:
-        scale = tl.where(c == 0, 1 << 22, c << 23).to(tl.float32, bitcast=True)
-        return tl.where(c == 255, float("nan"), scale)
-    exponent = (c >> 3) & 15
-    mantissa = c & 7
-    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)  # 2^-9
-    value = tl.where((c & 0x7F) == 0x7F, float("nan"), value)
-    return (value.to(tl.int32, bitcast=True) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)  # -0.0 kept
+        return e8m0_values(codes)
+    return e4m3fn_values(codes)
 
 
 # _fp4_pairs' PTX: four packed bytes (one 32-bit register, pack=4) -> their low nibbles as four 16-bit values in
@@ -237,7 +234,7 @@ def _fp4_pairs(packed, scale_codes, QUANT: tl.constexpr, HIDDEN: tl.constexpr):
     value times 2^-126 (bf16) or 2^-14 (fp16), subnormal 0.5 included; then times 2^126 (2^14) and the scale
     in HIDDEN, packed multiplies, both exact (an e8m0 scale is a bf16 value, an e4m3 one fits either). Not
     for MXFP4 with fp16 (e8m0 leaves fp16's range). ~6 SASS instructions a weight in the k-loop against 11.5
-    for _e2m1's fp32 route and 8.6 for tl.dot_scaled (perf/decisions/fused_moe.md)."""
+    for e2m1_values' fp32 route and 8.6 for tl.dot_scaled (perf/decisions/fused_moe.md)."""
     FP4_BLOCK: tl.constexpr = 32 if QUANT == MXFP4 else 16
     rows: tl.constexpr = packed.shape[0]
     blocks: tl.constexpr = scale_codes.shape[1]
@@ -257,15 +254,9 @@ def _fp4_pairs(packed, scale_codes, QUANT: tl.constexpr, HIDDEN: tl.constexpr):
 
 
 @triton.jit
-def _fp4_dot(a, acc, w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT: tl.constexpr,
-             HIDDEN: tl.constexpr, DOT: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """acc + a @ W for a k-step of fp4 weights: rows ``w_rows`` [BLOCK_N, 1] of packed e2m1 bytes (element
-    2j in the low nibble) at k0..k0+BLOCK_K and their block scales (rows ``s_rows``); NVFP4's global scale
-    is left to the caller. The weights are decoded in HIDDEN (_fp4_pairs), even and odd k apart, and the
-    activations split the same way: two dots of BLOCK_K / 2, no interleaving of the decoded halves.
-    MXFP4 with fp16 activations, and every call in the interpreter (whose bf16 arithmetic is wrong: x * 2
-    gives 0, and bf16 -> fp32 flushes subnormals), decode to fp32 (_e2m1) times the scale, then to DOT."""
+def _fp4_load(w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A k-step's packed e2m1 bytes [BLOCK_N, BLOCK_K / 2] (element 2j in the low nibble) at k0 of rows ``w_rows``
+    [BLOCK_N, 1], and their block scale codes [BLOCK_N, BLOCK_K / block] (rows ``s_rows``); masked ones are 0."""
     FP4_BLOCK: tl.constexpr = 32 if QUANT == MXFP4 else 16
     tl.static_assert(BLOCK_K % FP4_BLOCK == 0)
     byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -274,10 +265,25 @@ def _fp4_dot(a, acc, w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUA
     block = k0 // FP4_BLOCK + tl.arange(0, BLOCK_K // FP4_BLOCK)
     scale_codes = tl.load(s_rows + block[None, :] * stride_sk,
                           mask=n_ok[:, None] & (block < size_k // FP4_BLOCK)[None, :], other=0)
+    return packed, scale_codes
+
+
+@triton.jit
+def _fp4_dot(a, acc, w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT: tl.constexpr,
+             HIDDEN: tl.constexpr, DOT: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """acc + a @ W for a k-step of fp4 weights: rows ``w_rows`` [BLOCK_N, 1] of packed e2m1 bytes (element
+    2j in the low nibble) at k0..k0+BLOCK_K and their block scales (rows ``s_rows``); NVFP4's global scale
+    is left to the caller. The weights are decoded in HIDDEN (_fp4_pairs), even and odd k apart, and the
+    activations split the same way: two dots of BLOCK_K / 2, no interleaving of the decoded halves.
+    MXFP4 with fp16 activations, and every call in the interpreter (whose bf16 arithmetic is wrong: x * 2
+    gives 0, and bf16 -> fp32 flushes subnormals), decode to fp32 (e2m1_values) times the scale, then to DOT."""
+    FP4_BLOCK: tl.constexpr = 32 if QUANT == MXFP4 else 16
+    packed, scale_codes = _fp4_load(w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT, BLOCK_K)
     if INTERPRETED or (QUANT == MXFP4 and HIDDEN == tl.float16):
         packed = packed.to(tl.int32)
         codes = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_N, BLOCK_K))  # k = 2j low, 2j + 1 high
-        values = tl.reshape(_e2m1(codes), (BLOCK_N, BLOCK_K // FP4_BLOCK, FP4_BLOCK))
+        values = tl.reshape(e2m1_values(codes), (BLOCK_N, BLOCK_K // FP4_BLOCK, FP4_BLOCK))
         values = values * _fp4_scales(scale_codes, QUANT)[:, :, None]
         return tl.dot(a.to(DOT), tl.trans(tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DOT)), acc)
     even, odd = _fp4_pairs(packed, scale_codes, QUANT, HIDDEN)
@@ -397,13 +403,7 @@ def moe_gate_up_kernel(
         global_scale = tl.load(w1_global_ptr + expert * stride_ge)
         gate = tl.math.div_rn(gate, tl.broadcast_to(global_scale, gate.shape))
         up = tl.math.div_rn(up, tl.broadcast_to(global_scale, up.shape))
-    gate = _round(gate, HIDDEN, INTERPRETED).to(tl.float32)
-    up = _round(up, HIDDEN, INTERPRETED).to(tl.float32)
-    if GELU:
-        act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
-    else:
-        act = gate / (1.0 + tl.exp(-gate))
-    inter = _round(act * up, HIDDEN, INTERPRETED)
+    inter = _gated(gate, up, GELU, HIDDEN, INTERPRETED)
     mask = valid[:, None] & n_ok[None, :]
     out = inter_ptr + row[:, None].to(tl.int64) * stride_im + n[None, :]
     if QUANT == BLOCKWISE:  # the spec quantizes the rounded intermediate, 1 x 128 per pair
@@ -509,3 +509,148 @@ def moe_sum_kernel(pairs_ptr, ids_ptr, map_ptr, out_ptr, hidden_size, stride_pm,
         live = n_ok & (expert + tl.zeros_like(n) >= 0)  # a vector mask: the interpreter refuses scalar & vector
         acc += tl.load(pairs_ptr + pair * stride_pm + n, mask=live, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * stride_om + n, _round(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=n_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode: the GEMV kernels. At T = 1 every pair has its own expert, so a pair's program reads its expert's
+# weights once with no routing layout, and the CUDA cores multiply (no tensor-core tile padded to 16 rows):
+# programs stream [BLOCK_N, BLOCK_K] weight tiles into a fp32 product of the same shape, summed over k once.
+FP4_UNBIAS = tl.constexpr(16384.0)  # _gemv_fp4's values are the weights times 2^-14
+
+
+@triton.jit
+def _gemv_fp4(packed, scale_codes, QUANT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Packed e2m1 bytes [BLOCK_N, BLOCK_K / 2] -> fp32 values at even and at odd k (low and high nibbles)
+    times 2^-14, exactly, and the block scales [BLOCK_N, BLOCK_K / block] in fp32. On the GPU each nibble's
+    bits are placed as an fp16 value (FP16_NIBBLES_ASM, whose 0.5 is an fp16 subnormal that the fp16 -> fp32
+    conversion keeps); the interpreter runs e2m1_values. The scale is applied in fp32, so e8m0 needs no fp16 or
+    bf16 range."""
+    if INTERPRETED:
+        codes = packed.to(tl.int32)
+        even = e2m1_values(codes & 15) * (1.0 / FP4_UNBIAS)
+        odd = e2m1_values(codes >> 4) * (1.0 / FP4_UNBIAS)
+    else:
+        even, odd = tl.inline_asm_elementwise(asm=FP16_NIBBLES_ASM, constraints="=r,=r,=r,=r,r", args=[packed],
+                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    return even.to(tl.float32), odd.to(tl.float32), _fp4_scales(scale_codes, QUANT)
+
+
+@triton.jit
+def _gemv_step(acc, x, w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT: tl.constexpr,
+               INTERPRETED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + W[rows, k0:k0 + BLOCK_K] * x, elementwise in fp32: ``x`` the activations [BLOCK_K] in fp32,
+    ``w_rows`` [BLOCK_N, 1] row pointers. NONE: acc is [BLOCK_N, BLOCK_K]. MXFP4 / NVFP4 (packed bytes,
+    ``s_rows`` their block scales' rows): acc is [BLOCK_N, BLOCK_K / 2], each even and odd k's products
+    added, times their block's scale and 2^-14 (FP4_UNBIAS restores it after the sum)."""
+    if QUANT == NONE:
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + k[None, :] * stride_wk, mask=n_ok[:, None] & (k < size_k)[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    else:  # not an early return: the compiler would build the branch below for NONE too
+        FP4_BLOCK: tl.constexpr = 32 if QUANT == MXFP4 else 16
+        rows: tl.constexpr = acc.shape[0]
+        packed, scale_codes = _fp4_load(w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT, BLOCK_K)
+        even, odd, scale = _gemv_fp4(packed, scale_codes, QUANT, INTERPRETED)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
+        products = tl.reshape(even * x_even[None, :] + odd * x_odd[None, :],
+                              (rows, BLOCK_K // FP4_BLOCK, FP4_BLOCK // 2))
+        acc += tl.reshape(products * scale[:, :, None], (rows, BLOCK_K // 2))
+    return acc
+
+
+@triton.jit
+def _gemv_sum(acc, global_ptr, QUANT: tl.constexpr):
+    """A GEMV's fp32 result per row from its elementwise products: summed over k, fp4's 2^-14 restored,
+    NVFP4's global scale (at ``global_ptr``, the expert's) dividing it (W = e2m1 sf / gs)."""
+    out = tl.sum(acc, axis=1)
+    if QUANT == MXFP4 or QUANT == NVFP4:
+        out = out * FP4_UNBIAS
+    if QUANT == NVFP4:
+        out = tl.math.div_rn(out, tl.broadcast_to(tl.load(global_ptr), out.shape))
+    return out
+
+
+@triton.jit
+def moe_gemv_gate_up_kernel(
+    x_ptr, w1_ptr, w1_scale_ptr, w1_global_ptr, weights_ptr, ids_ptr, map_ptr, inter_ptr,
+    hidden_size, inter_size,
+    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ge,
+    stride_tw_t, stride_it, stride_ik, stride_map, stride_im,
+    TOPK: tl.constexpr, HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr, GELU: tl.constexpr, QUANT: tl.constexpr,
+    HIDDEN: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """inter[pair, n] for one (token, slot) pair (program axis 0) and a tile of n (axis 1): the gate and up
+    rows of the pair's expert against its token's input, then moe_gate_up_kernel's epilogue. A pair routed
+    off-rank writes nothing (the down GEMV skips it). NONE, MXFP4 and NVFP4 only."""
+    pair = tl.program_id(0)
+    expert = _local_expert(ids_ptr, map_ptr, pair, pair >= 0, stride_it, stride_ik, stride_map, TOPK, HAS_MAP)
+    if expert < 0:
+        return
+    token = (pair // TOPK).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter_size
+    gate_rows = w1_ptr + expert.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn
+    up_rows = gate_rows + inter_size * stride_wn
+    gate_scales = w1_scale_ptr + expert.to(tl.int64) * stride_se + n[:, None].to(tl.int64) * stride_sn
+    up_scales = gate_scales + inter_size * stride_sn
+    if ON_INPUT:  # k == 1: the pair's weight scales its input in fp32, rounded to the hidden dtype
+        router = tl.load(weights_ptr + token * stride_tw_t)
+    WIDTH: tl.constexpr = BLOCK_K if QUANT == NONE else BLOCK_K // 2
+    gate = tl.zeros((BLOCK_N, WIDTH), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, WIDTH), dtype=tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + token * stride_xm + k * stride_xk, mask=k < hidden_size, other=0.0)
+        if ON_INPUT:
+            x = _round(x.to(tl.float32) * router, HIDDEN, INTERPRETED)
+        x = x.to(tl.float32)
+        gate = _gemv_step(gate, x, gate_rows, gate_scales, n_ok, k0, hidden_size, stride_wk, stride_sk, QUANT,
+                          INTERPRETED, BLOCK_K)
+        up = _gemv_step(up, x, up_rows, up_scales, n_ok, k0, hidden_size, stride_wk, stride_sk, QUANT,
+                        INTERPRETED, BLOCK_K)
+    global_ptr = w1_global_ptr + expert * stride_ge
+    inter = _gated(_gemv_sum(gate, global_ptr, QUANT), _gemv_sum(up, global_ptr, QUANT), GELU, HIDDEN,
+                   INTERPRETED)
+    tl.store(inter_ptr + pair.to(tl.int64) * stride_im + n, inter, mask=n_ok)
+
+
+@triton.jit
+def moe_gemv_down_kernel(
+    inter_ptr, w2_ptr, w2_scale_ptr, w2_global_ptr, weights_ptr, ids_ptr, map_ptr, out_ptr,
+    hidden_size, inter_size,
+    stride_im, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_ge,
+    stride_tw_t, stride_tw_k, stride_it, stride_ik, stride_map, stride_om,
+    TOPK: tl.constexpr, HAS_MAP: tl.constexpr, ON_INPUT: tl.constexpr, QUANT: tl.constexpr,
+    INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[token, n] for one token (program axis 0) and a tile of n (axis 1): each of its k slots' down rows
+    against the slot's intermediate, times the router weight (unless it was applied on the input), summed
+    over the slots in fp32 and rounded once: no per-pair buffer, no sum launch. A slot routed off-rank
+    adds nothing (its loads are masked off: its intermediate row was never written)."""
+    token = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden_size
+    lanes = tl.arange(0, BLOCK_K)
+    WIDTH: tl.constexpr = BLOCK_K if QUANT == NONE else BLOCK_K // 2
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in range(TOPK):
+        pair = token * TOPK + slot
+        expert = _local_expert(ids_ptr, map_ptr, pair, pair >= 0, stride_it, stride_ik, stride_map, TOPK, HAS_MAP)
+        # Vector masks (the interpreter refuses scalar & vector); the expert clamped to one that exists.
+        live = expert + tl.zeros_like(n) >= 0
+        live_k = expert + tl.zeros_like(lanes) >= 0
+        expert = tl.maximum(expert, 0)
+        rows_ok = n_ok & live
+        w_rows = w2_ptr + expert.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn
+        s_rows = w2_scale_ptr + expert.to(tl.int64) * stride_se + n[:, None].to(tl.int64) * stride_sn
+        acc = tl.zeros((BLOCK_N, WIDTH), dtype=tl.float32)
+        for k0 in range(0, inter_size, BLOCK_K):
+            k = k0 + lanes
+            a = tl.load(inter_ptr + pair * stride_im + k, mask=(k < inter_size) & live_k, other=0.0)
+            acc = _gemv_step(acc, a.to(tl.float32), w_rows, s_rows, rows_ok, k0, inter_size, stride_wk, stride_sk,
+                             QUANT, INTERPRETED, BLOCK_K)
+        part = _gemv_sum(acc, w2_global_ptr + expert * stride_ge, QUANT)
+        if not ON_INPUT:
+            part = part * tl.load(weights_ptr + token * stride_tw_t + slot * stride_tw_k)
+        out += tl.where(live, part, 0.0)
+    tl.store(out_ptr + token * stride_om + n, _round(out, out_ptr.dtype.element_ty, INTERPRETED), mask=n_ok)

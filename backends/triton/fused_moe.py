@@ -1,10 +1,10 @@
 """The triton backend's fused_moe: which calls its kernels take, their launch configuration (a
 measured table per device, else a heuristic by pairs per expert, with an override for sweeps and
 tests) and the launches of one call: the routing layout, fp8_block's input quantization, gate-up GEMM
-with the activation fused, down GEMM with the router weight fused, and the top-k sum (kernels:
-_fused_moe_kernel.py, imported on the first launch so the backend registers without Triton). No
-launch reads a device value on the host: every size is a bound from host ints, and programs past
-the routed rows return at once."""
+with the activation fused, down GEMM with the router weight fused, and the top-k sum; or at decode
+sizes two GEMVs with no routing layout (kernels: _fused_moe_kernel.py, imported on the first launch so
+the backend registers without Triton). No launch reads a device value on the host: every size is a
+bound from host ints, and programs past the routed rows return at once."""
 
 import contextlib
 import functools
@@ -19,7 +19,7 @@ from kernelmux.backends.triton._host import (INTERPRETED, device_guard, native_f
 from kernelmux.platforms import Platform, PlatformKind
 from kernelmux.specs import fused_moe as spec
 
-__all__ = ["GemmConfig", "LaunchConfig", "MAX_EXPERTS", "describe", "fused_moe", "launch_config",
+__all__ = ["GEMV_MAX_TOKENS", "GemmConfig", "LaunchConfig", "MAX_EXPERTS", "describe", "fused_moe", "launch_config",
            "override_launch_config", "supports"]
 
 # The layout kernel holds every local expert's count in one program's registers.
@@ -37,6 +37,14 @@ QUANTIZE_GROUPS = 8  # fp8_block input quantization: 1 x 128 groups per program
 SUM_BLOCK = 1024  # moe_sum_kernel: columns per program
 FP8_DOT_CAPABILITY = (8, 9)  # tl.dot on e4m3 operands: Ada and Hopper tensor cores
 FP8_DOT_MIN_K = 32  # tl.dot on e4m3 operands needs K >= 32 (Triton 3.6 on the H200)
+# fp4 calls of at most this many tokens take the decode GEMVs: at T = 1 each pair's expert is its own, so a
+# program per pair reads every touched expert once (at T > 1 two pairs of one expert would read it twice).
+GEMV_MAX_TOKENS = 1
+GEMV_QUANTIZATIONS = frozenset({"none", "mxfp4", "nvfp4"})  # fp8's activation quantization is the grouped path's
+# Where the GEMVs are chosen: fp4, whose decoding bounds both paths (gpt-oss-120b MXFP4 T 1 on the H200: 49.4
+# against 66.0 us). bf16 weights stream faster into the tensor-core tiles, whose loads Triton pipelines (Qwen3
+# T 1: gate-up 14.5 against 16.9 us, down 8.6 against 15.6; perf/decisions/fused_moe.md).
+GEMV_CHOSEN = frozenset({"mxfp4", "nvfp4"})
 
 
 @dataclass(frozen=True)
@@ -56,12 +64,14 @@ class LaunchConfig:
     """Rows per block of the routing layout (both GEMMs' BLOCK_M), each GEMM's tiles, and how the
     top-k sum is taken for k > 1: "pairs" stores each pair's weighted output in the hidden dtype and
     sums them in one more launch (no fill, no fp32 [T, H]); "atomic" adds them into a zeroed fp32
-    [T, H] and casts it (no [T, k, H] buffer)."""
+    [T, H] and casts it (no [T, k, H] buffer). ``gemv``: the decode GEMVs instead (a program per pair,
+    then per token, and tile of block_n rows stepping block_k of K; block_m, group_m and reduce unused)."""
 
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
     reduce: str = "pairs"
+    gemv: bool = False
     tuned: bool = False  # from a measured table (perf/decisions/fused_moe.md), else the heuristic
 
 
@@ -80,6 +90,16 @@ def _heuristic(pairs_per_expert: float, quantization: str) -> LaunchConfig:
         return LaunchConfig(32, tiles, tiles)
     tiles = GemmConfig(block_n=128, block_k=block_k, group_m=8, num_warps=8, num_stages=3)
     return LaunchConfig(64 if quantization == "fp8_block" else 128, tiles, tiles)
+
+
+def _gemv(gate_up: tuple[int, ...], down: tuple[int, ...], tuned: bool = True) -> LaunchConfig:
+    """The decode GEMVs with each GEMM's (block_n, block_k, num_warps, num_stages)."""
+    up, down_tiles = ((GemmConfig(n, k, 1, warps, stages)) for n, k, warps, stages in (gate_up, down))
+    return LaunchConfig(16, up, down_tiles, gemv=True, tuned=tuned)
+
+
+# No table row for the device: the GEMVs with the H200's measured MXFP4 tiles (perf/decisions/fused_moe.md).
+_GEMV_HEURISTIC = _gemv((8, 512, 4, 3), (8, 1024, 4, 3), tuned=False)
 
 
 def _measured(block_m: int, gate_up: tuple[int, ...], down: Optional[tuple[int, ...]] = None,
@@ -116,6 +136,12 @@ _TABLES: dict[str, tuple[tuple[str, float, float, LaunchConfig], ...]] = {
         ("mxfp4", 1, 8, _measured(16, (64, 64, 1, 4, 4))),
     ),
 }
+# Measured decode GEMV tiles: device name -> quantization -> configuration (calls of at most GEMV_MAX_TOKENS).
+_GEMV_TABLES: dict[str, dict[str, LaunchConfig]] = {
+    # gpt-oss-120b MXFP4 T 1: 49.4 us at 8 x 1024 for both; by the profiler gate-up 25.6 us at 8 x 512 (8 x 1024
+    # 28.1, 16 x 512 28.1, 4 x 1024 29.5), down 19.6 at 8 x 1024 (4 x 1024 23.5, 16 x 1024 25.4).
+    "NVIDIA H200": {"mxfp4": _gemv((8, 512, 4, 3), (8, 1024, 4, 3))},
+}
 
 
 def _config_problem(config: Optional[LaunchConfig]) -> Optional[str]:
@@ -127,7 +153,9 @@ def _config_problem(config: Optional[LaunchConfig]) -> Optional[str]:
         return f"reduce = {config.reduce!r}: expected one of {sorted(REDUCE_MODES)}"
     for gemm in (config.gate_up, config.down):
         for value in (gemm.block_n, gemm.block_k):
-            if value < 16 or value & (value - 1):
+            if config.gemv and (value < 1 or value & (value - 1)):
+                return f"{gemm}: the GEMVs' tiles are powers of two (tl.arange)"
+            if not config.gemv and (value < 16 or value & (value - 1)):
                 return f"{gemm}: tl.dot needs tiles that are powers of two >= 16"
     return None
 
@@ -140,16 +168,24 @@ def override_launch_config(config: LaunchConfig) -> contextlib.AbstractContextMa
     """Use ``config`` for every call inside the block (sweeps, tests); restores the previous one.
     fp8 calls keep at least 32 as block_k (tl.dot on e4m3), fp8_block exactly 128 (one activation
     group per step) and 128 as gate-up's block_n (its tile is one group of the intermediate); fp4 calls
-    at least their scale block (32 mxfp4, 16 nvfp4)."""
+    at least their scale block (32 mxfp4, 16 nvfp4). A GEMV configuration applies to calls the GEMVs
+    serve (GEMV_QUANTIZATIONS) at any T; fp8 calls under it take the table's or the heuristic's."""
     return _override.override(config)
 
 
-def launch_config(num_pairs: int, num_experts: int, quantization: str, device_name: str = "") -> LaunchConfig:
-    """The launch configuration for a call of ``num_pairs`` (token, slot) pairs routed over
-    ``num_experts`` (global: a rank's experts get their share): the active override, else the
-    device's measured row for its bucket of pairs per expert, else the heuristic."""
-    pairs_per_expert = num_pairs / num_experts
+def launch_config(num_tokens: int, topk: int, num_experts: int, quantization: str,
+                  device_name: str = "") -> LaunchConfig:
+    """The launch configuration for a call of ``num_tokens`` tokens routed to ``topk`` of
+    ``num_experts`` (global: a rank's experts get their share): the active override, else for
+    decode calls (at most GEMV_MAX_TOKENS, a quantization in GEMV_CHOSEN) the device's measured GEMV
+    row or the heuristic GEMVs, else the device's measured row for its bucket of pairs per expert,
+    else the heuristic."""
+    pairs_per_expert = num_tokens * topk / num_experts
     config = _override.current
+    if config is not None and config.gemv and quantization not in GEMV_QUANTIZATIONS:
+        config = None
+    if config is None and num_tokens <= GEMV_MAX_TOKENS and quantization in GEMV_CHOSEN:
+        config = _GEMV_TABLES.get(device_name, {}).get(quantization, _GEMV_HEURISTIC)
     if config is None:
         config = next((row for kind, lo, hi, row in _TABLES.get(device_name, ())
                        if kind == quantization and lo < pairs_per_expert <= hi), None)
@@ -170,11 +206,12 @@ def describe(key: spec.Key, platform: Platform) -> str:
     key holds T's power-of-two class, so this is the configuration at the class's largest T."""
     name = platform_table_name(platform)
     tokens = key.num_tokens_class
-    config = launch_config(tokens * key.topk, key.num_global_experts, key.quantization, name)
+    config = launch_config(tokens, key.topk, key.num_global_experts, key.quantization, name)
     source = ("measured on this device, perf/decisions/fused_moe.md" if config.tuned
               else f"heuristic: {name or 'this device'} has no measured row for this size")
     up, down = config.gate_up, config.down
-    return (f"at T = {tokens}: BLOCK_M {config.block_m}; gate-up BN {up.block_n} BK {up.block_k} {up.num_warps} warps "
+    kernels = "decode GEMVs" if config.gemv else f"BLOCK_M {config.block_m}"
+    return (f"at T = {tokens}: {kernels}; gate-up BN {up.block_n} BK {up.block_k} {up.num_warps} warps "
             f"{up.num_stages} stages; down BN {down.block_n} BK {down.block_k} {down.num_warps} warps "
             f"{down.num_stages} stages ({source})")
 
@@ -238,16 +275,20 @@ def fused_moe(
     experts, inter_size = w1.shape[0], w1.shape[1] // 2
     topk = topk_ids.shape[1]
     pairs = num_tokens * topk
-    config = launch_config(pairs, expert_map.shape[0] if expert_map is not None else experts, quantization,
-                           table_name(device))
+    config = launch_config(num_tokens, topk, expert_map.shape[0] if expert_map is not None else experts,
+                           quantization, table_name(device))
+    if quantization == "nvfp4":  # the kernels decode e4m3 scales from their bits (no fp8 dtype needed)
+        w1_scale, w2_scale = w1_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+    if config.gemv:
+        return _gemv_moe(config, hidden, w1, w2, topk_weights, topk_ids, activation, expert_map,
+                         apply_router_weight_on_input, quantization, w1_scale, w2_scale, w1_global_scale,
+                         w2_global_scale)
     block_m = config.block_m
     # Each used expert's run pads to whole blocks: at most min(E, pairs) runs of < block_m padding.
     max_rows = -(-(pairs + min(experts, pairs) * (block_m - 1)) // block_m) * block_m
     max_blocks = max_rows // block_m
     quant = QUANT_MODES[quantization]
     blockwise = quantization == "fp8_block"
-    if quantization == "nvfp4":  # the kernels decode e4m3 scales from their bits (no fp8 dtype needed)
-        w1_scale, w2_scale = w1_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     kernels = _kernels()
 
     index = torch.empty(3 * experts + 1 + max_blocks + max_rows, dtype=torch.int32, device=device)
@@ -338,4 +379,44 @@ def fused_moe(
         kernels.moe_sum_kernel[(num_tokens, -(-hidden_size // SUM_BLOCK))](
             down_out, *routing, out, hidden_size, down_out.stride(0), *routing_strides, out.stride(0), TOPK=topk,
             HAS_MAP=has_map, INTERPRETED=INTERPRETED, BLOCK_N=SUM_BLOCK)
+    return out
+
+
+def _gemv_moe(config: LaunchConfig, hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+              expert_map: Optional[torch.Tensor], apply_router_weight_on_input: bool, quantization: str,
+              w1_scale: Optional[torch.Tensor], w2_scale: Optional[torch.Tensor],
+              w1_global_scale: Optional[torch.Tensor], w2_global_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """fused_moe in two launches (decode): gate-up's GEMV per (pair, column tile) into a [T * k, I]
+    intermediate, then down's GEMV per (token, column tile) summing the token's k slots in fp32 (the
+    spec allows one rounding of the sum). No routing layout, no fill, no sum launch."""
+    num_tokens, hidden_size = hidden.shape
+    inter_size = w1.shape[1] // 2
+    topk = topk_ids.shape[1]
+    kernels = _kernels()
+    inter = torch.empty((num_tokens * topk, inter_size), dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    has_map = expert_map is not None
+    routing = (topk_ids, expert_map if has_map else topk_ids)
+    routing_strides = (*topk_ids.stride(), expert_map.stride(0) if has_map else 0)
+    placeholder = topk_ids  # where the quantization reads no scales
+    shared = dict(TOPK=topk, HAS_MAP=has_map, ON_INPUT=apply_router_weight_on_input, QUANT=QUANT_MODES[quantization],
+                  INTERPRETED=INTERPRETED)
+    with device_guard(hidden.device):
+        gemm = config.gate_up
+        kernels.moe_gemv_gate_up_kernel[(num_tokens * topk, -(-inter_size // gemm.block_n))](
+            hidden, w1, w1_scale if w1_scale is not None else placeholder,
+            w1_global_scale if w1_global_scale is not None else placeholder, topk_weights, *routing, inter,
+            hidden_size, inter_size, *hidden.stride(), *w1.stride(), *_scale_strides(w1_scale),
+            *_strides(w1_global_scale, 1), topk_weights.stride(0), *routing_strides, inter.stride(0),
+            GELU=activation == "gelu", HIDDEN=kernels.HIDDEN_DTYPES[hidden.dtype], BLOCK_N=gemm.block_n,
+            BLOCK_K=gemm.block_k, num_warps=gemm.num_warps, num_stages=gemm.num_stages, **shared)
+        gemm = config.down
+        kernels.moe_gemv_down_kernel[(num_tokens, -(-hidden_size // gemm.block_n))](
+            inter, w2, w2_scale if w2_scale is not None else placeholder,
+            w2_global_scale if w2_global_scale is not None else placeholder, topk_weights, *routing, out,
+            hidden_size, inter_size, inter.stride(0), *w2.stride(), *_scale_strides(w2_scale),
+            *_strides(w2_global_scale, 1), *topk_weights.stride(), *routing_strides, out.stride(0),
+            BLOCK_N=gemm.block_n, BLOCK_K=gemm.block_k, num_warps=gemm.num_warps, num_stages=gemm.num_stages,
+            **shared)
     return out

@@ -12,7 +12,8 @@ configuration of _sweep, checked the same way first; --kernels adds each kernel'
 profiler), --route-probe the triton call with its routing in three launches.
 
     python perf/diag/fused_moe_goals.py --out DIR [--models mixtral qwen3 deepseek] [--tokens 1 64 4096] [--sweep]
-        [--impls triton torch deepgemm] [--configs BM/BN/BK/WARPS/STAGES[/REDUCE] ...] [--kernels] [--route-probe]
+        [--impls triton torch deepgemm] [--configs BM/BN/BK/WARPS/STAGES[/REDUCE] gemv/BN/BK/WARPS/STAGES ...]
+        [--kernels] [--route-probe]
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ ROUTINGS = 4
 REFERENCE_MAX_WEIGHTS = 2e9
 
 
-def _sweep(quantization: str, pairs_per_expert: float) -> list[LaunchConfig]:
-    """Decode (at most one pair per expert): 16-row blocks, narrow to wide column tiles (the grid is
-    what keeps 132 SMs reading at T = 1), deep k-steps. Up to 16 per expert: 16- to 64-row blocks
-    (one block per expert reads its weights once). Larger: 64- and 128-row blocks, 64-256 wide
+def _sweep(quantization: str, tokens: int, pairs_per_expert: float) -> list[LaunchConfig]:
+    """Decode GEMVs (the quantizations they serve, at most GEMV_MAX_TOKENS): 4- to 32-row tiles, k-steps of
+    128-2048 weights, 2-8 warps, 1-4 stages. Decode (at most one pair per expert): 16-row blocks, narrow
+    to wide column tiles (the grid is what keeps 132 SMs reading at T = 1), deep k-steps. Up to 16 per
+    expert: 16- to 64-row blocks (one block per expert reads its weights once). Larger: 64- and 128-row blocks, 64-256 wide
     tiles, 4 or 8 warps, 3 or 4 stages, both top-k sums. fp8_block keeps 128-wide k-steps and
     gate-up tiles (the launch configuration clamps them)."""
     configs = []
@@ -56,6 +58,16 @@ def _sweep(quantization: str, pairs_per_expert: float) -> list[LaunchConfig]:
         tiles = GemmConfig(block_n, block_k, group_m=group_m, num_warps=warps, num_stages=stages)
         configs.append(LaunchConfig(block_m, tiles, tiles, reduce))
 
+    if tokens <= triton_moe.GEMV_MAX_TOKENS and quantization in triton_moe.GEMV_QUANTIZATIONS:
+        widths = (512, 1024, 2048) if quantization in ("mxfp4", "nvfp4") else (128, 256, 512)
+        for block_n in (4, 8, 16, 32):
+            for block_k in widths:
+                width = block_k // 2 if quantization in ("mxfp4", "nvfp4") else block_k
+                if block_n * width <= 8192:  # gate-up holds two fp32 [BN, width] products: 128 registers a lane
+                    configs.append(_parse_config(f"gemv/{block_n}/{block_k}/4/3"))
+        for warps, stages in ((2, 3), (8, 3), (4, 1), (4, 4)):
+            configs.append(_parse_config(f"gemv/16/{widths[1]}/{warps}/{stages}"))
+        return configs
     if pairs_per_expert <= 1:
         for block_n in (16, 32, 64):
             for block_k in (128, 256):
@@ -91,8 +103,13 @@ def _sweep(quantization: str, pairs_per_expert: float) -> list[LaunchConfig]:
 
 
 def _parse_config(text: str) -> LaunchConfig:
-    """BM/BN/BK/WARPS/STAGES[/REDUCE] -> the configuration with those tiles for both GEMMs."""
+    """BM/BN/BK/WARPS/STAGES[/REDUCE] -> the configuration with those tiles for both GEMMs; gemv/BN/BK/WARPS/STAGES
+    -> the decode GEMVs with those tiles for both."""
     fields = text.split("/")
+    if fields[0] == "gemv":
+        block_n, block_k, warps, stages = (int(v) for v in fields[1:])
+        tiles = GemmConfig(block_n, block_k, group_m=1, num_warps=warps, num_stages=stages)
+        return LaunchConfig(16, tiles, tiles, gemv=True)
     block_m, block_n, block_k, warps, stages = (int(v) for v in fields[:5])
     tiles = GemmConfig(block_n, block_k, group_m=1 if block_m == 16 else 8, num_warps=warps, num_stages=stages)
     return LaunchConfig(block_m, tiles, tiles, *fields[5:])
@@ -156,7 +173,7 @@ def _peers(quantization: str) -> dict:
     return impls
 
 
-KERNELS = ("route", "count", "layout", "scatter", "quantize", "gate_up", "down", "sum")
+KERNELS = ("gemv_gate_up", "gemv_down", "route", "count", "layout", "scatter", "quantize", "gate_up", "down", "sum")
 
 
 def _kernel_times(fn, inputs) -> dict:
@@ -228,7 +245,7 @@ def main() -> None:
             if args.sweep:
                 pairs_per_expert = tokens * MODELS[model][1] / MODELS[model][0]
                 variants += [("triton", triton_moe.fused_moe, config)
-                             for config in _sweep(quantization, pairs_per_expert)]
+                             for config in _sweep(quantization, tokens, pairs_per_expert)]
             for name, fn, config in variants:
                 row = dict(model=model, tokens=tokens, impl=name, config=str(config) if config else "default",
                            experts_used=experts_used, roofline_us=round(floor_us, 2))
@@ -266,7 +283,7 @@ def main() -> None:
         print(f"{model} T {tokens}: {row['us']} us ({row['roofline_pct']}% of roofline, {row['copy_pct']}% copy) "
               f"{row['config']}; {peer_text}")
         profiled = [r for r in rows if r["model"] == model and r["tokens"] == tokens and "kernels_us" in r]
-        for kernel in ("gate_up", "down"):
+        for kernel in ("gate_up", "down", "gemv_gate_up", "gemv_down"):
             timed = [r for r in profiled if kernel in r["kernels_us"]]
             if timed:
                 fastest = min(timed, key=lambda r: r["kernels_us"][kernel])

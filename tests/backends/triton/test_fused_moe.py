@@ -94,50 +94,71 @@ def test_declines_with_reasons() -> None:
         assert (reason is not None) == refused, reason
 
 
-def test_the_heuristic_follows_pairs_per_expert() -> None:
-    decode = launch_config(8, 128, "none")  # Qwen3 T = 1: a sixteenth of a pair per expert
-    assert decode.block_m == 16 and not decode.tuned
-    assert launch_config(4096 * 8, 128, "none").block_m == 128
+def test_the_heuristic_follows_tokens_and_pairs_per_expert() -> None:
+    # T = 1 takes the GEMVs for fp4 weights; bf16 and fp8 keep the grouped kernels.
+    for quantization in ("mxfp4", "nvfp4"):
+        decode = launch_config(1, 4, 128, quantization)  # gpt-oss-120b T = 1
+        assert decode.gemv and not decode.tuned, quantization
+        assert not launch_config(2, 4, 128, quantization).gemv
+    assert not launch_config(1, 8, 256, "fp8_block").gemv
+    decode = launch_config(1, 8, 128, "none")  # Qwen3 T = 1
+    assert not decode.gemv and decode.block_m == 16
+    small = launch_config(64, 8, 128, "none")  # Qwen3 T = 64: 4 pairs per expert
+    assert small.block_m == 16 and not small.gemv and not small.tuned
+    assert launch_config(4096, 8, 128, "none").block_m == 128
     # fp8_block steps one 128-wide activation group per k-step, and gate-up's tile is one group of
     # the intermediate (its epilogue quantizes it), whatever the tiles say.
-    assert launch_config(8, 256, "fp8_block").gate_up.block_k == 128
+    assert launch_config(1, 8, 256, "fp8_block").gate_up.block_k == 128
     with override_launch_config(LaunchConfig(32, GemmConfig(32, 32), GemmConfig(32, 64))):
-        config = launch_config(8, 256, "fp8_block")
+        config = launch_config(1, 8, 256, "fp8_block")
         assert (config.block_m, config.gate_up.block_k, config.down.block_k) == (32, 128, 128)
         assert (config.gate_up.block_n, config.down.block_n) == (128, 32)
 
 
+def test_a_gemv_override_serves_the_gemv_quantizations_at_any_size() -> None:
+    tiles = GemmConfig(4, 32)
+    with override_launch_config(LaunchConfig(16, tiles, tiles, gemv=True)):
+        assert launch_config(4096, 8, 128, "none").gemv
+        assert launch_config(64, 4, 128, "nvfp4").gemv
+        fp8 = launch_config(1, 8, 256, "fp8_block")  # the table's or the heuristic's grouped kernels
+        assert not fp8.gemv and fp8.block_m == 16
+
+
 def test_measured_rows_are_used_on_their_device_and_bucket_only() -> None:
     h200 = "NVIDIA H200"
-    decode = launch_config(8, 128, "none", h200)  # Qwen3 T = 1
-    assert decode.tuned and (decode.block_m, decode.gate_up.block_n, decode.gate_up.block_k) == (16, 64, 128)
-    assert launch_config(4096 * 2, 8, "none", h200).block_m == 128  # Mixtral T = 4096: measured
-    assert not launch_config(48 * 8, 8, "none", h200).tuned  # 48 pairs per expert: no measured row
-    assert not launch_config(8, 128, "none", "NVIDIA H100 80GB HBM3").tuned  # another device
-    assert launch_config(8, 256, "fp8_block", h200).tuned
-    assert not launch_config(8, 256, "fp8_per_tensor", h200).tuned  # measured for fp8_block only
+    small = launch_config(64, 8, 128, "none", h200)  # Qwen3 T = 64
+    assert small.tuned and (small.block_m, small.gate_up.block_n, small.gate_up.block_k) == (16, 64, 128)
+    assert launch_config(4096, 2, 8, "none", h200).block_m == 128  # Mixtral T = 4096: measured
+    assert not launch_config(48, 8, 8, "none", h200).tuned  # 48 pairs per expert: no measured row
+    assert not launch_config(64, 8, 128, "none", "NVIDIA H100 80GB HBM3").tuned  # another device
+    assert launch_config(1, 8, 256, "fp8_block", h200).tuned
+    assert not launch_config(1, 8, 256, "fp8_per_tensor", h200).tuned  # measured for fp8_block only
+    gemv = launch_config(1, 4, 128, "mxfp4", h200)  # gpt-oss-120b T = 1
+    assert gemv.gemv and gemv.tuned and (gemv.gate_up.block_n, gemv.gate_up.block_k) == (8, 512)
+    assert not launch_config(1, 4, 128, "nvfp4", h200).tuned  # measured for mxfp4 only
 
 
 def test_fp8_steps_keep_the_k_tl_dot_needs() -> None:
     tiles = GemmConfig(32, 16)
     with override_launch_config(LaunchConfig(16, tiles, tiles)):
-        assert launch_config(8, 8, "fp8_per_tensor").gate_up.block_k == host.FP8_DOT_MIN_K
-        assert launch_config(8, 8, "none").gate_up.block_k == 16
+        assert launch_config(4, 2, 8, "fp8_per_tensor").gate_up.block_k == host.FP8_DOT_MIN_K
+        assert launch_config(4, 2, 8, "none").gate_up.block_k == 16
 
 
 def test_fp4_steps_hold_whole_scale_blocks() -> None:
     tiles = GemmConfig(32, 16)
-    with override_launch_config(LaunchConfig(16, tiles, tiles)):
-        assert launch_config(8, 8, "mxfp4").gate_up.block_k == 32
-        assert launch_config(8, 8, "mxfp4").down.block_k == 32
-        assert launch_config(8, 8, "nvfp4").gate_up.block_k == 16
+    for gemv in (False, True):
+        with override_launch_config(LaunchConfig(16, tiles, tiles, gemv=gemv)):
+            assert launch_config(4, 2, 8, "mxfp4").gate_up.block_k == 32
+            assert launch_config(4, 2, 8, "mxfp4").down.block_k == 32
+            assert launch_config(4, 2, 8, "nvfp4").gate_up.block_k == 16
 
 
 @triton.jit
 def _decode_codes(codes_ptr, e2m1_ptr, e8m0_ptr, e4m3_ptr):
     i = tl.arange(0, 256)
     codes = tl.load(codes_ptr + i)
-    tl.store(e2m1_ptr + i, KERNELS._e2m1(codes.to(tl.int32) & 15))
+    tl.store(e2m1_ptr + i, KERNELS.e2m1_values(codes.to(tl.int32) & 15))
     tl.store(e8m0_ptr + i, KERNELS._fp4_scales(codes, KERNELS.MXFP4))
     tl.store(e4m3_ptr + i, KERNELS._fp4_scales(codes, KERNELS.NVFP4))
 
@@ -197,11 +218,18 @@ def test_fp4_pair_decoding_of_every_byte_under_every_scale(quantization: str, dt
 
 
 def test_describe_names_the_configuration_and_its_source() -> None:
-    key = SPEC.validate(**SPEC.case("one_token").build("cpu", 0))
+    kwargs = SPEC.case("small_mxfp4").build("cpu", 0)
+    kwargs = {**kwargs, "hidden": kwargs["hidden"][:1], "topk_weights": kwargs["topk_weights"][:1],
+              "topk_ids": kwargs["topk_ids"][:1]}
+    key = SPEC.validate(**kwargs)
     text = host.describe(key, simulate("sm_90"))
-    config = launch_config(key.num_tokens_class * key.topk, key.num_global_experts, key.quantization)
-    assert text.startswith(f"at T = 1: BLOCK_M {config.block_m}; gate-up BN {config.gate_up.block_n}")
+    config = launch_config(1, key.topk, key.num_global_experts, key.quantization)
+    assert text.startswith(f"at T = 1: decode GEMVs; gate-up BN {config.gate_up.block_n}")
     assert "heuristic" in text
+    key = SPEC.validate(**SPEC.case("small_silu").build("cpu", 0))
+    config = launch_config(key.num_tokens_class, key.topk, key.num_global_experts, key.quantization)
+    text = host.describe(key, simulate("sm_90"))
+    assert text.startswith(f"at T = {key.num_tokens_class}: BLOCK_M {config.block_m}; gate-up BN")
 
 
 def test_an_invalid_override_is_refused() -> None:
@@ -211,6 +239,14 @@ def test_an_invalid_override_is_refused() -> None:
     with pytest.raises(ValueError, match="reduce = 'scatter'"):
         with override_launch_config(LaunchConfig(16, GemmConfig(32, 32), GemmConfig(32, 32), reduce="scatter")):
             pass
+    with pytest.raises(ValueError, match="powers of two >= 16"):
+        with override_launch_config(LaunchConfig(16, GemmConfig(8, 32), GemmConfig(32, 32))):
+            pass
+    with pytest.raises(ValueError, match="GEMVs' tiles are powers of two"):
+        with override_launch_config(LaunchConfig(16, GemmConfig(6, 32), GemmConfig(32, 32), gemv=True)):
+            pass
+    with override_launch_config(LaunchConfig(16, GemmConfig(1, 32), GemmConfig(8, 16), gemv=True)):
+        pass  # narrower than tl.dot's tiles: the GEMVs take any power of two
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +276,72 @@ def test_each_launch_config(config: LaunchConfig, name: str) -> None:
     # ways of taking the top-k sum.
     with override_launch_config(config):
         _check(_build(name, 3), f"{name} under {config}")
+
+
+# The decode GEMVs serve any T (a program per pair): every case of the quantizations they take, under tiles
+# narrower and wider than H and I, one warp to several.
+GEMV_CASES = [name for name in SERVED if "fp8" not in name]
+GEMV_TILES = {
+    "n4k32-n16k64": LaunchConfig(16, GemmConfig(4, 32, num_warps=1), GemmConfig(16, 64), gemv=True),
+    "n32k128-n2k32": LaunchConfig(16, GemmConfig(32, 128), GemmConfig(2, 32, num_warps=2), gemv=True),
+}
+
+
+@pytest.mark.parametrize("tiles", list(GEMV_TILES))
+@pytest.mark.parametrize("name", GEMV_CASES)
+def test_the_decode_gemvs_match_the_reference(name: str, tiles: str) -> None:
+    if not ON_GPU and "model" in SPEC.case(name).tags:
+        pytest.skip(f"GPU only: {name}'s experts take about a minute per call under the Triton interpreter")
+    if not ON_GPU and tiles != "n4k32-n16k64" and "edge" not in SPEC.case(name).tags:
+        pytest.skip("GPU only: the interpreter runs the second tiles on the edge cases (its ~10 ms a program)")
+    with override_launch_config(GEMV_TILES[tiles]):
+        _check(_build(name, 9), f"{name}, decode GEMVs {tiles}")
+
+
+@pytest.mark.parametrize("name", ["small_silu", "expert_map_with_holes", "top1_weight_on_input", "small_mxfp4",
+                                  "small_nvfp4_gelu_fp16"])
+def test_the_decode_gemvs_read_strided_and_sliced_inputs(name: str) -> None:
+    kwargs = _strided(_build(name, 10))
+    with override_launch_config(GEMV_TILES["n4k32-n16k64"]):
+        _check(kwargs, f"{name}, strided, decode GEMVs")
+
+
+@triton.jit
+def _decode_gemv_fp4(packed_ptr, scale_ptr, even_ptr, odd_ptr, QUANT: tl.constexpr, INTERPRETED: tl.constexpr,
+                     BLOCKS: tl.constexpr, BLOCK_BYTES: tl.constexpr):
+    # [256 rows: one per scale code, BLOCKS blocks of BLOCK_BYTES bytes] -> fp32 weights at even and odd k
+    row = tl.arange(0, 256)
+    col = tl.arange(0, BLOCKS * BLOCK_BYTES)
+    packed = tl.load(packed_ptr + row[:, None] * (BLOCKS * BLOCK_BYTES) + col[None, :])
+    scale_codes = tl.load(scale_ptr + row[:, None] * BLOCKS + tl.arange(0, BLOCKS)[None, :])
+    even, odd, scale = KERNELS._gemv_fp4(packed, scale_codes, QUANT, INTERPRETED)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (256, BLOCKS, BLOCK_BYTES)), (256, BLOCKS * BLOCK_BYTES))
+    out = row[:, None] * (BLOCKS * BLOCK_BYTES) + col[None, :]
+    tl.store(even_ptr + out, even * scale * KERNELS.FP4_UNBIAS)
+    tl.store(odd_ptr + out, odd * scale * KERNELS.FP4_UNBIAS)
+
+
+@pytest.mark.parametrize("quantization", ["mxfp4", "nvfp4"])
+def test_gemv_fp4_decoding_of_every_byte_under_every_scale(quantization: str) -> None:
+    # _gemv_fp4 (the GEMVs' decoding: fp16 bit placement on the GPU, e2m1_values in the interpreter) with its scale
+    # and 2^14 applied as the GEMVs do, against the fp32 product of the spec's decoders, for every packed byte
+    # under every scale byte. e8m0's range leaves fp16 and bf16: here the products are fp32.
+    block_bytes = 16 if quantization == "mxfp4" else 8
+    blocks = 32 // block_bytes
+    packed = (torch.arange(256 * 32) * 37 % 256).to(torch.uint8).view(256, 32)
+    scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].expand(256, blocks).contiguous()
+    even, odd = (torch.full((256, 32), 7.0, device=DEVICE) for _ in range(2))
+    _decode_gemv_fp4[(1,)](packed.to(DEVICE), scales.to(DEVICE), even, odd,
+                           QUANT=getattr(KERNELS, quantization.upper()), INTERPRETED=host.INTERPRETED, BLOCKS=blocks,
+                           BLOCK_BYTES=block_bytes)
+    table = torch.tensor(E2M1_TABLE)
+    scale = e8m0_to_float(scales) if quantization == "mxfp4" else scales.view(torch.float8_e4m3fn).float()
+    scale = scale.repeat_interleave(block_bytes, dim=1)
+    for name, got, nibble in (("even", even, packed.long() & 15), ("odd", odd, packed.long() >> 4)):
+        want = table[nibble] * scale
+        # e8m0 0 (2^-127) times a value under 2 is an fp32 subnormal: the GPU's fp32 multiply may flush it.
+        normal = want.isnan() | (want.abs() >= torch.finfo(torch.float32).tiny) | (want == 0)
+        torch.testing.assert_close(got.cpu()[normal], want[normal], rtol=0, atol=0, equal_nan=True, msg=name)
 
 
 def test_the_pair_sum_skips_pairs_routed_off_rank() -> None:
