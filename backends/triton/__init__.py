@@ -35,6 +35,9 @@ TABLE = (
     Entry("quantize_fp8",
           "per token and per 1 x G group in one launch, per tensor in one (few rows) or two (maxima, then "
           "codes); e4m3fn and e4m3fnuz"),
+    Entry("quantize_nvfp4",
+          "blocks of 16 in one launch (a passed-in global scale, or a few rows), else the amax partials first"),
+    Entry("quantize_mxfp4", "blocks of 32 in one launch, OCP's floor or the ceil scale rule"),
     # Below the vendors' GEMMs (15-17) where no tuning table ranks them: half DeepGEMM's speed at M 4096 on
     # the H200 (perf/decisions/scaled_mm.md); the tables put it first where it measured fastest (decode).
     Entry("scaled_mm",

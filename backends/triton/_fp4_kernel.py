@@ -5,19 +5,25 @@ decode). Integer and exact fp32 operations only, so the interpreter computes the
 import triton
 import triton.language as tl
 
-# e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7; bit 3 the sign). A magnitude's code is the number of
-# midpoints below it; a tie rounds to the even code, so it counts as above the midpoints 0.75, 1.75 and 3.5
-# (codes 1, 3, 5 below them: odd) and below 0.25, 1.25, 2.5 and 5.
 E2M1_MAX = tl.constexpr(6.0)
+_ONE_BITS = tl.constexpr(0x3F800000)
+_MAGIC_BITS = tl.constexpr(0x4B000000)  # 2^23
 
 
 @triton.jit
 def e2m1_codes(v):
-    """fp32 -> e2m1 codes (int32 0..15): rounded half to even, saturated at +-6, the sign bit that of ``v``
-    (a negative value rounding to zero gives 8); NaN gives a zero magnitude (callers mask such blocks)."""
+    """fp32 -> e2m1 codes (int32 0..15; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6): rounded half to even, saturated
+    at +-6, the sign bit that of ``v`` (a negative value rounding to zero gives 8). From the bits, as fp32
+    rounding itself works: |v| >= 1 keeps one mantissa bit (add just under half an ulp of it, plus one when
+    the kept bit is odd: ties go to even; a carry moves into the exponent, 1.75 -> 2), so the code is
+    2 (exponent - 126) + that bit; below 1 the code is 2|v| rounded to nearest even by an fp32 add of 2^23
+    (2|v| is exact), 0, 1 or 2. NaN saturates to 6 (callers mask such blocks)."""
     m = tl.abs(v)
-    code = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
-            + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32))
+    m = tl.where(m < E2M1_MAX, m, E2M1_MAX)  # NaN compares false: 6 here and on the GPU alike
+    bits = m.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
+    small = (m * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - _MAGIC_BITS
+    code = tl.where(bits >= _ONE_BITS, normal, small)
     return code | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
 
 

@@ -43,8 +43,9 @@ def _codes(x, scale, NATIVE_FP8: tl.constexpr, FNUZ: tl.constexpr):
 
 @triton.jit
 def amax_partials_kernel(x_ptr, partial_ptr, rows, cols, stride_xm, stride_xk,
-                         ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """partial[program] = max |x| over the program's ROWS rows (per_tensor's first pass)."""
+                         ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr = False):
+    """partial[program] = max |x| over the program's ROWS rows (per_tensor's first pass); ATOMIC: the max of
+    every program's in partial[0] (zeroed by the host), so the next pass reads one value (quantize_nvfp4)."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     x_rows = x_ptr + row[:, None].to(tl.int64) * stride_xm
     amax = tl.zeros((ROWS,), dtype=tl.float32)
@@ -53,7 +54,10 @@ def amax_partials_kernel(x_ptr, partial_ptr, rows, cols, stride_xm, stride_xk,
         mask = (row < rows)[:, None] & (k < cols)[None, :]
         x = tl.load(x_rows + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    tl.store(partial_ptr + tl.program_id(0), tl.max(amax, axis=0))
+    if ATOMIC:
+        tl.atomic_max(partial_ptr, tl.max(amax, axis=0))  # non-negative fp32: ordered as their bits
+    else:
+        tl.store(partial_ptr + tl.program_id(0), tl.max(amax, axis=0))
 
 
 @triton.jit

@@ -1,0 +1,38 @@
+"""The triton backend's quantize_mxfp4, every call the spec allows, in one launch (kernels:
+_quantize_fp4_kernel.py, imported on the first launch so the backend registers without Triton)."""
+
+import functools
+
+import torch
+
+from kernelmux.backends.triton._host import device_guard, next_pow2
+from kernelmux.specs import quantize_mxfp4 as spec
+
+__all__ = ["quantize_mxfp4"]
+
+# Columns (whole blocks) per program, and rows: 1, or ROWS from PROGRAM_ROWS_FROM rows on (perf/decisions/
+# quantize_mxfp4.md: H200, bf16, T 1 / 128 / 4096).
+BLOCK_K = 1024
+ROWS = 4
+PROGRAM_ROWS_FROM = 1024
+
+
+@functools.cache
+def _kernels():
+    from kernelmux.backends.triton import _quantize_fp4_kernel
+
+    return _quantize_fp4_kernel
+
+
+def quantize_mxfp4(x: torch.Tensor, rounding: str = "floor") -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec's quantize_mxfp4; arguments are validated by the caller."""
+    rows, cols = x.shape
+    q, scale = spec.fake(x, rounding)  # the spec's shapes, on x's device
+    if rows == 0:
+        return q, scale
+    block_rows = ROWS if rows >= PROGRAM_ROWS_FROM else 1
+    with device_guard(x.device):
+        _kernels().quantize_mxfp4_kernel[(-(-rows // block_rows), -(-cols // BLOCK_K))](
+            x, q, scale, rows, cols, *x.stride(), q.stride(0), scale.stride(0), CEIL=rounding == "ceil",
+            ROWS=block_rows, BLOCK_K=min(BLOCK_K, next_pow2(cols)))
+    return q, scale
