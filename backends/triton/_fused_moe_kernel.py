@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernelmux.backends.triton._fp4_kernel import e2m1_values, e4m3fn_values, e8m0_values
+from kernelmux.backends.triton._fp4_kernel import MXFP4, NVFP4, fp4_dot, fp4_gemv_step, gemv_sum
 from kernelmux.backends.triton._fp8_kernel import FP8_MAX, e4m3fn_codes
+from kernelmux.backends.triton._grid_kernel import grouped_tile
 
 # Quantization modes (constexpr QUANT): weights in the hidden dtype, fp8 with one scale per expert and
 # one dynamic activation scale per tensor, fp8 with 128 x 128 weight blocks and 1 x 128 activation groups,
@@ -20,8 +21,7 @@ from kernelmux.backends.triton._fp8_kernel import FP8_MAX, e4m3fn_codes
 NONE = tl.constexpr(0)
 PER_TENSOR = tl.constexpr(1)
 BLOCKWISE = tl.constexpr(2)
-MXFP4 = tl.constexpr(3)
-NVFP4 = tl.constexpr(4)
+# MXFP4 and NVFP4: _fp4_kernel's format codes (3 and 4), imported above.
 # Where the down kernel's per-pair results go (constexpr REDUCE): stored in the output (top-1), added
 # into an fp32 output, or stored per pair for moe_sum_kernel.
 STORE = tl.constexpr(0)  # the host's TOP1_STORE
@@ -139,18 +139,6 @@ def moe_route_kernel(ids_ptr, map_ptr, counts_ptr, starts_ptr, cursor_ptr, block
 
 
 @triton.jit
-def _tile(num_blocks_m, n_size, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(block of rows, tile of columns) of this program: GROUP_M row blocks sweep a column tile
-    together, so the weight tile they share is read from L2."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(n_size, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = pid // per_group * GROUP_M
-    rows = min(num_blocks_m - first_m, GROUP_M)
-    return first_m + (pid % per_group) % rows, (pid % per_group) // rows
-
-
-@triton.jit
 def _rows(sorted_ptr, block_expert_ptr, starts_ptr, counts_ptr, block_m, BLOCK_M: tl.constexpr):
     """The block's expert, its rows, which of them hold a pair, and those pairs."""
     expert = tl.load(block_expert_ptr + block_m)
@@ -201,98 +189,6 @@ def _quantize_groups(a, NATIVE_FP8: tl.constexpr):
 
 
 @triton.jit
-def _fp4_scales(codes, QUANT: tl.constexpr):
-    """Block scale codes (uint8; NVFP4's e4m3fn bits) -> fp32, exactly (_fp4_kernel's decoders)."""
-    if QUANT == MXFP4:
-        return e8m0_values(codes)
-    return e4m3fn_values(codes)
-
-
-# _fp4_pairs' PTX: four packed bytes (one 32-bit register, pack=4) -> their low nibbles as four 16-bit values in
-# $0, $1 and their high nibbles in $2, $3. prmt spreads bytes 0, 1 (then 2, 3) into the two halves of a register;
-# shifts and masks then place each nibble's bits e1 e0 m at the exponent's two low bits and the mantissa's first
-# (bf16: bits 8..6, fp16: 11..9) and its sign bit at bit 15. Per 8 weights: 2 prmt and 4 x (2 shifts, 2 ands, an or).
-_NIBBLES_ASM = """{
-.reg .b32 z, t0, t1, a, b;
-mov.b32 z, 0;
-prmt.b32 t0, $4, z, 0x4140;
-prmt.b32 t1, $4, z, 0x4342;
-shl.b32 a, t0, LO; shl.b32 b, t0, 12; and.b32 a, a, MASK; and.b32 b, b, 0x80008000; or.b32 $0, a, b;
-shl.b32 a, t1, LO; shl.b32 b, t1, 12; and.b32 a, a, MASK; and.b32 b, b, 0x80008000; or.b32 $1, a, b;
-shl.b32 a, t0, HI; shl.b32 b, t0, 8; and.b32 a, a, MASK; and.b32 b, b, 0x80008000; or.b32 $2, a, b;
-shl.b32 a, t1, HI; shl.b32 b, t1, 8; and.b32 a, a, MASK; and.b32 b, b, 0x80008000; or.b32 $3, a, b;
-}"""
-BF16_NIBBLES_ASM = tl.constexpr(_NIBBLES_ASM.replace("LO", "6").replace("HI", "2").replace("MASK", "0x01C001C0"))
-FP16_NIBBLES_ASM = tl.constexpr(_NIBBLES_ASM.replace("LO", "9").replace("HI", "5").replace("MASK", "0x0E000E00"))
-
-
-@triton.jit
-def _fp4_pairs(packed, scale_codes, QUANT: tl.constexpr, HIDDEN: tl.constexpr):
-    """Packed e2m1 bytes [BLOCK_N, BLOCK_K / 2] and their block scale codes -> the weights at even k and at odd
-    k (byte j's low and high nibble), [BLOCK_N, BLOCK_K / 2] each in HIDDEN, exactly, on the GPU (inline PTX):
-    a nibble's bits s e1 e0 m placed as HIDDEN's sign, two low exponent bits and first mantissa bit are the
-    value times 2^-126 (bf16) or 2^-14 (fp16), subnormal 0.5 included; then times 2^126 (2^14) and the scale
-    in HIDDEN, packed multiplies, both exact (an e8m0 scale is a bf16 value, an e4m3 one fits either). Not
-    for MXFP4 with fp16 (e8m0 leaves fp16's range). ~6 SASS instructions a weight in the k-loop against 11.5
-    for e2m1_values' fp32 route and 8.6 for tl.dot_scaled (perf/decisions/fused_moe.md)."""
-    FP4_BLOCK: tl.constexpr = 32 if QUANT == MXFP4 else 16
-    rows: tl.constexpr = packed.shape[0]
-    blocks: tl.constexpr = scale_codes.shape[1]
-    if HIDDEN == tl.bfloat16:
-        even, odd = tl.inline_asm_elementwise(asm=BF16_NIBBLES_ASM, constraints="=r,=r,=r,=r,r", args=[packed],
-                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-        BIAS: tl.constexpr = 2.0**126
-    else:
-        even, odd = tl.inline_asm_elementwise(asm=FP16_NIBBLES_ASM, constraints="=r,=r,=r,=r,r", args=[packed],
-                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-        BIAS: tl.constexpr = 16384.0
-    bias = tl.full((rows, blocks, FP4_BLOCK // 2), BIAS, HIDDEN)
-    scale = _fp4_scales(scale_codes, QUANT).to(HIDDEN)[:, :, None]
-    even = tl.reshape(even, (rows, blocks, FP4_BLOCK // 2)) * bias * scale
-    odd = tl.reshape(odd, (rows, blocks, FP4_BLOCK // 2)) * bias * scale
-    return tl.reshape(even, packed.shape), tl.reshape(odd, packed.shape)
-
-
-@triton.jit
-def _fp4_load(w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A k-step's packed e2m1 bytes [BLOCK_N, BLOCK_K / 2] (element 2j in the low nibble) at k0 of rows ``w_rows``
-    [BLOCK_N, 1], and their block scale codes [BLOCK_N, BLOCK_K / block] (rows ``s_rows``); masked ones are 0."""
-    FP4_BLOCK: tl.constexpr = 32 if QUANT == MXFP4 else 16
-    tl.static_assert(BLOCK_K % FP4_BLOCK == 0)
-    byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_rows + byte[None, :] * stride_wk, mask=n_ok[:, None] & (byte < size_k // 2)[None, :],
-                     other=0)
-    block = k0 // FP4_BLOCK + tl.arange(0, BLOCK_K // FP4_BLOCK)
-    scale_codes = tl.load(s_rows + block[None, :] * stride_sk,
-                          mask=n_ok[:, None] & (block < size_k // FP4_BLOCK)[None, :], other=0)
-    return packed, scale_codes
-
-
-@triton.jit
-def _fp4_dot(a, acc, w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT: tl.constexpr,
-             HIDDEN: tl.constexpr, DOT: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """acc + a @ W for a k-step of fp4 weights: rows ``w_rows`` [BLOCK_N, 1] of packed e2m1 bytes (element
-    2j in the low nibble) at k0..k0+BLOCK_K and their block scales (rows ``s_rows``); NVFP4's global scale
-    is left to the caller. The weights are decoded in HIDDEN (_fp4_pairs), even and odd k apart, and the
-    activations split the same way: two dots of BLOCK_K / 2, no interleaving of the decoded halves.
-    MXFP4 with fp16 activations, and every call in the interpreter (whose bf16 arithmetic is wrong: x * 2
-    gives 0, and bf16 -> fp32 flushes subnormals), decode to fp32 (e2m1_values) times the scale, then to DOT."""
-    FP4_BLOCK: tl.constexpr = 32 if QUANT == MXFP4 else 16
-    packed, scale_codes = _fp4_load(w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT, BLOCK_K)
-    if INTERPRETED or (QUANT == MXFP4 and HIDDEN == tl.float16):
-        packed = packed.to(tl.int32)
-        codes = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_N, BLOCK_K))  # k = 2j low, 2j + 1 high
-        values = tl.reshape(e2m1_values(codes), (BLOCK_N, BLOCK_K // FP4_BLOCK, FP4_BLOCK))
-        values = values * _fp4_scales(scale_codes, QUANT)[:, :, None]
-        return tl.dot(a.to(DOT), tl.trans(tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DOT)), acc)
-    even, odd = _fp4_pairs(packed, scale_codes, QUANT, HIDDEN)
-    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BLOCK_K // 2, 2)))
-    acc = tl.dot(a_even.to(DOT), tl.trans(even.to(DOT)), acc)
-    return tl.dot(a_odd.to(DOT), tl.trans(odd.to(DOT)), acc)
-
-
-@triton.jit
 def moe_quantize_kernel(x_ptr, weights_ptr, codes_ptr, scales_ptr, hidden_size,
                         stride_xm, stride_xk, stride_tw_t, stride_cm, stride_sm,
                         ON_INPUT: tl.constexpr, NATIVE_FP8: tl.constexpr, GROUPS: tl.constexpr):
@@ -327,7 +223,7 @@ def moe_gate_up_kernel(
     intermediate as 1 x 128 fp8 groups (BLOCK_N == 128: a tile is one group) with their scales. MXFP4 and
     NVFP4 read w1 as packed codes (stride_wk per byte) with [E, 2I, H / block] scales and multiply in the
     hidden dtype; NVFP4 divides by the expert's global scale after the sum."""
-    block_m, tile_n = _tile(max_blocks, inter_size, BLOCK_N, GROUP_M)
+    block_m, tile_n = grouped_tile(max_blocks, inter_size, BLOCK_N, GROUP_M)
     if block_m * BLOCK_M >= tl.load(total_ptr):
         return
     expert, row, valid, pair = _rows(sorted_ptr, block_expert_ptr, starts_ptr, counts_ptr, block_m, BLOCK_M)
@@ -360,9 +256,9 @@ def moe_gate_up_kernel(
         if QUANT == MXFP4 or QUANT == NVFP4:
             if ON_INPUT:
                 a = _round(a.to(tl.float32) * router[:, None], HIDDEN, INTERPRETED)
-            gate = _fp4_dot(a, gate, gate_rows, gate_scales, n_ok, k0, hidden_size, stride_wk, stride_sk, QUANT,
+            gate = fp4_dot(a, gate, gate_rows, gate_scales, n_ok, k0, hidden_size, stride_wk, stride_sk, QUANT,
                             HIDDEN, DOT, INTERPRETED, BLOCK_N, BLOCK_K)
-            up = _fp4_dot(a, up, up_rows, up_scales, n_ok, k0, hidden_size, stride_wk, stride_sk, QUANT,
+            up = fp4_dot(a, up, up_rows, up_scales, n_ok, k0, hidden_size, stride_wk, stride_sk, QUANT,
                           HIDDEN, DOT, INTERPRETED, BLOCK_N, BLOCK_K)
         else:
             b_mask = k_ok[:, None] & n_ok[None, :]
@@ -431,7 +327,7 @@ def moe_down_kernel(
     stored in out[token] (top-1), added into an fp32 out[token] (ATOMIC), or stored in the hidden
     dtype in out[pair] of a [T * k, H] buffer that moe_sum_kernel reduces (PAIRS). MXFP4 and NVFP4 read
     w2 as gate-up reads w1."""
-    block_m, tile_n = _tile(max_blocks, hidden_size, BLOCK_N, GROUP_M)
+    block_m, tile_n = grouped_tile(max_blocks, hidden_size, BLOCK_N, GROUP_M)
     if block_m * BLOCK_M >= tl.load(total_ptr):
         return
     expert, row, valid, pair = _rows(sorted_ptr, block_expert_ptr, starts_ptr, counts_ptr, block_m, BLOCK_M)
@@ -455,7 +351,7 @@ def moe_down_kernel(
         k_ok = k0 + k < inter_size
         a = tl.load(a_rows + (k0 + k)[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         if QUANT == MXFP4 or QUANT == NVFP4:
-            acc = _fp4_dot(a, acc, code_rows, scale_rows, n_ok, k0, inter_size, stride_wk, stride_sk, QUANT,
+            acc = fp4_dot(a, acc, code_rows, scale_rows, n_ok, k0, inter_size, stride_wk, stride_sk, QUANT,
                            inter_ptr.dtype.element_ty, DOT, INTERPRETED, BLOCK_N, BLOCK_K)
         else:
             b = tl.load(w_rows + (k0 + k)[:, None] * stride_wk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -515,24 +411,6 @@ def moe_sum_kernel(pairs_ptr, ids_ptr, map_ptr, out_ptr, hidden_size, stride_pm,
 # Decode: the GEMV kernels. At T = 1 every pair has its own expert, so a pair's program reads its expert's
 # weights once with no routing layout, and the CUDA cores multiply (no tensor-core tile padded to 16 rows):
 # programs stream [BLOCK_N, BLOCK_K] weight tiles into a fp32 product of the same shape, summed over k once.
-FP4_UNBIAS = tl.constexpr(16384.0)  # _gemv_fp4's values are the weights times 2^-14
-
-
-@triton.jit
-def _gemv_fp4(packed, scale_codes, QUANT: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Packed e2m1 bytes [BLOCK_N, BLOCK_K / 2] -> fp32 values at even and at odd k (low and high nibbles)
-    times 2^-14, exactly, and the block scales [BLOCK_N, BLOCK_K / block] in fp32. On the GPU each nibble's
-    bits are placed as an fp16 value (FP16_NIBBLES_ASM, whose 0.5 is an fp16 subnormal that the fp16 -> fp32
-    conversion keeps); the interpreter runs e2m1_values. The scale is applied in fp32, so e8m0 needs no fp16 or
-    bf16 range."""
-    if INTERPRETED:
-        codes = packed.to(tl.int32)
-        even = e2m1_values(codes & 15) * (1.0 / FP4_UNBIAS)
-        odd = e2m1_values(codes >> 4) * (1.0 / FP4_UNBIAS)
-    else:
-        even, odd = tl.inline_asm_elementwise(asm=FP16_NIBBLES_ASM, constraints="=r,=r,=r,=r,r", args=[packed],
-                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-    return even.to(tl.float32), odd.to(tl.float32), _fp4_scales(scale_codes, QUANT)
 
 
 @triton.jit
@@ -541,33 +419,15 @@ def _gemv_step(acc, x, w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, Q
     """acc + W[rows, k0:k0 + BLOCK_K] * x, elementwise in fp32: ``x`` the activations [BLOCK_K] in fp32,
     ``w_rows`` [BLOCK_N, 1] row pointers. NONE: acc is [BLOCK_N, BLOCK_K]. MXFP4 / NVFP4 (packed bytes,
     ``s_rows`` their block scales' rows): acc is [BLOCK_N, BLOCK_K / 2], each even and odd k's products
-    added, times their block's scale and 2^-14 (FP4_UNBIAS restores it after the sum)."""
+    added, times their block's scale and 2^-14 (_fp4_kernel.fp4_gemv_step; gemv_sum restores it)."""
     if QUANT == NONE:
         k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + k[None, :] * stride_wk, mask=n_ok[:, None] & (k < size_k)[None, :], other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     else:  # not an early return: the compiler would build the branch below for NONE too
-        FP4_BLOCK: tl.constexpr = 32 if QUANT == MXFP4 else 16
-        rows: tl.constexpr = acc.shape[0]
-        packed, scale_codes = _fp4_load(w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT, BLOCK_K)
-        even, odd, scale = _gemv_fp4(packed, scale_codes, QUANT, INTERPRETED)
-        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
-        products = tl.reshape(even * x_even[None, :] + odd * x_odd[None, :],
-                              (rows, BLOCK_K // FP4_BLOCK, FP4_BLOCK // 2))
-        acc += tl.reshape(products * scale[:, :, None], (rows, BLOCK_K // 2))
+        acc = fp4_gemv_step(acc, x, w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT, INTERPRETED,
+                            BLOCK_K)
     return acc
-
-
-@triton.jit
-def _gemv_sum(acc, global_ptr, QUANT: tl.constexpr):
-    """A GEMV's fp32 result per row from its elementwise products: summed over k, fp4's 2^-14 restored,
-    NVFP4's global scale (at ``global_ptr``, the expert's) dividing it (W = e2m1 sf / gs)."""
-    out = tl.sum(acc, axis=1)
-    if QUANT == MXFP4 or QUANT == NVFP4:
-        out = out * FP4_UNBIAS
-    if QUANT == NVFP4:
-        out = tl.math.div_rn(out, tl.broadcast_to(tl.load(global_ptr), out.shape))
-    return out
 
 
 @triton.jit
@@ -609,7 +469,7 @@ def moe_gemv_gate_up_kernel(
         up = _gemv_step(up, x, up_rows, up_scales, n_ok, k0, hidden_size, stride_wk, stride_sk, QUANT,
                         INTERPRETED, BLOCK_K)
     global_ptr = w1_global_ptr + expert * stride_ge
-    inter = _gated(_gemv_sum(gate, global_ptr, QUANT), _gemv_sum(up, global_ptr, QUANT), GELU, HIDDEN,
+    inter = _gated(gemv_sum(gate, global_ptr, QUANT), gemv_sum(up, global_ptr, QUANT), GELU, HIDDEN,
                    INTERPRETED)
     tl.store(inter_ptr + pair.to(tl.int64) * stride_im + n, inter, mask=n_ok)
 
@@ -649,7 +509,7 @@ def moe_gemv_down_kernel(
             a = tl.load(inter_ptr + pair * stride_im + k, mask=(k < inter_size) & live_k, other=0.0)
             acc = _gemv_step(acc, a.to(tl.float32), w_rows, s_rows, rows_ok, k0, inter_size, stride_wk, stride_sk,
                              QUANT, INTERPRETED, BLOCK_K)
-        part = _gemv_sum(acc, w2_global_ptr + expert * stride_ge, QUANT)
+        part = gemv_sum(acc, w2_global_ptr + expert * stride_ge, QUANT)
         if not ON_INPUT:
             part = part * tl.load(weights_ptr + token * stride_tw_t + slot * stride_tw_k)
         out += tl.where(live, part, 0.0)

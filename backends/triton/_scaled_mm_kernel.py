@@ -5,6 +5,8 @@ scaled_mm.py."""
 import triton
 import triton.language as tl
 
+from kernelmux.backends.triton._grid_kernel import grouped_tile
+
 # Scale layouts (constexpr SCALING), the spec's LAYOUTS: a scalar each; a [M] x b [N] after the sum;
 # a [M, K / 128] x b [N / 128, K / 128] applied to each k-step's product (a step lies in one group).
 TENSOR = tl.constexpr(0)
@@ -27,14 +29,7 @@ def scaled_mm_kernel(
     picks. SPLIT_K == 1: plus the bias in fp32, rounded once into out. SPLIT_K > 1: the scaled fp32
     slice sum is stored at out + slice * stride_os, for scaled_mm_sum_kernel. The interpreter multiplies
     the codes widened to fp32 (exact)."""
-    tile = tl.program_id(0)
-    tiles_m = tl.cdiv(rows, BLOCK_M)
-    tiles_n = tl.cdiv(cols, BLOCK_N)
-    in_group = GROUP_M * tiles_n
-    first_m = tile // in_group * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (tile % in_group) % group_rows
-    tile_n = (tile % in_group) // group_rows
+    tile_m, tile_n = grouped_tile(tl.cdiv(rows, BLOCK_M), cols, BLOCK_N, GROUP_M)
     m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < rows

@@ -42,6 +42,7 @@ if not ON_GPU and not isinstance(
         allow_module_level=True,
     )
 KERNELS = host._kernels()
+from kernelmux.backends.triton import _fp4_kernel as FP4  # noqa: E402
 
 SERVED = [case.name for case in SPEC.cases
           if "fnuz" not in case.name and (ON_GPU or "gpu" not in case.tags)]
@@ -158,9 +159,9 @@ def test_fp4_steps_hold_whole_scale_blocks() -> None:
 def _decode_codes(codes_ptr, e2m1_ptr, e8m0_ptr, e4m3_ptr):
     i = tl.arange(0, 256)
     codes = tl.load(codes_ptr + i)
-    tl.store(e2m1_ptr + i, KERNELS.e2m1_values(codes.to(tl.int32) & 15))
-    tl.store(e8m0_ptr + i, KERNELS._fp4_scales(codes, KERNELS.MXFP4))
-    tl.store(e4m3_ptr + i, KERNELS._fp4_scales(codes, KERNELS.NVFP4))
+    tl.store(e2m1_ptr + i, FP4.e2m1_values(codes.to(tl.int32) & 15))
+    tl.store(e8m0_ptr + i, FP4.fp4_scales(codes, FP4.MXFP4))
+    tl.store(e4m3_ptr + i, FP4.fp4_scales(codes, FP4.NVFP4))
 
 
 def test_fp4_decoding_of_every_code() -> None:
@@ -185,7 +186,7 @@ def _decode_pairs(packed_ptr, scale_ptr, even_ptr, odd_ptr, QUANT: tl.constexpr,
     col = tl.arange(0, BLOCKS * BLOCK_BYTES)
     packed = tl.load(packed_ptr + row[:, None] * (BLOCKS * BLOCK_BYTES) + col[None, :])
     scales = tl.load(scale_ptr + row[:, None] * BLOCKS + tl.arange(0, BLOCKS)[None, :])
-    even, odd = KERNELS._fp4_pairs(packed, scales, QUANT, HIDDEN)
+    even, odd = FP4.fp4_pairs(packed, scales, QUANT, HIDDEN)
     out = row[:, None] * (BLOCKS * BLOCK_BYTES) + col[None, :]
     tl.store(even_ptr + out, even)
     tl.store(odd_ptr + out, odd)
@@ -196,7 +197,7 @@ def _decode_pairs(packed_ptr, scale_ptr, even_ptr, odd_ptr, QUANT: tl.constexpr,
 @pytest.mark.parametrize("quantization, dtype", [("mxfp4", torch.bfloat16), ("nvfp4", torch.bfloat16),
                                                  ("nvfp4", torch.float16)])
 def test_fp4_pair_decoding_of_every_byte_under_every_scale(quantization: str, dtype: torch.dtype) -> None:
-    # _fp4_pairs, the decoding both GEMMs use on the GPU (but MXFP4 with fp16): every packed byte (two nibbles)
+    # fp4_pairs, the decoding both GEMMs use on the GPU (but MXFP4 with fp16): every packed byte (two nibbles)
     # under every scale byte of the format, in the hidden dtype, against the fp32 product of the spec's
     # decoders rounded to it (exact where it fits: e8m0 0 is a bf16 subnormal, 0xFF NaN), bit for bit.
     block_bytes = 16 if quantization == "mxfp4" else 8
@@ -204,7 +205,7 @@ def test_fp4_pair_decoding_of_every_byte_under_every_scale(quantization: str, dt
     packed = (torch.arange(256 * 32) * 37 % 256).to(torch.uint8).view(256, 32)
     scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].expand(256, blocks).contiguous()
     even, odd = (torch.full((256, 32), 7.0, dtype=dtype, device=DEVICE) for _ in range(2))
-    _decode_pairs[(1,)](packed.to(DEVICE), scales.to(DEVICE), even, odd, QUANT=getattr(KERNELS, quantization.upper()),
+    _decode_pairs[(1,)](packed.to(DEVICE), scales.to(DEVICE), even, odd, QUANT=getattr(FP4, quantization.upper()),
                         HIDDEN=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16, BLOCKS=blocks,
                         BLOCK_BYTES=block_bytes)
     table = torch.tensor(E2M1_TABLE)
@@ -314,16 +315,16 @@ def _decode_gemv_fp4(packed_ptr, scale_ptr, even_ptr, odd_ptr, QUANT: tl.constex
     col = tl.arange(0, BLOCKS * BLOCK_BYTES)
     packed = tl.load(packed_ptr + row[:, None] * (BLOCKS * BLOCK_BYTES) + col[None, :])
     scale_codes = tl.load(scale_ptr + row[:, None] * BLOCKS + tl.arange(0, BLOCKS)[None, :])
-    even, odd, scale = KERNELS._gemv_fp4(packed, scale_codes, QUANT, INTERPRETED)
+    even, odd, scale = FP4.gemv_fp4(packed, scale_codes, QUANT, INTERPRETED)
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (256, BLOCKS, BLOCK_BYTES)), (256, BLOCKS * BLOCK_BYTES))
     out = row[:, None] * (BLOCKS * BLOCK_BYTES) + col[None, :]
-    tl.store(even_ptr + out, even * scale * KERNELS.FP4_UNBIAS)
-    tl.store(odd_ptr + out, odd * scale * KERNELS.FP4_UNBIAS)
+    tl.store(even_ptr + out, even * scale * FP4.FP4_UNBIAS)
+    tl.store(odd_ptr + out, odd * scale * FP4.FP4_UNBIAS)
 
 
 @pytest.mark.parametrize("quantization", ["mxfp4", "nvfp4"])
 def test_gemv_fp4_decoding_of_every_byte_under_every_scale(quantization: str) -> None:
-    # _gemv_fp4 (the GEMVs' decoding: fp16 bit placement on the GPU, e2m1_values in the interpreter) with its scale
+    # gemv_fp4 (the GEMVs' decoding: fp16 bit placement on the GPU, e2m1_values in the interpreter) with its scale
     # and 2^14 applied as the GEMVs do, against the fp32 product of the spec's decoders, for every packed byte
     # under every scale byte. e8m0's range leaves fp16 and bf16: here the products are fp32.
     block_bytes = 16 if quantization == "mxfp4" else 8
@@ -332,7 +333,7 @@ def test_gemv_fp4_decoding_of_every_byte_under_every_scale(quantization: str) ->
     scales = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].expand(256, blocks).contiguous()
     even, odd = (torch.full((256, 32), 7.0, device=DEVICE) for _ in range(2))
     _decode_gemv_fp4[(1,)](packed.to(DEVICE), scales.to(DEVICE), even, odd,
-                           QUANT=getattr(KERNELS, quantization.upper()), INTERPRETED=host.INTERPRETED, BLOCKS=blocks,
+                           QUANT=getattr(FP4, quantization.upper()), INTERPRETED=host.INTERPRETED, BLOCKS=blocks,
                            BLOCK_BYTES=block_bytes)
     table = torch.tensor(E2M1_TABLE)
     scale = e8m0_to_float(scales) if quantization == "mxfp4" else scales.view(torch.float8_e4m3fn).float()

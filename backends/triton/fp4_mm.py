@@ -1,0 +1,118 @@
+"""The triton backend's fp4_mm: W4A16 on any GPU Triton targets (Hopper has no fp4 tensor cores: the weights are
+decoded in the mainloop), which calls it takes, and its launch configuration (kernels: _fp4_mm_kernel.py,
+imported on the first launch so the backend registers without Triton): GEMVs up to GEMV_MAX_ROWS rows of a,
+else a tiled GEMM whose tiles follow M. W4A4 (fp4 activations) is the vendors' route on sm_100/sm_120."""
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kernelmux.backends.triton._host import INTERPRETED, device_guard
+from kernelmux.platforms import Platform
+from kernelmux.specs import fp4_mm as spec
+from kernelmux.specs.scaled_mm import OUT_DTYPES
+
+__all__ = ["GEMV_MAX_ROWS", "describe", "fp4_mm", "supports"]
+
+FORMATS = {"mxfp4": 3, "nvfp4": 4}  # _fp4_kernel's MXFP4, NVFP4
+# Up to this many rows of a the GEMVs run, else the tensor-core tiles: at M 4 a GEMV program per row reads the
+# weights four times over (H200, 8192 x 8192 NVFP4: 90.0 us against 41.8 for 16 x 32 tiles; at M 1 24.3 against
+# 43.2; perf/decisions/fp4_mm.md).
+GEMV_MAX_ROWS = 1
+# The GEMVs' (rows of b, K per step, warps, stages): 16 x 512 for large weights, 8 x 1024 (twice the programs)
+# below GEMV_WIDE_FROM weights (8192 x 8192 NVFP4 24.3 against 29.3 us; 2880 x 2880 7.41 against 5.75).
+GEMV_TILE = (16, 512, 4, 3)
+GEMV_NARROW_TILE = (8, 1024, 4, 3)
+GEMV_WIDE_FROM = 1 << 25
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """The tiled GEMM's launch configuration."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+def tiles_for(rows: int) -> Tiles:
+    """The GEMM's tiles by M (perf/decisions/fp4_mm.md): 16 x 32 at decode sizes (the most programs streaming the
+    weights), 64 x 128 up to 256 rows, 128 x 128 beyond."""
+    if rows <= 16:
+        return Tiles(16, 32, 128, 1, 4, 4)
+    if rows <= 256:
+        return Tiles(64, 128, 64, 8, 4, 3)
+    return Tiles(128, 128, 64, 8, 8, 3)
+
+
+def supports(key: spec.Key, platform: Platform) -> Optional[str]:
+    """None for W4A16 calls (any strides, both formats, every output dtype), else why not."""
+    if key.mode != "w4a16":
+        return ("W4A4 (fp4 activations) multiplies on fp4 tensor cores: the vendors' sm_100/sm_120 route; "
+                "the triton backend serves W4A16")
+    return None
+
+
+def gemv_tile(size_n: int, size_k: int) -> tuple[int, int, int, int]:
+    """The GEMVs' (rows of b, K per step, warps, stages) for an N x K weight."""
+    return GEMV_TILE if size_n * size_k >= GEMV_WIDE_FROM else GEMV_NARROW_TILE
+
+
+def describe(key: spec.Key, platform: Platform) -> str:
+    """What a call with ``key`` runs (for explain), at its M class's largest M."""
+    if key.m_class <= GEMV_MAX_ROWS:
+        block_n, block_k, warps, stages = gemv_tile(key.n, key.k)
+        return (f"M <= {GEMV_MAX_ROWS}: GEMVs, {block_n} rows of b x {block_k} of K, {warps} warps, {stages} stages "
+                "(measured on the H200)")
+    t = tiles_for(key.m_class)
+    return (f"at M = {key.m_class}: tiles {t.block_m} x {t.block_n} x {t.block_k}, {t.num_warps} warps, "
+            f"{t.num_stages} stages (measured on the H200)")
+
+
+@functools.cache
+def _kernels():
+    from kernelmux.backends.triton import _fp4_mm_kernel
+
+    return _fp4_mm_kernel
+
+
+def fp4_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    fmt: str = "nvfp4",
+    a_scale: Optional[torch.Tensor] = None,
+    b_global_scale: Optional[torch.Tensor] = None,
+    a_global_scale: Optional[torch.Tensor] = None,
+    out_dtype: str = "bfloat16",
+) -> torch.Tensor:
+    """The spec's fp4_mm for W4A16 calls (supports declines W4A4); arguments are validated by the caller."""
+    rows, size_k = a.shape
+    size_n = b.shape[0]
+    out = torch.empty((rows, size_n), dtype=OUT_DTYPES[out_dtype], device=a.device)
+    if rows == 0:
+        return out
+    scales = b_scale.view(torch.uint8)  # NVFP4's e4m3 scales are decoded from their bits
+    global_scale = b_global_scale if b_global_scale is not None else scales  # a placeholder for MXFP4
+    kernels = _kernels()
+    common = (a, b, scales, global_scale, out)
+    with device_guard(a.device):
+        if rows <= GEMV_MAX_ROWS:
+            block_n, block_k, warps, stages = gemv_tile(size_n, size_k)
+            kernels.fp4_mm_gemv_kernel[(rows, -(-size_n // block_n))](
+                *common, size_n, size_k, *a.stride(), *b.stride(), *scales.stride(), out.stride(0),
+                QUANT=FORMATS[fmt], INTERPRETED=INTERPRETED, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                num_stages=stages)
+        else:
+            t = tiles_for(rows)
+            kernels.fp4_mm_kernel[(-(-rows // t.block_m) * -(-size_n // t.block_n),)](
+                *common, rows, size_n, size_k, *a.stride(), *b.stride(), *scales.stride(), out.stride(0),
+                QUANT=FORMATS[fmt], HIDDEN=kernels.DOT_DTYPES[a.dtype],
+                INTERPRETED=INTERPRETED, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+                num_warps=t.num_warps, num_stages=t.num_stages)
+    return out
