@@ -92,7 +92,7 @@ def pack_pairs(codes, ROWS: tl.constexpr, WIDTH: tl.constexpr):
 
 @triton.jit
 def fp4_scales(codes, QUANT: tl.constexpr):
-    """Block scale codes (uint8; NVFP4's e4m3fn bits) -> fp32, exactly (_fp4_kernel's decoders)."""
+    """Block scale codes (uint8; NVFP4's e4m3fn bits) of format QUANT -> fp32, exactly."""
     if QUANT == MXFP4:
         return e8m0_values(codes)
     return e4m3fn_values(codes)
@@ -212,6 +212,7 @@ def gemv_sum(acc, global_ptr, QUANT: tl.constexpr):
     if QUANT == NVFP4:
         out = tl.math.div_rn(out, tl.broadcast_to(tl.load(global_ptr), out.shape))
     return out
+
 
 @triton.jit
 def fp4_gemv_step(acc, x, w_rows, s_rows, n_ok, k0, size_k, stride_wk, stride_sk, QUANT: tl.constexpr,

@@ -2,9 +2,9 @@
 fp32 global scale, passed in or dynamic) and quantize_mxfp4 (blocks of 32 with e8m0 scales, OCP's floor or the
 ceil rule). A program quantizes ROWS rows by BLOCK_K columns (whole blocks) into packed codes and block scales
 in the canonical linear layout; NVFP4's dynamic global scale comes from the program's own reading of every row
-(a few rows) or quantize_fp8's amax pass (a first launch, its atomic max in one fp32). Every step is the spec's correctly rounded fp32
-operation or exact integer arithmetic (_fp4_kernel.py), so the bits match the reference. Host side:
-quantize_nvfp4.py, quantize_mxfp4.py."""
+(a few rows) or quantize_fp8's amax pass (a first launch, its atomic max in one fp32). Every step is the spec's
+correctly rounded fp32 operation or exact integer arithmetic (_fp4_kernel.py), so the bits match the
+reference. Host side: quantize_nvfp4.py, quantize_mxfp4.py."""
 
 import triton
 import triton.language as tl

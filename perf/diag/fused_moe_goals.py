@@ -49,9 +49,9 @@ def _sweep(quantization: str, tokens: int, pairs_per_expert: float) -> list[Laun
     """Decode GEMVs (the quantizations they serve, at most GEMV_MAX_TOKENS): 4- to 32-row tiles, k-steps of
     128-2048 weights, 2-8 warps, 1-4 stages. Decode (at most one pair per expert): 16-row blocks, narrow
     to wide column tiles (the grid is what keeps 132 SMs reading at T = 1), deep k-steps. Up to 16 per
-    expert: 16- to 64-row blocks (one block per expert reads its weights once). Larger: 64- and 128-row blocks, 64-256 wide
-    tiles, 4 or 8 warps, 3 or 4 stages, both top-k sums. fp8_block keeps 128-wide k-steps and
-    gate-up tiles (the launch configuration clamps them)."""
+    expert: 16- to 64-row blocks (one block per expert reads its weights once). Larger: 64- and 128-row
+    blocks, 64-256 wide tiles, 4 or 8 warps, 3 or 4 stages, both top-k sums. fp8_block keeps 128-wide
+    k-steps and gate-up tiles (the launch configuration clamps them)."""
     configs = []
 
     def add(block_m, block_n, block_k, warps, stages, group_m, reduce="pairs"):

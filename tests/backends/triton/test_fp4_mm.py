@@ -32,6 +32,7 @@ if not ON_GPU and not isinstance(
 
 W4A16 = [case.name for case in SPEC.cases if SPEC.case(case.name).build("cpu", 0)["a"].dtype != torch.uint8]
 W4A4 = [case.name for case in SPEC.cases if case.name not in W4A16]
+SMALL = ["small_mxfp4_w4a16", "small_nvfp4_w4a16"]  # one of each format, for the variations below
 # The interpreter costs ~10 ms per program: on the CPU the model shapes are left to the GPU.
 INTERPRETER_MAX_WEIGHTS = 1 << 16
 
@@ -72,7 +73,7 @@ def test_cases_match_the_reference(name: str, path: str, monkeypatch: pytest.Mon
 
 @pytest.mark.parametrize("tiles", [Tiles(16, 16, 32, 1, 4, 2), Tiles(32, 64, 64, 2, 4, 3)],
                          ids=lambda t: f"m{t.block_m}n{t.block_n}k{t.block_k}g{t.group_m}")
-@pytest.mark.parametrize("name", [n for n in W4A16 if "mxfp4" in n][:1] + [n for n in W4A16 if "nvfp4" in n][:1])
+@pytest.mark.parametrize("name", SMALL)
 def test_other_tiles(name: str, tiles: Tiles, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host, "GEMV_MAX_ROWS", 0)
     monkeypatch.setattr(host, "tiles_for", lambda rows: tiles)
@@ -83,8 +84,14 @@ def test_other_tiles(name: str, tiles: Tiles, monkeypatch: pytest.MonkeyPatch) -
 def test_other_gemv_tiles(tile: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host, "GEMV_MAX_ROWS", 1 << 20)
     monkeypatch.setattr(host, "gemv_tile", lambda n, k: tile)
-    for name in [n for n in W4A16 if "mxfp4" in n][:1] + [n for n in W4A16 if "nvfp4" in n][:1]:
+    for name in SMALL:
         _check(_build(name, 8), f"{name} under GEMV tile {tile}")
+
+
+def test_describe_names_the_path() -> None:
+    for name, path in (("one_token_nvfp4_w4a16", "GEMVs"), ("small_mxfp4_w4a16", "tiles 16 x 32")):
+        key = SPEC.validate(**SPEC.case(name).build("cpu", 0))
+        assert path in host.describe(key, simulate("sm_90")), name
 
 
 def test_the_gemv_tile_follows_the_weight_size() -> None:
@@ -102,7 +109,7 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("path", ["gemv", "tiles"])
 def test_strided_and_sliced_inputs(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host, "GEMV_MAX_ROWS", 1 << 20 if path == "gemv" else 0)
-    for name in [n for n in W4A16 if "mxfp4" in n][:1] + [n for n in W4A16 if "nvfp4" in n][:1]:
+    for name in SMALL:
         kwargs = _build(name, 7)
         kwargs.update(a=_strided(kwargs["a"]), b=_strided(kwargs["b"]), b_scale=_strided(kwargs["b_scale"]))
         assert not kwargs["a"].is_contiguous() and not kwargs["b"].is_contiguous()
