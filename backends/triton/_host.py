@@ -13,6 +13,8 @@ from kernelmux.platforms import Platform, PlatformKind, probes
 # Triton reads TRITON_INTERPRET when a kernel is decorated (the kernel modules' first import), so
 # the process's value at start-up is the one its kernels run under.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
+# The fp4 formats' constexpr codes in the kernels (_fp4_kernel.MXFP4, NVFP4; fused_moe's QUANT modes use them too).
+FP4_FORMATS = {"mxfp4": 3, "nvfp4": 4}
 # Whether fp8 launches take the integer route even where the hardware cast exists.
 _force_software_fp8 = ScopedSetting("force_software_fp8", False)
 

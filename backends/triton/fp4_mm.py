@@ -9,14 +9,13 @@ from typing import Optional
 
 import torch
 
-from kernelmux.backends.triton._host import INTERPRETED, device_guard
+from kernelmux.backends.triton._host import FP4_FORMATS, INTERPRETED, device_guard
 from kernelmux.platforms import Platform
 from kernelmux.specs import fp4_mm as spec
 from kernelmux.specs.scaled_mm import OUT_DTYPES
 
 __all__ = ["GEMV_MAX_ROWS", "describe", "fp4_mm", "supports"]
 
-FORMATS = {"mxfp4": 3, "nvfp4": 4}  # _fp4_kernel's MXFP4, NVFP4
 # Up to this many rows of a the GEMVs run, else the tensor-core tiles: at M 4 a GEMV program per row reads the
 # weights four times over (H200, 8192 x 8192 NVFP4: 90.0 us against 41.8 for 16 x 32 tiles; at M 1 24.3 against
 # 43.2; perf/decisions/fp4_mm.md).
@@ -106,13 +105,13 @@ def fp4_mm(
             block_n, block_k, warps, stages = gemv_tile(size_n, size_k)
             kernels.fp4_mm_gemv_kernel[(rows, -(-size_n // block_n))](
                 *common, size_n, size_k, *a.stride(), *b.stride(), *scales.stride(), out.stride(0),
-                QUANT=FORMATS[fmt], INTERPRETED=INTERPRETED, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                QUANT=FP4_FORMATS[fmt], INTERPRETED=INTERPRETED, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
                 num_stages=stages)
         else:
             t = tiles_for(rows)
             kernels.fp4_mm_kernel[(-(-rows // t.block_m) * -(-size_n // t.block_n),)](
                 *common, rows, size_n, size_k, *a.stride(), *b.stride(), *scales.stride(), out.stride(0),
-                QUANT=FORMATS[fmt], HIDDEN=kernels.DOT_DTYPES[a.dtype],
+                QUANT=FP4_FORMATS[fmt], HIDDEN=kernels.DOT_DTYPES[a.dtype],
                 INTERPRETED=INTERPRETED, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
                 num_warps=t.num_warps, num_stages=t.num_stages)
     return out

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 
 from kernelmux.backends._scoped import ScopedSetting
-from kernelmux.backends.triton._host import (INTERPRETED, device_guard, native_fp8_cast, next_pow2, platform_table_name,
-                                              table_name)
+from kernelmux.backends.triton._host import (FP4_FORMATS, INTERPRETED, device_guard, native_fp8_cast, next_pow2,
+                                              platform_table_name, table_name)
 from kernelmux.platforms import Platform, PlatformKind
 from kernelmux.specs import fused_moe as spec
 
@@ -25,7 +25,7 @@ __all__ = ["GEMV_MAX_TOKENS", "GemmConfig", "LaunchConfig", "MAX_EXPERTS", "desc
 # The layout kernel holds every local expert's count in one program's registers.
 MAX_EXPERTS = 1024
 FP8_MAX = 448.0  # e4m3fn
-QUANT_MODES = {"none": 0, "fp8_per_tensor": 1, "fp8_block": 2, "mxfp4": 3, "nvfp4": 4}  # _fused_moe_kernel's QUANT
+QUANT_MODES = {"none": 0, "fp8_per_tensor": 1, "fp8_block": 2, **FP4_FORMATS}  # _fused_moe_kernel's QUANT
 PAIRS_PER_PROGRAM = 256  # the count and scatter kernels: one pair per lane
 # Up to this many pairs the routing layout is one program (moe_route_kernel) instead of a fill and three
 # launches: Qwen3 T 1 (8 pairs) 30.6 against 37.0 us, T 64 (512) 293.5 against 297.6

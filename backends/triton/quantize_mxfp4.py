@@ -6,15 +6,11 @@ import functools
 import torch
 
 from kernelmux.backends.triton._host import device_guard, next_pow2
+# The program's tile, quantize_nvfp4's: both measured in the same runs (perf/decisions/quantize_mxfp4.md).
+from kernelmux.backends.triton.quantize_nvfp4 import BLOCK_K, PROGRAM_ROWS_FROM, ROWS
 from kernelmux.specs import quantize_mxfp4 as spec
 
 __all__ = ["quantize_mxfp4"]
-
-# Columns (whole blocks) per program, and rows: 1, or ROWS from PROGRAM_ROWS_FROM rows on (perf/decisions/
-# quantize_mxfp4.md: H200, bf16, T 1 / 128 / 4096).
-BLOCK_K = 1024
-ROWS = 4
-PROGRAM_ROWS_FROM = 1024
 
 
 @functools.cache
