@@ -50,6 +50,12 @@ TABLE = (
     Entry("mla_decode",
           "the paged-attention kernel with one latent head: heads as rows, values from the "
           "key tile, split-KV with a merge kernel"),
+    Entry("selective_state_update",
+          "one launch: a program per request and rows of a head, its state tile read and written once in place, "
+          "padding slots untouched"),
+    Entry("ssd_scan",
+          "the chunked SSD in six launches: chunk table from cu_seqlens on the device, dt' and its running sums, "
+          "C.B per group, chunk states, state passing across chunks and sequences, the scan with D and z fused"),
 )
 
 

@@ -1,0 +1,169 @@
+"""The triton backend's ssd_scan: every call the spec allows (varlen batches with empty sequences, any strides,
+every optional input, any power-of-two chunk), as the chunked SSD in six launches with no host sync (kernels:
+_ssd_scan_kernel.py, imported on the first launch so the backend registers without Triton), and their tiles.
+The chunk grids are sized by a bound on the chunk count, T // Q + Bs (each sequence adds at most one partial
+chunk), and never larger than T."""
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from kernelmux.backends.triton._host import INTERPRETED, device_guard, next_pow2
+from kernelmux.platforms import Platform
+from kernelmux.specs import ssd_scan as spec
+
+__all__ = ["MAX_CHUNK", "MAX_STATE_DIM", "Tiles", "describe", "ssd_scan", "supports", "tiles_for"]
+
+# A chunk's running sums are one register row per head, and chunk_scan's C.B tile spans whole chunks: past this Q
+# the Q x Q work per chunk outgrows the linear (chunk-passing) part the chunking exists to keep.
+MAX_CHUNK = 1024
+# chunk_scan reads the incoming state by BLOCK_K of N at a time, so any N works; this bounds the table sizes.
+MAX_STATE_DIM = 1024
+DOT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+MIN_DOT = 16  # tl.dot's smallest dims
+# chunk_table_kernel's sequences per step (of the sequences before a program's) and chunks per store.
+TABLE_BLOCK = 256
+STATE_PASSING_BLOCK = 1024  # state elements per state_passing program (under the interpreter: a whole state)
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Every launch's tile dims (powers of two, at least MIN_DOT where they feed a dot), and warps."""
+
+    cumsum_heads: int
+    cb_m: int
+    cb_n: int
+    cb_k: int
+    state_p: int
+    state_n: int
+    state_t: int
+    scan_m: int
+    scan_p: int
+    scan_k: int
+    scan_j: int
+    num_warps: int
+
+
+def _dot_dim(n: int, cap: int) -> int:
+    return max(MIN_DOT, min(next_pow2(n), cap))
+
+
+def tiles_for(chunk: int, head_dim: int, state_dim: int) -> Tiles:
+    """The launches' tiles (TODO measured: perf/decisions/ssd_scan.md); under the interpreter whole chunks, heads
+    and states per program (a program costs ~10 ms whatever its size)."""
+    cap = 1 << 30 if INTERPRETED else 64
+    q = _dot_dim(chunk, cap)
+    return Tiles(
+        cumsum_heads=max(1, min(16, 4096 // chunk)) if not INTERPRETED else 64,
+        cb_m=q, cb_n=q, cb_k=_dot_dim(state_dim, cap),
+        state_p=_dot_dim(head_dim, cap), state_n=_dot_dim(state_dim, cap), state_t=q,
+        scan_m=q, scan_p=_dot_dim(head_dim, cap), scan_k=_dot_dim(state_dim, 1 << 30 if INTERPRETED else 128),
+        scan_j=q, num_warps=4)
+
+
+def supports(key: spec.Key, platform: Platform) -> Optional[str]:
+    """None up to MAX_CHUNK and MAX_STATE_DIM (any strides, dtypes, options), else why not."""
+    if key.chunk_size > MAX_CHUNK:
+        return (f"chunk_size {key.chunk_size} > {MAX_CHUNK}: a chunk's running sums and C.B tiles are held per "
+                "program")
+    if key.state_dim > MAX_STATE_DIM:
+        return f"state dim N = {key.state_dim} > {MAX_STATE_DIM}"
+    return None
+
+
+def describe(key: spec.Key, platform: Platform) -> str:
+    """The chunked launches a call with ``key`` runs (for explain)."""
+    t = tiles_for(key.chunk_size, key.head_dim, key.state_dim)
+    return (f"chunk {key.chunk_size}: C.B tiles {t.cb_m} x {t.cb_n}, chunk states {t.state_p} x {t.state_n} by "
+            f"{t.state_t} tokens, scan {t.scan_m} tokens x {t.scan_p} of P, {t.num_warps} warps")
+
+
+@functools.cache
+def _kernels():
+    from kernelmux.backends.triton import _ssd_scan_kernel
+
+    return _ssd_scan_kernel
+
+
+def _dot_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    return tl.float32 if INTERPRETED else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(
+        dtype, tl.float32)
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    D: Optional[torch.Tensor] = None,
+    z: Optional[torch.Tensor] = None,
+    dt_bias: Optional[torch.Tensor] = None,
+    dt_softplus: bool = False,
+    dt_min: float = 0.0,
+    dt_max: float = spec.NO_UPPER_DT_LIMIT,
+    initial_states: Optional[torch.Tensor] = None,
+    chunk_size: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec's ssd_scan; arguments are validated by the caller."""
+    num_tokens, num_heads, head_dim = x.shape
+    num_groups, state_dim = B.shape[1], B.shape[2]
+    num_seqs = cu_seqlens.shape[0] - 1
+    device = x.device
+    y, final = spec.fake(x, dt, A, B, C, cu_seqlens)
+    if num_seqs == 0:
+        return y, final
+    kernels = _kernels()
+    q = chunk_size
+    max_chunks = min(num_tokens // q + num_seqs, num_tokens)
+    t = tiles_for(q, head_dim, state_dim)
+    heads_per_group = num_heads // num_groups
+    dot = _dot_dtype(x.dtype)
+    # The chunk table, dt' and its running sums, C.B and the chunk states (then the states entering the chunks).
+    first = torch.empty(num_seqs + 1, dtype=torch.int32, device=device)
+    chunk_seq = torch.empty(max(max_chunks, 1), dtype=torch.int32, device=device)
+    chunk_start = torch.empty_like(chunk_seq)
+    step = torch.empty((num_heads, max_chunks, q), dtype=torch.float32, device=device)
+    cum = torch.empty_like(step)
+    cb = torch.empty((max_chunks, num_groups, q, q), dtype=torch.float32, device=device)
+    states = torch.empty((max_chunks, num_heads, head_dim, state_dim), dtype=torch.float32, device=device)
+    placeholder = x  # absent optional tensors: never read (their HAS_ flag is off)
+    clamp = dt_min > 0.0 or dt_max < spec.NO_UPPER_DT_LIMIT
+    lists = (first, chunk_seq, chunk_start, cu_seqlens)
+    with device_guard(device):
+        kernels.chunk_table_kernel[(num_seqs + 1,)](cu_seqlens, first, chunk_seq, chunk_start, num_seqs, CHUNK=q,
+                                                    BLOCK_S=TABLE_BLOCK, BLOCK_C=TABLE_BLOCK)
+        if max_chunks:
+            kernels.chunk_cumsum_kernel[(max_chunks, -(-num_heads // t.cumsum_heads))](
+                dt, A, dt_bias if dt_bias is not None else placeholder, *lists, step, cum, num_seqs, num_heads,
+                float(dt_min), min(float(dt_max), spec.NO_UPPER_DT_LIMIT), *dt.stride(), A.stride(0),
+                dt_bias.stride(0) if dt_bias is not None else 0, *step.stride()[:2],
+                HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, CLAMP=clamp, CHUNK=q, BLOCK_H=t.cumsum_heads)
+            kernels.chunk_cb_kernel[(max_chunks, num_groups, -(-q // t.cb_m) * -(-q // t.cb_n))](
+                B, C, *lists, cb, num_seqs, state_dim, *B.stride(), *C.stride(), *cb.stride()[:2],
+                DOT=dot, CHUNK=q, BLOCK_M=t.cb_m, BLOCK_N=t.cb_n, BLOCK_K=t.cb_k, num_warps=t.num_warps)
+            kernels.chunk_state_kernel[(max_chunks, num_heads, -(-head_dim // t.state_p) * -(-state_dim // t.state_n))](
+                x, B, step, cum, *lists, states, num_seqs, head_dim, state_dim, heads_per_group, *x.stride(),
+                *B.stride(), *step.stride()[:2], *states.stride()[:2],
+                DOT=dot, CHUNK=q, BLOCK_P=t.state_p, BLOCK_N=t.state_n, BLOCK_T=t.state_t, num_warps=t.num_warps)
+        init = initial_states if initial_states is not None else final
+        block = next_pow2(head_dim * state_dim) if INTERPRETED else STATE_PASSING_BLOCK
+        kernels.state_passing_kernel[(num_seqs, num_heads, -(-(head_dim * state_dim) // block))](
+            states, cum, first, init, final, head_dim, state_dim, *step.stride()[:2], *states.stride()[:2],
+            *init.stride(), *final.stride()[:2],
+            HAS_INIT=initial_states is not None, CHUNK=q, BLOCK=block)
+        if max_chunks:
+            zz = z if z is not None else placeholder
+            kernels.chunk_scan_kernel[(max_chunks, num_heads, -(-q // t.scan_m) * -(-head_dim // t.scan_p))](
+                x, C, D if D is not None else placeholder, zz, step, cum, cb, states, *lists, y, num_seqs, head_dim,
+                state_dim, heads_per_group, *x.stride(), *C.stride(), D.stride(0) if D is not None else 0,
+                *(zz.stride() if z is not None else (0, 0, 0)), *y.stride(), *step.stride()[:2], *cb.stride()[:2],
+                *states.stride()[:2],
+                HAS_D=D is not None, HAS_Z=z is not None, DOT=dot, CHUNK=q, BLOCK_M=t.scan_m, BLOCK_P=t.scan_p,
+                BLOCK_K=t.scan_k, BLOCK_J=t.scan_j, num_warps=t.num_warps)
+    return y, final
