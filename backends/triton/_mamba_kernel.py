@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 
 # torch's softplus returns x itself above this (F.softplus's default threshold), and so does the kernel's.
-SOFTPLUS_THRESHOLD = 20.0
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
 
 
 @triton.jit

@@ -8,13 +8,13 @@ ssd_scan.py makes, in order:
 - chunk_cb_kernel: C_i . B_j of every token pair of a chunk, per group (shared by its heads), fp32.
 - chunk_state_kernel: each chunk's own contribution to the state at its end, sum_j exp(cs_last - cs_j) dt'_j
   x_j (x) B_j, fp32 [chunks, Hh, P, N].
-- state_passing_kernel: the state entering each chunk, sequence by sequence from its initial state, written over
-  the chunk's contribution (in place), and each sequence's final state.
+- state_passing_kernel: the state entering each chunk, sequence by sequence from its initial state, in the dots'
+  dtype for the scan, and each sequence's final state (fp32).
 - chunk_scan_kernel: y_i = exp(cs_i) C_i . state_in + sum_{j <= i} (C_i . B_j) exp(cs_i - cs_j) dt'_j x_j, with
   D x and the z gate fused.
 
 The dots multiply in the activations' dtype (DOT; fp32 under the interpreter, whose bf16 dots are wrong) into
-fp32 accumulators. Programs of chunks past the last real one (the grids are sized by a bound, with no host sync)
+fp32 accumulators; fp32 operands at PRECISION (3xTF32 on the GPU: one TF32 pass was off by up to 8e-3). Programs of chunks past the last real one (the grids are sized by a bound, with no host sync)
 run zero-trip loops and store nothing. Host side: ssd_scan.py."""
 
 import triton
@@ -84,7 +84,8 @@ def chunk_cumsum_kernel(dt_ptr, a_ptr, bias_ptr, first_ptr, seq_ptr, start_ptr, 
 @triton.jit
 def chunk_cb_kernel(b_ptr, c_ptr, first_ptr, seq_ptr, start_ptr, cu_ptr, cb_ptr, num_seqs, state_dim,
                     stride_bt, stride_bg, stride_bn, stride_ct, stride_cg, stride_cn, stride_kc, stride_kg,
-                    DOT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DOT: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr):
     """A chunk (axis 0), a group (axis 1) and a BLOCK_M x BLOCK_N tile of its Q x Q pairs (axis 2): C_i . B_j,
     for the tiles on or below the diagonal (those above are causally unused and not written)."""
@@ -105,7 +106,7 @@ def chunk_cb_kernel(b_ptr, c_ptr, first_ptr, seq_ptr, start_ptr, cu_ptr, cb_ptr,
                         mask=(i < length)[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptr + (start + j)[None, :] * stride_bt + group * stride_bg + k[:, None] * stride_bn,
                         mask=(j < length)[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(c.to(DOT), b.to(DOT), acc)
+            acc = tl.dot(c.to(DOT), b.to(DOT), acc, input_precision=PRECISION)
         tl.store(cb_ptr + chunk.to(tl.int64) * stride_kc + group * stride_kg + i[:, None] * CHUNK + j[None, :], acc,
                  mask=(i < CHUNK)[:, None] & (j < CHUNK)[None, :])
 
@@ -114,7 +115,8 @@ def chunk_cb_kernel(b_ptr, c_ptr, first_ptr, seq_ptr, start_ptr, cu_ptr, cb_ptr,
 def chunk_state_kernel(x_ptr, b_ptr, step_ptr, cum_ptr, first_ptr, seq_ptr, start_ptr, cu_ptr, states_ptr,
                        num_seqs, head_dim, state_dim, heads_per_group, stride_xt, stride_xh, stride_xp,
                        stride_bt, stride_bg, stride_bn, stride_sh, stride_sc, stride_oc, stride_oh,
-                       DOT: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                       DOT: tl.constexpr, PRECISION: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
+                       BLOCK_N: tl.constexpr,
                        BLOCK_T: tl.constexpr):
     """A chunk (axis 0), a head (axis 1) and a BLOCK_P x BLOCK_N tile of its state (axis 2): the chunk's
     contribution to the state at its end."""
@@ -139,17 +141,17 @@ def chunk_state_kernel(x_ptr, b_ptr, step_ptr, cum_ptr, first_ptr, seq_ptr, star
             tl.load(step_ptr + sums + t, mask=t_ok, other=0.0)
         b = tl.load(b_ptr + (start + t)[:, None] * stride_bt + group * stride_bg + n[None, :] * stride_bn,
                     mask=t_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(x.to(DOT), (b * weight[:, None]).to(DOT), acc)
+        acc = tl.dot(x.to(DOT), (b * weight[:, None]).to(DOT), acc, input_precision=PRECISION)
     tl.store(states_ptr + chunk.to(tl.int64) * stride_oc + head * stride_oh + p[:, None] * state_dim + n[None, :],
              acc, mask=p_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def state_passing_kernel(states_ptr, cum_ptr, first_ptr, init_ptr, final_ptr, head_dim, state_dim,
+def state_passing_kernel(states_ptr, cum_ptr, first_ptr, init_ptr, starts_ptr, final_ptr, head_dim, state_dim,
                          stride_sh, stride_sc, stride_oc, stride_oh, stride_is, stride_ih, stride_ip, stride_in,
                          stride_fs, stride_fh, HAS_INIT: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """A sequence (axis 0), a head (axis 1) and BLOCK elements of its P x N state (axis 2): the state entering
-    each of the sequence's chunks, over the chunk's own contribution, and the final state."""
+    each of the sequence's chunks (into starts, laid out as the chunk states), and the final state."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -163,20 +165,21 @@ def state_passing_kernel(states_ptr, cum_ptr, first_ptr, init_ptr, final_ptr, he
         state = tl.zeros((BLOCK,), dtype=tl.float32)
     for chunk in range(tl.load(first_ptr + seq), tl.load(first_ptr + seq + 1)):
         chunk64 = tl.cast(chunk, tl.int64)  # a Python int under the interpreter
-        ptrs = states_ptr + chunk64 * stride_oc + head * stride_oh + e
-        own = tl.load(ptrs, mask=ok, other=0.0)
-        tl.store(ptrs, state, mask=ok)
+        offsets = chunk64 * stride_oc + head * stride_oh + e
+        tl.store(starts_ptr + offsets, state.to(starts_ptr.dtype.element_ty), mask=ok)
+        own = tl.load(states_ptr + offsets, mask=ok, other=0.0)
         state = state * tl.exp(tl.load(cum_ptr + head * stride_sh + chunk64 * stride_sc + CHUNK - 1)) + own
     tl.store(final_ptr + seq.to(tl.int64) * stride_fs + head * stride_fh + e, state, mask=ok)
 
 
 @triton.jit
-def chunk_scan_kernel(x_ptr, c_ptr, d_ptr, z_ptr, step_ptr, cum_ptr, cb_ptr, states_ptr, first_ptr, seq_ptr,
+def chunk_scan_kernel(x_ptr, c_ptr, d_ptr, z_ptr, step_ptr, cum_ptr, cb_ptr, starts_ptr, first_ptr, seq_ptr,
                       start_ptr, cu_ptr, y_ptr, num_seqs, head_dim, state_dim, heads_per_group,
                       stride_xt, stride_xh, stride_xp, stride_ct, stride_cg, stride_cn, stride_d,
                       stride_zt, stride_zh, stride_zp, stride_yt, stride_yh, stride_yp, stride_sh, stride_sc,
                       stride_kc, stride_kg, stride_oc, stride_oh,
-                      HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DOT: tl.constexpr, CHUNK: tl.constexpr,
+                      HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                      CHUNK: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr):
     """A chunk (axis 0), a head (axis 1) and BLOCK_M tokens x BLOCK_P of P (axis 2): y, from the state entering
     the chunk and the chunk's earlier tokens, with D x and the gate."""
@@ -195,15 +198,15 @@ def chunk_scan_kernel(x_ptr, c_ptr, d_ptr, z_ptr, step_ptr, cum_ptr, cb_ptr, sta
 
     # The state entering the chunk, decayed to token i and read out by C_i.
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
-    states = states_ptr + chunk.to(tl.int64) * stride_oc + head * stride_oh
+    starts = starts_ptr + chunk.to(tl.int64) * stride_oc + head * stride_oh
     state_end = tl.where(i0 < length, state_dim, 0)  # no tokens of this tile in the chunk: nothing to read
     for k0 in range(0, state_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < state_dim
         c = tl.load(c_ptr + (start + i)[:, None] * stride_ct + group * stride_cg + k[None, :] * stride_cn,
                     mask=i_ok[:, None] & k_ok[None, :], other=0.0)
-        s = tl.load(states + p[None, :] * state_dim + k[:, None], mask=k_ok[:, None] & p_ok[None, :], other=0.0)
-        acc = tl.dot(c.to(DOT), s.to(DOT), acc)
+        s = tl.load(starts + p[None, :] * state_dim + k[:, None], mask=k_ok[:, None] & p_ok[None, :], other=0.0)
+        acc = tl.dot(c.to(DOT), s.to(DOT), acc, input_precision=PRECISION)
     acc *= tl.exp(cum_i)[:, None]
 
     # The chunk's tokens j <= i.
@@ -219,7 +222,7 @@ def chunk_scan_kernel(x_ptr, c_ptr, d_ptr, z_ptr, step_ptr, cum_ptr, cb_ptr, sta
         scores = cb * decay * step_j[None, :]
         x = tl.load(x_ptr + (start + j)[:, None] * stride_xt + head * stride_xh + p[None, :] * stride_xp,
                     mask=j_ok[:, None] & p_ok[None, :], other=0.0)
-        acc = tl.dot(scores.to(DOT), x.to(DOT), acc)
+        acc = tl.dot(scores.to(DOT), x.to(DOT), acc, input_precision=PRECISION)
 
     ok = i_ok[:, None] & p_ok[None, :]
     tokens = (start + i)[:, None]

@@ -25,7 +25,6 @@ DOT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp3
 MIN_DOT = 16  # tl.dot's smallest dims
 # chunk_table_kernel's sequences per step (of the sequences before a program's) and chunks per store.
 TABLE_BLOCK = 256
-STATE_PASSING_BLOCK = 1024  # state elements per state_passing program (under the interpreter: a whole state)
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,11 @@ class Tiles:
     scan_p: int
     scan_k: int
     scan_j: int
-    num_warps: int
+    num_warps: int  # chunk_cb's and chunk_state's
+    scan_warps: int
+    num_stages: int  # the dot kernels' software pipelining
+    passing_block: int  # state elements per state_passing program
+    passing_warps: int
 
 
 def _dot_dim(n: int, cap: int) -> int:
@@ -59,8 +62,9 @@ def tiles_for(chunk: int, head_dim: int, state_dim: int) -> Tiles:
         cumsum_heads=max(1, min(16, 4096 // chunk)) if not INTERPRETED else 64,
         cb_m=q, cb_n=q, cb_k=_dot_dim(state_dim, cap),
         state_p=_dot_dim(head_dim, cap), state_n=_dot_dim(state_dim, cap), state_t=q,
-        scan_m=q, scan_p=_dot_dim(head_dim, cap), scan_k=_dot_dim(state_dim, 1 << 30 if INTERPRETED else 128),
-        scan_j=q, num_warps=4)
+        scan_m=q, scan_p=_dot_dim(head_dim, cap), scan_k=_dot_dim(state_dim, cap),
+        scan_j=min(q, 32) if not INTERPRETED else q, num_warps=4, scan_warps=4, num_stages=1,
+        passing_block=next_pow2(head_dim * state_dim) if INTERPRETED else 1024, passing_warps=4)
 
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
@@ -77,7 +81,8 @@ def describe(key: spec.Key, platform: Platform) -> str:
     """The chunked launches a call with ``key`` runs (for explain)."""
     t = tiles_for(key.chunk_size, key.head_dim, key.state_dim)
     return (f"chunk {key.chunk_size}: C.B tiles {t.cb_m} x {t.cb_n}, chunk states {t.state_p} x {t.state_n} by "
-            f"{t.state_t} tokens, scan {t.scan_m} tokens x {t.scan_p} of P, {t.num_warps} warps")
+            f"{t.state_t} tokens ({t.num_warps} warps), scan {t.scan_m} tokens x {t.scan_p} of P by {t.scan_k} of N "
+            f"({t.scan_warps} warps), {t.num_stages} stages")
 
 
 @functools.cache
@@ -87,11 +92,18 @@ def _kernels():
     return _ssd_scan_kernel
 
 
-def _dot_dtype(dtype: torch.dtype):
+def _dot_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, object]:
+    """(the torch dtype, the Triton dtype) the dots multiply in: the activations' (fp32 under the interpreter)."""
     import triton.language as tl
 
-    return tl.float32 if INTERPRETED else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(
-        dtype, tl.float32)
+    if INTERPRETED:
+        return torch.float32, tl.float32
+    return dtype, {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
+
+
+# fp32 dots at 3xTF32 (one TF32 pass was off by up to 8e-3 against the fp32 reference on Mamba2-2.7B, the
+# tolerance 1e-3); 16-bit operands take no such setting.
+FP32_DOT_PRECISION = "tf32x3"
 
 
 def ssd_scan(
@@ -123,8 +135,9 @@ def ssd_scan(
     max_chunks = min(num_tokens // q + num_seqs, num_tokens)
     t = tiles_for(q, head_dim, state_dim)
     heads_per_group = num_heads // num_groups
-    dot = _dot_dtype(x.dtype)
-    # The chunk table, dt' and its running sums, C.B and the chunk states (then the states entering the chunks).
+    dot_dtype, dot = _dot_dtypes(x.dtype)
+    precision = FP32_DOT_PRECISION if dot_dtype == torch.float32 and not INTERPRETED else "tf32"
+    # The chunk table, dt' and its running sums, C.B, the chunk states and the states entering the chunks.
     first = torch.empty(num_seqs + 1, dtype=torch.int32, device=device)
     chunk_seq = torch.empty(max(max_chunks, 1), dtype=torch.int32, device=device)
     chunk_start = torch.empty_like(chunk_seq)
@@ -132,6 +145,7 @@ def ssd_scan(
     cum = torch.empty_like(step)
     cb = torch.empty((max_chunks, num_groups, q, q), dtype=torch.float32, device=device)
     states = torch.empty((max_chunks, num_heads, head_dim, state_dim), dtype=torch.float32, device=device)
+    starts = torch.empty(states.shape, dtype=dot_dtype, device=device)
     placeholder = x  # absent optional tensors: never read (their HAS_ flag is off)
     clamp = dt_min > 0.0 or dt_max < spec.NO_UPPER_DT_LIMIT
     lists = (first, chunk_seq, chunk_start, cu_seqlens)
@@ -146,24 +160,26 @@ def ssd_scan(
                 HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus, CLAMP=clamp, CHUNK=q, BLOCK_H=t.cumsum_heads)
             kernels.chunk_cb_kernel[(max_chunks, num_groups, -(-q // t.cb_m) * -(-q // t.cb_n))](
                 B, C, *lists, cb, num_seqs, state_dim, *B.stride(), *C.stride(), *cb.stride()[:2],
-                DOT=dot, CHUNK=q, BLOCK_M=t.cb_m, BLOCK_N=t.cb_n, BLOCK_K=t.cb_k, num_warps=t.num_warps)
+                DOT=dot, PRECISION=precision, CHUNK=q, BLOCK_M=t.cb_m, BLOCK_N=t.cb_n, BLOCK_K=t.cb_k,
+                num_warps=t.num_warps, num_stages=t.num_stages)
             kernels.chunk_state_kernel[(max_chunks, num_heads, -(-head_dim // t.state_p) * -(-state_dim // t.state_n))](
                 x, B, step, cum, *lists, states, num_seqs, head_dim, state_dim, heads_per_group, *x.stride(),
                 *B.stride(), *step.stride()[:2], *states.stride()[:2],
-                DOT=dot, CHUNK=q, BLOCK_P=t.state_p, BLOCK_N=t.state_n, BLOCK_T=t.state_t, num_warps=t.num_warps)
+                DOT=dot, PRECISION=precision, CHUNK=q, BLOCK_P=t.state_p, BLOCK_N=t.state_n, BLOCK_T=t.state_t,
+                num_warps=t.num_warps, num_stages=t.num_stages)
         init = initial_states if initial_states is not None else final
-        block = next_pow2(head_dim * state_dim) if INTERPRETED else STATE_PASSING_BLOCK
-        kernels.state_passing_kernel[(num_seqs, num_heads, -(-(head_dim * state_dim) // block))](
-            states, cum, first, init, final, head_dim, state_dim, *step.stride()[:2], *states.stride()[:2],
+        kernels.state_passing_kernel[(num_seqs, num_heads, -(-(head_dim * state_dim) // t.passing_block))](
+            states, cum, first, init, starts, final, head_dim, state_dim, *step.stride()[:2], *states.stride()[:2],
             *init.stride(), *final.stride()[:2],
-            HAS_INIT=initial_states is not None, CHUNK=q, BLOCK=block)
+            HAS_INIT=initial_states is not None, CHUNK=q, BLOCK=t.passing_block, num_warps=t.passing_warps)
         if max_chunks:
             zz = z if z is not None else placeholder
             kernels.chunk_scan_kernel[(max_chunks, num_heads, -(-q // t.scan_m) * -(-head_dim // t.scan_p))](
-                x, C, D if D is not None else placeholder, zz, step, cum, cb, states, *lists, y, num_seqs, head_dim,
+                x, C, D if D is not None else placeholder, zz, step, cum, cb, starts, *lists, y, num_seqs, head_dim,
                 state_dim, heads_per_group, *x.stride(), *C.stride(), D.stride(0) if D is not None else 0,
                 *(zz.stride() if z is not None else (0, 0, 0)), *y.stride(), *step.stride()[:2], *cb.stride()[:2],
                 *states.stride()[:2],
-                HAS_D=D is not None, HAS_Z=z is not None, DOT=dot, CHUNK=q, BLOCK_M=t.scan_m, BLOCK_P=t.scan_p,
-                BLOCK_K=t.scan_k, BLOCK_J=t.scan_j, num_warps=t.num_warps)
+                HAS_D=D is not None, HAS_Z=z is not None, DOT=dot, PRECISION=precision, CHUNK=q, BLOCK_M=t.scan_m,
+                BLOCK_P=t.scan_p, BLOCK_K=t.scan_k, BLOCK_J=t.scan_j, num_warps=t.scan_warps,
+                num_stages=t.num_stages)
     return y, final

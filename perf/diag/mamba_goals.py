@@ -1,12 +1,13 @@
 """Issue 31's goal shapes on the GPU, Mamba2-2.7B (Hh 80, P 64, N 128, G 1, bf16 activations):
 selective_state_update at B in {1, 8, 64, 256} (fp32 state, a cache of B + 8 slots addressed by index; B 64 with
 a bf16 state too) against the copy bandwidth, and ssd_scan on 1 x 8192, 8 x 2048 and 64 x 256 tokens in tokens/s.
-Each implementation the engine finds viable (and the reference) is checked against the reference, then timed by
-CUDA-graph replay; --ssu-tiles and --scan-tiles time the triton kernels with other tiles, --profile lists
+Each implementation the engine finds viable is checked against the reference, then timed by CUDA-graph replay (the
+references sync, so they are not timed); --ssu-tiles (s: with streaming cache hints) and --scan-tiles time the
+triton kernels with other tiles, --profile lists
 ssd_scan's kernels' times from the torch profiler.
 
     python perf/diag/mamba_goals.py --out DIR [--ssu-batches 1 8 64 256] [--scan-batches 1x8192 8x2048 64x256]
-        [--ssu-tiles HEADSxBLOCK_PxWARPS ...] [--scan-tiles NAME=VALUE,... ...] [--profile]
+        [--ssu-tiles HEADSxBLOCK_PxWARPS[s] ...] [--scan-tiles NAME=VALUE,... ...] [--profile]
 """
 
 from __future__ import annotations
@@ -115,18 +116,18 @@ def main() -> None:
         for batch in batches:
             inputs = _ssu_inputs(batch, state_dtype)
             cost = spec.cost(inputs[0])
-            impls = {"reference": spec.reference}
-            impls.update((impl.backend, impl.fn) for impl, reason in engine.explain(spec.name, inputs[0])
-                         if reason is None)
-            timed = [(name, fn, None) for name, fn in impls.items() if name != "reference" or batch <= 8]
+            impls = {impl.backend: impl.fn for impl, reason in engine.explain(spec.name, inputs[0])
+                     if reason is None and impl.backend != "reference"}
+            timed = [(name, fn, None) for name, fn in impls.items()]
             timed += [("triton", impls["triton"], tile) for tile in args.ssu_tiles if "triton" in impls]
             for name, fn, tile in timed:
                 def work(fn=fn, tile=tile):
                     with contextlib.ExitStack() as stack:
                         if tile:
-                            heads, block_p, warps = (int(v) for v in tile.split("x"))
+                            heads, block_p, warps = (int(v) for v in tile.rstrip("s").split("x"))
                             stack.enter_context(mock.patch.object(
                                 triton_ssu, "tile_for", lambda *_: triton_ssu.Tile(heads, block_p, warps)))
+                            stack.enter_context(mock.patch.object(triton_ssu, "STREAM_HINTS", tile.endswith("s")))
                         us = _time(spec, fn, inputs, _check_ssu)
                     return dict(us=round(us, 2), copy_pct=round(100 * cost.bytes / (us * 1e-6)
                                                                 / (ceilings["memory_gbps"] * 1e9), 1))
@@ -137,9 +138,8 @@ def main() -> None:
     for shape in args.scan_batches:
         seqs, length = (int(v) for v in shape.split("x"))
         inputs = _scan_inputs(seqs, length)
-        impls = {"reference": spec.reference}
-        impls.update((impl.backend, impl.fn) for impl, reason in engine.explain(spec.name, inputs[0])
-                     if reason is None)
+        impls = {impl.backend: impl.fn for impl, reason in engine.explain(spec.name, inputs[0])
+                 if reason is None and impl.backend != "reference"}
         timed = [(name, fn, None) for name, fn in impls.items()]
         timed += [("triton", impls["triton"], tile) for tile in args.scan_tiles if "triton" in impls]
         for name, fn, tile in timed:

@@ -67,7 +67,8 @@ def test_gpu_tiles_under_the_interpreter(name: str, monkeypatch: pytest.MonkeyPa
     # 16-wide tiles against chunks of 8 and 4 (rows and pairs past the chunk masked) and against P 4-8, N 8-16;
     # then chunks larger than the tiles (a chunk's pairs and tokens over several tiles and steps).
     small = host.Tiles(cumsum_heads=2, cb_m=16, cb_n=16, cb_k=16, state_p=16, state_n=16, state_t=16, scan_m=16,
-                       scan_p=16, scan_k=16, scan_j=16, num_warps=4)
+                       scan_p=16, scan_k=16, scan_j=16, num_warps=4, scan_warps=4, num_stages=2, passing_block=64,
+                       passing_warps=4)
     monkeypatch.setattr(host, "tiles_for", lambda q, p, n: small)
     _check(_build(name, 43), f"{name}, 16-wide tiles")
     kwargs = _build(name, 44)
