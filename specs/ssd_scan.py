@@ -346,9 +346,9 @@ def fake(
 
 # Keyed by x's dtype, for both outputs (fast kernels round intermediates to x's dtype too).
 # Cases are scaled so |y| and |state| are O(1), which makes the atol meaningful.
-# - fp32: the reference is fp32 too; implementations differ in summation order and chunking, and
-#   Triton's tl.dot on fp32 defaults to TF32 (10-bit mantissa, 2^-11 relative per product), which
-#   over sums of up to Q + N = 384 random-signed terms stays within ~1e-3.
+# - fp32: the reference is fp32 too; implementations differ in summation order and chunking. Fp32
+#   dots must be fp32-accurate: one TF32 pass (Triton's tl.dot default, 10-bit mantissa) was off by
+#   up to 8e-3 on Mamba2-2.7B on an H200, so the triton backend multiplies fp32 at 3xTF32.
 # - bf16: y is rounded to bf16 (2^-9 relative), and mamba_ssm-style kernels also round the decayed
 #   C.B matrix and the decayed B to bf16 before their dots: a few bf16 ulps, so ~2^-6.
 # - fp16: the same with fp16's 2^-11 rounding.

@@ -14,8 +14,9 @@ ssd_scan.py makes, in order:
   D x and the z gate fused.
 
 The dots multiply in the activations' dtype (DOT; fp32 under the interpreter, whose bf16 dots are wrong) into
-fp32 accumulators; fp32 operands at PRECISION (3xTF32 on the GPU: one TF32 pass was off by up to 8e-3). Programs of chunks past the last real one (the grids are sized by a bound, with no host sync)
-run zero-trip loops and store nothing. Host side: ssd_scan.py."""
+fp32 accumulators; fp32 operands at PRECISION (3xTF32 on the GPU: one TF32 pass was off by up to 8e-3).
+Programs of chunks past the last real one (the grids are sized by a bound, with no host sync) run zero-trip
+loops and store nothing. Host side: ssd_scan.py."""
 
 import triton
 import triton.language as tl

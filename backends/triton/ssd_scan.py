@@ -16,10 +16,9 @@ from kernelmux.specs import ssd_scan as spec
 
 __all__ = ["MAX_CHUNK", "MAX_STATE_DIM", "Tiles", "describe", "ssd_scan", "supports", "tiles_for"]
 
-# A chunk's running sums are one register row per head, and chunk_scan's C.B tile spans whole chunks: past this Q
-# the Q x Q work per chunk outgrows the linear (chunk-passing) part the chunking exists to keep.
+# Not run past these: a chunk's running sums are a [heads, Q] tile of one program, and C.B is a Q x Q fp32
+# buffer per chunk and group (Mamba2 uses Q 256, N 128; the tests reach Q 256 and N 128).
 MAX_CHUNK = 1024
-# chunk_scan reads the incoming state by BLOCK_K of N at a time, so any N works; this bounds the table sizes.
 MAX_STATE_DIM = 1024
 DOT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 MIN_DOT = 16  # tl.dot's smallest dims
@@ -54,8 +53,9 @@ def _dot_dim(n: int, cap: int) -> int:
 
 
 def tiles_for(chunk: int, head_dim: int, state_dim: int) -> Tiles:
-    """The launches' tiles (TODO measured: perf/decisions/ssd_scan.md); under the interpreter whole chunks, heads
-    and states per program (a program costs ~10 ms whatever its size)."""
+    """The launches' tiles, measured on the H200 at Mamba2-2.7B (perf/decisions/ssd_scan.md: one stage, 32-token
+    scan steps); under the interpreter whole chunks, heads and states per program (a program costs ~10 ms
+    whatever its size)."""
     cap = 1 << 30 if INTERPRETED else 64
     q = _dot_dim(chunk, cap)
     return Tiles(
@@ -70,10 +70,10 @@ def tiles_for(chunk: int, head_dim: int, state_dim: int) -> Tiles:
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     """None up to MAX_CHUNK and MAX_STATE_DIM (any strides, dtypes, options), else why not."""
     if key.chunk_size > MAX_CHUNK:
-        return (f"chunk_size {key.chunk_size} > {MAX_CHUNK}: a chunk's running sums and C.B tiles are held per "
-                "program")
+        return (f"chunk_size {key.chunk_size} > {MAX_CHUNK}: a chunk's running sums are one program's tile "
+                "(not run past it)")
     if key.state_dim > MAX_STATE_DIM:
-        return f"state dim N = {key.state_dim} > {MAX_STATE_DIM}"
+        return f"state dim N = {key.state_dim} > {MAX_STATE_DIM} (not run past it)"
     return None
 
 

@@ -13,9 +13,11 @@ import torch
 pytest.importorskip("triton", reason="needs triton (pip install kernelmux[test] on Linux x86_64)")
 
 from conftest import DEVICE  # noqa: E402
+from fakes import ask  # noqa: E402
 from graph_replay import capture  # noqa: E402
 from kernelmux.backends.triton import selective_state_update as host  # noqa: E402
 from kernelmux.conformance import poison_freed_memory  # noqa: E402
+from kernelmux.platforms import simulate  # noqa: E402
 from kernelmux.specs import selective_state_update as spec  # noqa: E402
 
 ON_GPU = DEVICE == "cuda"
@@ -56,6 +58,15 @@ def _build(name: str, seed: int) -> dict:
 
 def test_signature_matches_the_spec() -> None:
     assert inspect.signature(host.selective_state_update) == SPEC.signature
+
+
+def test_declines_state_rows_past_its_limit_and_says_so() -> None:
+    kwargs = SPEC.case("small_permuted").build("cpu", 0)
+    assert ask(host.supports, SPEC, kwargs, simulate("sm_90")) is None
+    wide = {name: kwargs[name].new_zeros(*kwargs[name].shape[:2], 8192) for name in ("B", "C")}
+    wide["state"] = kwargs["state"].new_zeros(*kwargs["state"].shape[:3], 8192)
+    assert "N = 8192" in ask(host.supports, SPEC, dict(kwargs, **wide), simulate("sm_90"))
+    assert "head(s)" in host.describe(SPEC.validate(**kwargs), simulate("sm_90"))
 
 
 @pytest.mark.parametrize("name", [case.name for case in SPEC.cases])

@@ -13,9 +13,11 @@ import torch
 pytest.importorskip("triton", reason="needs triton (pip install kernelmux[test] on Linux x86_64)")
 
 from conftest import DEVICE  # noqa: E402
+from fakes import ask  # noqa: E402
 from graph_replay import capture  # noqa: E402
 from kernelmux.backends.triton import ssd_scan as host  # noqa: E402
 from kernelmux.conformance import poison_freed_memory  # noqa: E402
+from kernelmux.platforms import simulate  # noqa: E402
 from kernelmux.specs import ssd_scan as spec  # noqa: E402
 
 ON_GPU = DEVICE == "cuda"
@@ -54,6 +56,16 @@ def _build(name: str, seed: int) -> dict:
 
 def test_signature_matches_the_spec() -> None:
     assert inspect.signature(host.ssd_scan) == SPEC.signature
+
+
+def test_declines_chunks_and_states_past_its_limits_and_says_so() -> None:
+    kwargs = SPEC.case("small_varlen").build("cpu", 0)
+    assert ask(host.supports, SPEC, kwargs, simulate("sm_90")) is None
+    assert "chunk_size 2048" in ask(host.supports, SPEC, dict(kwargs, chunk_size=2048), simulate("sm_90"))
+    wide = {name: kwargs[name].new_zeros(*kwargs[name].shape[:2], 2048) for name in ("B", "C")}
+    wide["initial_states"] = kwargs["initial_states"].new_zeros(*kwargs["initial_states"].shape[:3], 2048)
+    assert "N = 2048" in ask(host.supports, SPEC, dict(kwargs, **wide), simulate("sm_90"))
+    assert "chunk 8" in host.describe(SPEC.validate(**kwargs), simulate("sm_90"))
 
 
 @pytest.mark.parametrize("name", [case.name for case in SPEC.cases])
