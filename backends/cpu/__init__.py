@@ -20,6 +20,12 @@ TABLE = (
     Entry("scaled_mm",
           "weights dequantized a block of rows at a time through the fp8 -> fp16 bit route, scales broadcast, "
           "fp32 GEMM"),
+    Entry("quantize_nvfp4",
+          "the reference's arithmetic bit for bit in fewer passes: one block-maximum pass gives the global amax, "
+          "codes by integer passes on fp32 bits (a search for few values)"),
+    Entry("quantize_mxfp4",
+          "one block-maximum pass that also marks NaN / Inf blocks, divisors from a table by code, codes by integer "
+          "passes on fp32 bits (a search for few values)"),
     Entry("fp4_mm",
           "W4A16 and W4A4, both formats: weights decoded a chunk of rows at a time (byte -> value-pair table, "
           "scales by code) into fp32 GEMMs"),
