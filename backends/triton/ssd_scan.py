@@ -20,7 +20,6 @@ __all__ = ["MAX_CHUNK", "MAX_STATE_DIM", "Tiles", "describe", "ssd_scan", "suppo
 # buffer per chunk and group (Mamba2 uses Q 256, N 128; the tests reach Q 256 and N 128).
 MAX_CHUNK = 1024
 MAX_STATE_DIM = 1024
-DOT_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 MIN_DOT = 16  # tl.dot's smallest dims
 # chunk_table_kernel's sequences per step (of the sequences before a program's) and chunks per store.
 TABLE_BLOCK = 256

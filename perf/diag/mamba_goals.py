@@ -45,7 +45,8 @@ def _scan_inputs(seqs: int, length: int) -> list[dict]:
             for i in range(INPUTS)]
 
 
-def _time(spec, fn, inputs: list[dict], check) -> float:
+def _time(fn, inputs: list[dict], check) -> float:
+    """check(fn, inputs[0]) (AssertionError when wrong), then the graph-replay time of fn over the inputs."""
     check(fn, inputs[0])
     return sized_replay_time(fn, inputs, max_calls=32)
 
@@ -128,7 +129,7 @@ def main() -> None:
                             stack.enter_context(mock.patch.object(
                                 triton_ssu, "tile_for", lambda *_: triton_ssu.Tile(heads, block_p, warps)))
                             stack.enter_context(mock.patch.object(triton_ssu, "STREAM_HINTS", tile.endswith("s")))
-                        us = _time(spec, fn, inputs, _check_ssu)
+                        us = _time(fn, inputs, _check_ssu)
                     return dict(us=round(us, 2), copy_pct=round(100 * cost.bytes / (us * 1e-6)
                                                                 / (ceilings["memory_gbps"] * 1e9), 1))
                 record(dict(op=spec.name, batch=batch, state=str(state_dtype)[6:], impl=name,
@@ -148,7 +149,7 @@ def main() -> None:
                     if tile:
                         tiles = _scan_tiles(tile)
                         stack.enter_context(mock.patch.object(triton_scan, "tiles_for", lambda *_: tiles))
-                    us = _time(spec, fn, inputs, _check_scan)
+                    us = _time(fn, inputs, _check_scan)
                     result = dict(us=round(us, 2), tokens_per_s=f"{seqs * length / (us * 1e-6):.3g}")
                     if args.profile and name == "triton" and not tile:
                         result["kernels_us"] = _profile(fn, inputs[0])
