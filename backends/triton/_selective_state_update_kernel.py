@@ -17,7 +17,8 @@ def selective_state_update_kernel(
         stride_a, stride_bb, stride_bg, stride_bn, stride_cb, stride_cg, stride_cn, stride_d,
         stride_zb, stride_zh, stride_zp, stride_bias, stride_yb, stride_yh, stride_yp,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-        HAS_SLOTS: tl.constexpr, STREAM: tl.constexpr, HEADS: tl.constexpr, BLOCK_P: tl.constexpr,
+        HAS_SLOTS: tl.constexpr, STATE_EVICTION: tl.constexpr, STATE_STORE_CACHE: tl.constexpr, HEADS: tl.constexpr,
+        BLOCK_P: tl.constexpr,
         BLOCK_N: tl.constexpr):
     request = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -51,15 +52,10 @@ def selective_state_update_kernel(
 
     slot_ptrs = (state_ptr + slot * stride_ss + heads[:, None, None].to(tl.int64) * stride_sh
                  + rows[None, :, None].to(tl.int64) * stride_sp + cols[None, None, :] * stride_sn)
-    if STREAM:  # the state is touched once: keep it from evicting what other programs reuse (x, B, C, dt)
-        old = tl.load(slot_ptrs, mask=tile_ok, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    else:
-        old = tl.load(slot_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
+    # The state's cache hints (the host's: streaming, or "" for the defaults).
+    old = tl.load(slot_ptrs, mask=tile_ok, other=0.0, eviction_policy=STATE_EVICTION).to(tl.float32)
     new = old * decay[:, None, None] + (step[:, None] * x)[:, :, None] * b[:, None, :]
-    if STREAM:
-        tl.store(slot_ptrs, new.to(state_ptr.dtype.element_ty), mask=tile_ok, cache_modifier=".cs")
-    else:
-        tl.store(slot_ptrs, new.to(state_ptr.dtype.element_ty), mask=tile_ok)
+    tl.store(slot_ptrs, new.to(state_ptr.dtype.element_ty), mask=tile_ok, cache_modifier=STATE_STORE_CACHE)
 
     y = tl.sum(new * c[:, None, :], axis=2)  # [HEADS, BLOCK_P], from the fp32 state
     if HAS_D:

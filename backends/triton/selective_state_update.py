@@ -24,6 +24,10 @@ MAX_STATE_DIM = 4096
 TILE_ELEMENTS = 1024
 NUM_WARPS = 2
 STREAM_HINTS = True
+# The hints (the kernel's STATE_EVICTION, STATE_STORE_CACHE): the state is touched once, so it should not evict
+# what the head's other programs reread (x, B, C, dt).
+_STREAMING = ("evict_first", ".cs")
+_DEFAULT_CACHING = ("", "")
 # Under the interpreter a program costs ~10 ms whatever its size: as many heads and rows as fit this many
 # elements go to one program.
 INTERPRETER_TILE_ELEMENTS = 1 << 20
@@ -87,7 +91,7 @@ def selective_state_update(
     """The spec's selective_state_update in one launch; arguments are validated by the caller."""
     num_requests, num_heads, head_dim = x.shape
     state_dim = state.shape[3]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # every element written (zeros for padding)
+    y = spec.fake(state, x, dt, A, B, C)  # every element written (zeros for padding)
     if y.numel() == 0:
         return y
     tile = tile_for(num_heads, head_dim, state_dim)
@@ -95,6 +99,7 @@ def selective_state_update(
     placeholder = x  # for absent optional tensors: never read (their HAS_ flag is off)
     d, zz, bias, slots = (t if t is not None else placeholder for t in (D, z, dt_bias, state_batch_indices))
     z_strides = zz.stride() if z is not None else (0, 0, 0)
+    eviction, store_cache = _STREAMING if STREAM_HINTS else _DEFAULT_CACHING
     with device_guard(x.device):
         _kernel()[grid](
             state, x, dt, A, B, C, d, zz, bias, slots, y,
@@ -103,6 +108,7 @@ def selective_state_update(
             D.stride(0) if D is not None else 0, *z_strides, dt_bias.stride(0) if dt_bias is not None else 0,
             *y.stride(),
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
-            HAS_SLOTS=state_batch_indices is not None, STREAM=STREAM_HINTS, HEADS=tile.heads, BLOCK_P=tile.block_p,
+            HAS_SLOTS=state_batch_indices is not None, STATE_EVICTION=eviction, STATE_STORE_CACHE=store_cache,
+            HEADS=tile.heads, BLOCK_P=tile.block_p,
             BLOCK_N=next_pow2(state_dim), num_warps=tile.num_warps)
     return y

@@ -31,18 +31,19 @@ from kernelmux.specs import selective_state_update, ssd_scan
 INPUTS = 2
 
 
-def _ssu_inputs(batch: int, state_dtype: torch.dtype) -> list[dict]:
-    make = selective_state_update._mamba2_2p7b(batch, state_dtype=state_dtype)
+def _on_cuda(make, seed: int) -> list[dict]:
+    """INPUTS calls of a spec maker, drawn on the CPU from seeds ``seed``, ``seed + 1``, ..., moved to the GPU."""
     return [{k: v.to("cuda") if isinstance(v, torch.Tensor) else v
-             for k, v in make(torch.device("cpu"), torch.Generator().manual_seed(batch + i)).items()}
+             for k, v in make(torch.device("cpu"), torch.Generator().manual_seed(seed + i)).items()}
             for i in range(INPUTS)]
+
+
+def _ssu_inputs(batch: int, state_dtype: torch.dtype) -> list[dict]:
+    return _on_cuda(selective_state_update._mamba2_2p7b(batch, state_dtype=state_dtype), batch)
 
 
 def _scan_inputs(seqs: int, length: int) -> list[dict]:
-    make = ssd_scan._mamba2_2p7b((length,) * seqs, with_initial_states=False)
-    return [{k: v.to("cuda") if isinstance(v, torch.Tensor) else v
-             for k, v in make(torch.device("cpu"), torch.Generator().manual_seed(seqs + i)).items()}
-            for i in range(INPUTS)]
+    return _on_cuda(ssd_scan._mamba2_2p7b((length,) * seqs, with_initial_states=False), seqs)
 
 
 def _time(fn, inputs: list[dict], check) -> float:
