@@ -20,12 +20,12 @@ from kernelmux.perf.report import compare, fmt_us, markdown, roofline_cell, sele
 from kernelmux.perf.runner import (REFERENCE_BUDGET_S, REFERENCE_CALL_LIMIT_S, WALL_PHASES, Plan, environment,
                                    error_stats, reference_method, run)
 from kernelmux.perf.schema import (ABOVE_CEILING, FAILED, REFERENCE, SCHEMA, SCHEMA_V1, above_ceiling, failures,
-                                   upgrade)
+                                   merge, upgrade)
 from kernelmux.perf.timing import default_budget_s
 
 __all__ = ["ABOVE_CEILING", "FAILED", "REFERENCE", "REFERENCE_BUDGET_S", "REFERENCE_CALL_LIMIT_S", "SCHEMA",
            "SCHEMA_V1", "WALL_PHASES", "Plan", "above_ceiling", "add_arguments", "compare", "environment",
-           "error_stats", "failures", "main", "markdown", "plot", "reference_method", "roofline_ceilings",
+           "error_stats", "failures", "main", "markdown", "merge", "plot", "reference_method", "roofline_ceilings",
            "roofline_points", "run", "speedup_path", "speedups", "upgrade"]
 
 # --compare without a file: this device's perf/baselines/<device>.json.
@@ -55,7 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "perf/baselines/<device>.json and .md, and regenerate perf/README.md's tables")
     parser.add_argument("--threshold", type=float, default=10.0,
                         help="with --compare: exit 1 when a row is this many percent slower (default 10)")
-    parser.add_argument("--load", metavar="RUN.json", help="report or compare a saved run instead of running")
+    parser.add_argument("--load", metavar="RUN.json", action="append",
+                        help="report or compare a saved run instead of running; repeated, the parts of one "
+                        "bench (one commit, one device, split by ops over device calls) merged into one run, "
+                        "a later part's case replacing an earlier's")
     parser.add_argument("--flush-l2", action="store_true",
                         help="CUDA: overwrite the L2 before each timed call")
     parser.add_argument("--budget", type=float, default=None,
@@ -108,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
     # Usage errors are kernelmux errors: `kernelmux` prints their one line and exits 2.
     compare_path = None if args.compare == _THIS_DEVICE else args.compare
     if args.load:
-        result = _read_run(args.load)
+        result = merge([_read_run(path) for path in args.load], args.load)
         if args.compare == _THIS_DEVICE:
             compare_path = _baseline_of(result["environment"])
     else:

@@ -64,6 +64,12 @@ def markdown(result: dict[str, Any]) -> str:
         measured, burst = (f"{ceil[k]:.3g} {unit}" if ceil.get(k) else "-" for k in (key, f"{key}_burst"))
         listed = f"{sheet[key]:.0f} {unit}" if sheet and sheet.get(key) else "-"
         lines.append(f"| {key.rsplit('_', 1)[0]} | {measured} | {burst} | {listed} |")
+    if result.get("parts"):
+        lines += ["", f"Merged from {len(result['parts'])} runs of this commit (the table's ceilings are the "
+                      "first's; each row's percentage is against its own run's): " + "; ".join(
+                          f"{p['timestamp']}, {p['cases']} case(s) of {', '.join(p['ops']) or 'no op'}, memory "
+                          f"{p['ceilings'].get('memory_gbps') or 0:.3g} GB/s, bf16 "
+                          f"{p['ceilings'].get('bf16_tflops') or 0:.3g} TFLOP/s" for p in result["parts"]) + "."]
     how = method.get("ceilings") or {}
     if how.get("timer"):
         lines += ["", f"Ceilings and rows timed the same way: {how['timer']}, {how['threads']} thread(s), "

@@ -6,8 +6,11 @@
 #   tests-core   pytest on everything but the slow tests below         -> pytest_core.txt
 #   tests-slow   opcheck/compile tests and Triton launch configs
 #                (tests/test_torch_integration.py, tests/backends/triton) -> pytest_slow.txt
-#   bench        kernelmux bench over every op's model cases ($BENCH_BUDGET s per row if set, $BENCH_TIMEOUT
-#                s in all, default 300; no case started after 3/4 of it) -> bench.json, bench.md, bench.log
+#   bench        kernelmux bench over every op's model cases, or $BENCH_OPS's ($BENCH_BUDGET s per row if set,
+#                $BENCH_TIMEOUT s in all, default 300; no case started after 3/4 of it) -> bench.json, bench.md,
+#                bench.log. The full bench outgrew one call (124 cases took ~580 s on the H200 at 0.25 s a row):
+#                run it in parts by $BENCH_OPS, one call each, and merge them where you record:
+#                kernelmux bench --load part1.json --load part2.json --record
 #   tune         the tuning table of the bench before it, into the user's tables -> tuning.json
 #   bench-attention  the same for paged_attention, mla_decode and kv_cache_write only (0.25 s
 #                budget per row)                                     -> bench.json, bench.md, bench.log
@@ -95,7 +98,7 @@ for step in "$@"; do
             -rfE --durations=15 2>&1) | tee "$out/pytest_slow.txt" | tail -25 ;;
     bench)
         # The deadline (3/4 of the timeout) starts no case late, so the run is written, cut short or not.
-        timeout "${BENCH_TIMEOUT:-300}" python3 -m kernelmux bench ${BENCH_BUDGET:+--budget $BENCH_BUDGET} \
+        timeout "${BENCH_TIMEOUT:-300}" python3 -m kernelmux bench ${BENCH_OPS:-} ${BENCH_BUDGET:+--budget $BENCH_BUDGET} \
             --deadline $(( ${BENCH_TIMEOUT:-300} * 3 / 4 )) --json "$out/bench.json" --md "$out/bench.md" 2> "$out/bench.log" | tail -5 ;;
     tune)
         # The tuning table of this call's bench, into the user's tables (so a later bench on this machine

@@ -549,3 +549,77 @@ def test_a_run_cut_at_its_deadline_is_reported_and_never_recorded(tmp_path, caps
     (tmp_path / "run.json").write_text(json.dumps(run))
     assert cli.main(["bench", "--load", str(tmp_path / "run.json"), "--record"]) == 1
     assert "not recorded: the run stopped at its deadline before 1 case(s)" in capsys.readouterr().err
+
+
+def _part(result, case=None, scale=1.0, **environment):
+    """A copy of ``result`` as another part of one bench: its case renamed, its times scaled, its
+    environment changed."""
+    part = copy.deepcopy(result)
+    old = result["rows"][0]["case"]
+    case = case or old
+    for row in part["rows"]:
+        row["case"] = case
+        if "median_us" in row:
+            row["median_us"] *= scale
+    for choice in part["selection"]:
+        choice["case"] = case
+    part["buckets"] = {f"grouped_topk/{case}": bucket for bucket in part["buckets"].values()}
+    part["environment"].update(environment)
+    return part
+
+
+def test_parts_of_one_bench_merge_into_one_run(result):
+    first = _part(result)
+    first["not_run"] = ["grouped_topk/second_case"]
+    second = _part(result, case="second_case", scale=2.0, timestamp="later")
+    merged = bench.merge([first, second], ["a.json", "b.json"])
+    assert [r["case"] for r in merged["rows"]] == ["deepseek_v3_t64"] * len(result["rows"]) + \
+        ["second_case"] * len(result["rows"])
+    assert merged["not_run"] == []  # the second part measured what the first could not
+    assert set(merged["buckets"]) == {"grouped_topk/deepseek_v3_t64", "grouped_topk/second_case"}
+    assert [c["case"] for c in merged["selection"]] == [c["case"] for c in first["selection"] + second["selection"]]
+    assert [(p["timestamp"], p["cases"], p["ops"]) for p in merged["parts"]] == \
+        [(result["environment"]["timestamp"], 1, ["grouped_topk"]), ("later", 1, ["grouped_topk"])]
+    assert merged["wall_s"]["total"] == pytest.approx(2 * result["wall_s"]["total"])
+    assert "Merged from 2 runs" in report.markdown(merged)
+
+
+def test_a_later_part_replaces_an_earlier_ones_case_and_a_case_no_part_ran_stays_not_run(result):
+    first = _part(result)
+    first["not_run"] = ["grouped_topk/never_run"]
+    again = _part(result, scale=3.0)
+    merged = bench.merge([first, again], ["a.json", "b.json"])
+    timed = [r for r in merged["rows"] if "median_us" in r]
+    assert timed and all(r["median_us"] == pytest.approx(3.0 * _row(result, r["backend"])["median_us"])
+                         for r in timed)
+    assert len(merged["rows"]) == len(result["rows"])
+    assert merged["not_run"] == ["grouped_topk/never_run"]
+    assert [p["cases"] for p in merged["parts"]] == [0, 1]
+
+
+def test_runs_of_another_commit_or_method_do_not_merge(result):
+    with pytest.raises(ConfigurationError, match=r"cannot merge b.json into a.json: environment.commit is "
+                                                 r"'other', expected"):
+        bench.merge([_part(result), _part(result, commit="other")], ["a.json", "b.json"])
+    slower = _part(result)
+    slower["method"]["budget_s"] = 9.0
+    with pytest.raises(ConfigurationError, match="method.budget_s is 9.0"):
+        bench.merge([_part(result), slower], ["a.json", "b.json"])
+
+
+def test_command_line_merges_repeated_loads_and_records_only_a_full_bench(result, tmp_path, capsys):
+    first, second = _part(result), _part(result, case="second_case")
+    for part in (first, second):
+        part["method"]["quick"] = False
+        part["rows"] = [r for r in part["rows"] if r["status"] not in bench.FAILED]  # the fixture's failing rows
+    first["not_run"] = ["grouped_topk/second_case"]
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, part in zip(paths, (first, second)):
+        path.write_text(json.dumps(part))
+    loads = [arg for path in paths for arg in ("--load", str(path))]
+    assert cli.main(["bench", *loads, "--json", str(tmp_path / "merged.json")]) == 0
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert len(merged["parts"]) == 2 and merged["not_run"] == []
+    # The merge is whole, but it is not every op: no baseline.
+    assert cli.main(["bench", *loads, "--record"]) == 1
+    assert "not recorded: a baseline covers every op; this run lacks" in capsys.readouterr().err
