@@ -1,7 +1,7 @@
-"""The triton backend's selective_state_update kernel: one Mamba2 decode step for a (request, block of heads,
-block of head rows) per program, its [HEADS, BLOCK_P, N] tile of the state slot read once, updated in fp32,
-written once in place, and read out against C. A padding request (negative slot) reads and writes no state and
-writes zeros to its rows of y. Host side: selective_state_update.py."""
+"""The triton backend's selective_state_update kernel: one Mamba2 decode step for a (request, block of heads, block of
+head rows) per program (one grid axis, a request's tiles consecutive), its [HEADS, BLOCK_P, N] tile of the state
+slot read once, updated in fp32, written once in place, and read out against C. A padding request (negative slot)
+reads and writes no state and writes zeros to its rows of y. Host side: selective_state_update.py."""
 
 import triton
 import triton.language as tl
@@ -20,9 +20,12 @@ def selective_state_update_kernel(
         HAS_SLOTS: tl.constexpr, STATE_EVICTION: tl.constexpr, STATE_STORE_CACHE: tl.constexpr, HEADS: tl.constexpr,
         BLOCK_P: tl.constexpr,
         BLOCK_N: tl.constexpr):
-    request = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    rows = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    # Slot-major program order: consecutive programs walk one request's slot, tile after tile.
+    row_blocks = tl.cdiv(head_dim, BLOCK_P)
+    tiles = tl.cdiv(num_heads, HEADS) * row_blocks
+    request = (tl.program_id(0) // tiles).to(tl.int64)
+    heads = tl.program_id(0) % tiles // row_blocks * HEADS + tl.arange(0, HEADS)
+    rows = tl.program_id(0) % row_blocks * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.arange(0, BLOCK_N)
     if HAS_SLOTS:
         slot = tl.load(slots_ptr + request).to(tl.int64)

@@ -18,11 +18,11 @@ __all__ = ["MAX_STATE_DIM", "Tile", "describe", "selective_state_update", "suppo
 # A program holds whole state rows (N columns) in registers: past this N a row alone would spill.
 MAX_STATE_DIM = 4096
 # State elements per program on the GPU, warps, and streaming cache hints on the state (loaded evict-first, stored
-# .cs): Mamba2-2.7B on the H200, fp32 state, B 64 / 256: 87.7 / 351.5 us (90.6 / 90.4% of copy) against 93.4 / 368.0
-# at 2048 elements, 4 warps, no hints, and 89.2 / 349.1 at 4096 elements, 4 warps; bf16 state B 64: 45.8 against 49.2
-# (perf/decisions/selective_state_update.md).
+# .cs), programs in slot-major order (the kernel's): Mamba2-2.7B on the H200, fp32 state, B 64 / 256: 85.7 / 337.9 us
+# (92.6 / 94.0% of copy) against 89.1 / 353.6 at 2 warps in request-major order (the first tile), 88.0 / 352.3 at 1
+# warp in request-major order; bf16 state B 64: 44.2 against 48.7 (perf/decisions/selective_state_update.md).
 TILE_ELEMENTS = 1024
-NUM_WARPS = 2
+NUM_WARPS = 1
 STREAM_HINTS = True
 # The hints (the kernel's STATE_EVICTION, STATE_STORE_CACHE): the state is touched once, so it should not evict
 # what the head's other programs reread (x, B, C, dt).
@@ -95,7 +95,7 @@ def selective_state_update(
     if y.numel() == 0:
         return y
     tile = tile_for(num_heads, head_dim, state_dim)
-    grid = (num_requests, -(-num_heads // tile.heads), -(-head_dim // tile.block_p))
+    grid = (num_requests * -(-num_heads // tile.heads) * -(-head_dim // tile.block_p),)
     placeholder = x  # for absent optional tensors: never read (their HAS_ flag is off)
     d, zz, bias, slots = (t if t is not None else placeholder for t in (D, z, dt_bias, state_batch_indices))
     z_strides = zz.stride() if z is not None else (0, 0, 0)
@@ -109,6 +109,5 @@ def selective_state_update(
             *y.stride(),
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
             HAS_SLOTS=state_batch_indices is not None, STATE_EVICTION=eviction, STATE_STORE_CACHE=store_cache,
-            HEADS=tile.heads, BLOCK_P=tile.block_p,
-            BLOCK_N=next_pow2(state_dim), num_warps=tile.num_warps)
+            HEADS=tile.heads, BLOCK_P=tile.block_p, BLOCK_N=next_pow2(state_dim), num_warps=tile.num_warps)
     return y

@@ -83,6 +83,8 @@ def test_gpu_tile_under_the_interpreter(name: str, monkeypatch: pytest.MonkeyPat
     _check(_build(name, 33), f"{name}, 1 head x 2 rows a program")
     monkeypatch.setattr(host, "tile_for", lambda heads, p, n: host.Tile(4, 4, 4))
     _check(_build(name, 34), f"{name}, 4 heads x 4 rows a program (heads masked past Hh)")
+    monkeypatch.setattr(host, "tile_for", lambda heads, p, n: host.Tile(2, 8, 1))
+    _check(_build(name, 35), f"{name}, 2 heads x 8 rows a program (rows masked past P)")
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=str)
