@@ -181,7 +181,8 @@ def chunk_scan_kernel(x_ptr, c_ptr, d_ptr, z_ptr, step_ptr, cum_ptr, cb_ptr, sta
                       stride_kc, stride_kg, stride_oc, stride_oh,
                       HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
                       CHUNK: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr,
+                      WHOLE_TILES: tl.constexpr):
     """A chunk (axis 0), a head (axis 1) and BLOCK_M tokens x BLOCK_P of P (axis 2): y, from the state entering
     the chunk and the chunk's earlier tokens, with D x and the gate."""
     chunk = tl.program_id(0)
@@ -215,8 +216,13 @@ def chunk_scan_kernel(x_ptr, c_ptr, d_ptr, z_ptr, step_ptr, cum_ptr, cb_ptr, sta
     for j0 in range(0, tl.minimum(length, i0 + BLOCK_M), BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         j_ok = j < length
-        causal = (i[:, None] >= j[None, :]) & j_ok[None, :] & (i < CHUNK)[:, None]
-        cb = tl.load(cbs + i[:, None] * CHUNK + j[None, :], mask=causal, other=0.0)
+        causal = (i[:, None] >= j[None, :]) & j_ok[None, :]
+        # chunk_cb writes every entry of the chunk's Q x Q, finite (zeros past its length), and the decay below is
+        # 0 off the causal triangle: tiles that lie within Q load whole vectors, unmasked.
+        if WHOLE_TILES:
+            cb = tl.load(cbs + i[:, None] * CHUNK + j[None, :])
+        else:
+            cb = tl.load(cbs + i[:, None] * CHUNK + j[None, :], mask=(i < CHUNK)[:, None] & j_ok[None, :], other=0.0)
         cum_j = tl.load(cum_ptr + sums + j, mask=j_ok, other=0.0)
         step_j = tl.load(step_ptr + sums + j, mask=j_ok, other=0.0)
         decay = tl.exp(tl.where(causal, cum_i[:, None] - cum_j[None, :], float("-inf")))

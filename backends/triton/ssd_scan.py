@@ -52,7 +52,7 @@ def _dot_dim(n: int, cap: int) -> int:
 
 
 def tiles_for(chunk: int, head_dim: int, state_dim: int) -> Tiles:
-    """The launches' tiles, measured on the H200 at Mamba2-2.7B (perf/decisions/ssd_scan.md: one stage, 32-token
+    """The launches' tiles, measured on the H200 at Mamba2-2.7B (perf/decisions/ssd_scan.md: two stages, 32-token
     scan steps); under the interpreter whole chunks, heads and states per program (a program costs ~10 ms
     whatever its size)."""
     cap = 1 << 30 if INTERPRETED else 64
@@ -62,7 +62,7 @@ def tiles_for(chunk: int, head_dim: int, state_dim: int) -> Tiles:
         cb_m=q, cb_n=q, cb_k=_dot_dim(state_dim, cap),
         state_p=_dot_dim(head_dim, cap), state_n=_dot_dim(state_dim, cap), state_t=q,
         scan_m=q, scan_p=_dot_dim(head_dim, cap), scan_k=_dot_dim(state_dim, cap),
-        scan_j=min(q, 32) if not INTERPRETED else q, num_warps=4, scan_warps=4, num_stages=1,
+        scan_j=min(q, 32) if not INTERPRETED else q, num_warps=4, scan_warps=4, num_stages=2,
         passing_block=next_pow2(head_dim * state_dim) if INTERPRETED else 1024, passing_warps=4)
 
 
@@ -179,6 +179,6 @@ def ssd_scan(
                 *(zz.stride() if z is not None else (0, 0, 0)), *y.stride(), *step.stride()[:2], *cb.stride()[:2],
                 *states.stride()[:2],
                 HAS_D=D is not None, HAS_Z=z is not None, DOT=dot, PRECISION=precision, CHUNK=q, BLOCK_M=t.scan_m,
-                BLOCK_P=t.scan_p, BLOCK_K=t.scan_k, BLOCK_J=t.scan_j, num_warps=t.scan_warps,
-                num_stages=t.num_stages)
+                BLOCK_P=t.scan_p, BLOCK_K=t.scan_k, BLOCK_J=t.scan_j, WHOLE_TILES=q % t.scan_m == 0 == q % t.scan_j,
+                num_warps=t.scan_warps, num_stages=t.num_stages)
     return y, final
