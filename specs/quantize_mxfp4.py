@@ -10,7 +10,8 @@ from kernelmux.specs._arith import ieee_div
 from kernelmux.specs._key import Layout, layout, size_class
 from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
 from kernelmux.specs._validate import check_choice, check_tensor
-from kernelmux.specs.quantize_nvfp4 import encode_e2m1, first_mismatch, pack_nibbles
+from kernelmux.specs.quantize_nvfp4 import (SCALE_LAYOUTS, encode_e2m1, first_mismatch, in_scale_layout, pack_nibbles,
+                                             scale_shape)
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
@@ -40,6 +41,7 @@ def e8m0_to_float(code: torch.Tensor) -> torch.Tensor:
 def quantize_mxfp4(
     x: torch.Tensor,
     rounding: str = "floor",
+    scale_layout: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` to MXFP4: ``x ~ e2m1(q) * 2^(scale - 127)``.
 
@@ -54,6 +56,9 @@ def quantize_mxfp4(
             ``"ceil"`` (NVIDIA tooling): ``e = ceil(log2(d))`` of ``d = amax_block / 6`` (an fp32
             IEEE division), exact on ``d``: the smallest ``X >= d``, so no element saturates.
             Either way ``e`` is clamped to [-127, 127] and the scale code is ``e + 127``.
+        scale_layout: ``"linear"`` (the default, canonical) or ``"swizzled_128x4"``, the layout
+            Blackwell's block-scaled GEMMs read, as quantize_nvfp4 defines it (rows padded to 128
+            and scale columns to 4 with code 0).
 
     Elements: ``e2m1(x / X)`` (exact but for underflow of values that round to 0 anyway),
     rounded half to even and saturated at +-6, sign bit from ``x`` (a negative value that rounds
@@ -63,7 +68,8 @@ def quantize_mxfp4(
 
     Returns:
         ``q [M, K/2]`` uint8, two codes per byte, element ``2j`` in the low nibble;
-        ``scale [M, K/32]`` uint8 e8m0 codes (canonical linear layout, not swizzled).
+        ``scale [M, K/32]`` uint8 e8m0 codes in the linear layout, or
+        ``[round_up(M, 128), round_up(K/32, 4)]`` swizzled (contiguous either way).
     """
     values = x.float()
     rows, cols = values.shape
@@ -85,7 +91,7 @@ def quantize_mxfp4(
     divisor = e8m0_to_float((e + E8M0_BIAS).to(torch.uint8))
     codes = encode_e2m1(blocks / divisor.unsqueeze(-1))
     codes = torch.where((zero | nonfinite).unsqueeze(-1), torch.zeros_like(codes), codes)
-    return pack_nibbles(codes.view(rows, cols)), code
+    return pack_nibbles(codes.view(rows, cols)), in_scale_layout(code, scale_layout)
 
 
 class Key(NamedTuple):
@@ -98,11 +104,13 @@ class Key(NamedTuple):
     rounding: str
     m_class: int
     x_layout: Layout
+    scale_layout: str
 
 
 def validate(
     x: torch.Tensor,
     rounding: str = "floor",
+    scale_layout: str = "linear",
 ) -> Key:
     """Check a call against the spec; return the dispatch key."""
     check_tensor(NAME, "x", x, dtypes=INPUT_DTYPES, rank=2)
@@ -113,17 +121,19 @@ def validate(
             hint="MXFP4 packs whole blocks of 32; pad K with zeros",
         )
     check_choice(NAME, "rounding", rounding, ROUNDINGS)
-    return Key(x.device, x.dtype, cols, rounding, size_class(x.shape[0]), layout(x))
+    check_choice(NAME, "scale_layout", scale_layout, SCALE_LAYOUTS)
+    return Key(x.device, x.dtype, cols, rounding, size_class(x.shape[0]), layout(x), scale_layout)
 
 
 def fake(
     x: torch.Tensor,
     rounding: str = "floor",
+    scale_layout: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     return (
         x.new_empty((rows, cols // 2), dtype=torch.uint8),
-        x.new_empty((rows, cols // BLOCK), dtype=torch.uint8),
+        x.new_empty(scale_shape(rows, cols // BLOCK, scale_layout), dtype=torch.uint8),
     )
 
 
@@ -141,9 +151,10 @@ def check_close(actual: Any, expected: Any, kwargs: Mapping[str, Any]) -> None:
 def cost(kwargs: Mapping[str, Any]) -> Cost:
     x = kwargs["x"]
     rows, cols = x.shape
+    scale_rows, scale_cols = scale_shape(rows, cols // BLOCK, kwargs.get("scale_layout", "linear"))
     return Cost(
         flops=4 * rows * cols,
-        bytes=x.numel() * x.element_size() + rows * cols // 2 + rows * cols // BLOCK,
+        bytes=x.numel() * x.element_size() + rows * cols // 2 + scale_rows * scale_cols,
     )
 
 
@@ -153,7 +164,7 @@ def cost(kwargs: Mapping[str, Any]) -> Cost:
 
 
 def _maker(rows: int, cols: int, rounding: str = "floor", *, dtype: torch.dtype = torch.bfloat16,
-           fill: str = "activations"):
+           fill: str = "activations", scale_layout: str = "linear"):
     def make(device: torch.device, generator: torch.Generator) -> dict[str, Any]:
         x = torch.randn(rows, cols, generator=generator)
         if fill == "weights":
@@ -180,7 +191,9 @@ def _maker(rows: int, cols: int, rounding: str = "floor", *, dtype: torch.dtype 
             top = torch.finfo(dtype).max
             peaks = torch.tensor([top, -top, 6.0, 65504.0, 1e-3])
             x[:, 0] = peaks[torch.arange(rows) % peaks.numel()]
-        return {"x": x.to(dtype).to(device), "rounding": rounding}
+        kwargs = {"x": x.to(dtype).to(device), "rounding": rounding}
+        kwargs["scale_layout"] = scale_layout
+        return kwargs
 
     return make
 
@@ -203,11 +216,18 @@ def _cases() -> tuple[Case, ...]:
     cases += [
         Case("deepseek_v3_m128_ceil", _maker(128, 7168, "ceil"), quick,
              "DeepSeek-V3 hidden states H 7168, ceil scales"),
+        Case("gpt_oss_120b_act_m128_swizzled", _maker(128, 2880, scale_layout="swizzled_128x4"), quick,
+             "gpt-oss-120b hidden states at 128 tokens for a Blackwell W4A4 GEMM: scales swizzled 128x4 "
+             "(90 blocks padded to 92)"),
         Case("llama3_8b_m1024", _maker(1024, 4096), model, "Llama-3-8B hidden 4096, prefill"),
         Case("small_fp32", _maker(5, 96, dtype=torch.float32), random, "fp32, three blocks"),
         Case("small_fp16_ceil", _maker(7, 160, "ceil", dtype=torch.float16), random,
              "fp16, odd M, ceil"),
+        Case("small_swizzled_ragged", _maker(131, 160, "ceil", dtype=torch.float32, scale_layout="swizzled_128x4"),
+             random, "swizzled scales of 131 rows x 5 blocks: a second row tile, rows and columns padded"),
         Case("empty", _maker(0, 2880), edge, "M = 0: empty codes and scales"),
+        Case("empty_swizzled", _maker(0, 2880, scale_layout="swizzled_128x4"), edge,
+             "M = 0 with swizzled scales: [0, 92]"),
         Case("one_block", _maker(1, 32, "ceil"), edge, "K = 32: one block"),
         Case("zero_blocks", _maker(4, 128, fill="zero_blocks"), edge,
              "all-zero rows and blocks (one of -0.0): scale code 0, codes 0"),
@@ -230,8 +250,8 @@ def _cases() -> tuple[Case, ...]:
 
 @shapes_strategy
 def _shapes(draw: Any, st: Any) -> Case:
-    """Drawn calls: 0-9 rows of 1-8 blocks, every input dtype, floor and ceil rounding, and the edge
-    fills (zero blocks, NaN/Inf, saturating maxima, fp32 subnormals, each dtype's extremes)."""
+    """Drawn calls: 0-9 rows of 1-8 blocks, every input dtype, floor and ceil rounding, both scale layouts, and
+    the edge fills (zero blocks, NaN/Inf, saturating maxima, fp32 subnormals, each dtype's extremes)."""
     fill = draw(st.sampled_from(["activations", "weights", "zero_blocks", "nonfinite", "saturating", "tiny",
                                  "extremes"]))
     rows = draw(st.integers(3 if fill in ("zero_blocks", "nonfinite") else 0, 9))
@@ -239,13 +259,14 @@ def _shapes(draw: Any, st: Any) -> Case:
     dtype = torch.float32 if fill == "tiny" else draw(st.sampled_from([torch.bfloat16, torch.float16,
                                                                       torch.float32]))
     rounding = draw(st.sampled_from(["floor", "ceil"]))
-    return drawn(f"M {rows}, K {cols}, {str(dtype)[6:]}, {rounding}, {fill}",
-                 _maker(rows, cols, rounding, dtype=dtype, fill=fill))
+    scale_layout = draw(st.sampled_from(SCALE_LAYOUTS))
+    return drawn(f"M {rows}, K {cols}, {str(dtype)[6:]}, {rounding}, {fill}, {scale_layout} scales",
+                 _maker(rows, cols, rounding, dtype=dtype, fill=fill, scale_layout=scale_layout))
 
 
 SPEC = OpSpec(
     name=NAME,
-    version=1,
+    version=2,  # 2: scale_layout
     reference=quantize_mxfp4,
     validate=validate,
     fake=fake,

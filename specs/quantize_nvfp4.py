@@ -1,6 +1,7 @@
 """quantize_nvfp4: NVFP4 quantization (e2m1 codes in blocks of 16 along K, e4m3fn block scales,
-one fp32 global scale); the spec, its reference and its cases. Also the e2m1 encoder and nibble
-packing shared by ``quantize_mxfp4`` and ``fp4_mm``."""
+one fp32 global scale); the spec, its reference and its cases. Also the e2m1 encoder, the nibble
+packing and the block scales' layouts (linear, and the 128x4 swizzle that Blackwell's block-scaled
+GEMMs read) shared by ``quantize_mxfp4`` and ``fp4_mm``."""
 
 from typing import Any, Mapping, NamedTuple, Optional
 
@@ -10,11 +11,12 @@ from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._arith import ieee_div
 from kernelmux.specs._key import Layout, layout, size_class
 from kernelmux.specs._spec import Case, Cost, OpSpec, Tolerance, drawn, shapes_strategy
-from kernelmux.specs._validate import check_tensor
+from kernelmux.specs._validate import check_choice, check_tensor
 
 # No `from __future__ import annotations` here: torch.library reads these annotations as types.
 
-__all__ = ["SPEC", "E2M1_VALUES", "Key", "encode_e2m1", "pack_nibbles", "quantize_nvfp4"]
+__all__ = ["SPEC", "E2M1_VALUES", "SCALE_LAYOUTS", "Key", "encode_e2m1", "in_scale_layout", "pack_nibbles",
+           "quantize_nvfp4", "scale_shape", "swizzle_128x4"]
 
 NAME = "quantize_nvfp4"
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -47,9 +49,45 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return codes[:, 0::2] | (codes[:, 1::2] << 4)
 
 
+# Block scale layouts: "linear" [M, K/block] (canonical), "swizzled_128x4" (below).
+SCALE_LAYOUTS = ("linear", "swizzled_128x4")
+# The 128x4 swizzle (FlashInfer's and TensorRT-LLM's quantizers, tcgen05 block-scaled MMA, cuBLASLt's VEC16/VEC32
+# scale layout): rows padded to 128 and scale columns to 4 with zeros; each 128 x 4 tile is 512 contiguous bytes,
+# 32 rows of 16 bytes, the 16 being 4 row groups (r % 128 // 32) x the tile's 4 columns.
+SWIZZLE_ROWS, SWIZZLE_COLS, SWIZZLE_ROW_GROUPS = 128, 4, 4
+
+
+def scale_shape(rows: int, blocks: int, scale_layout: str) -> tuple[int, int]:
+    """The shape of ``rows x blocks`` block scales in ``scale_layout``."""
+    if scale_layout == "swizzled_128x4":
+        return -(-rows // SWIZZLE_ROWS) * SWIZZLE_ROWS, -(-blocks // SWIZZLE_COLS) * SWIZZLE_COLS
+    return rows, blocks
+
+
+def swizzle_128x4(scale: torch.Tensor) -> torch.Tensor:
+    """Linear block scales ``[R, C]`` -> the 128x4 swizzled layout, ``[round_up(R, 128), round_up(C, 4)]``
+    contiguous, zero-padded (scale 0: finite in e4m3 and e8m0). Element (r, c) lands at byte
+    ``(r // 128, c // 4, r % 32, r % 128 // 32, c % 4)`` of a ``[R'/128, C'/4, 32, 4, 4]`` array. Bytes in,
+    bytes out: the dtype is kept (e4m3fn or e8m0 uint8)."""
+    rows, cols = scale.shape
+    padded_rows, padded_cols = scale_shape(rows, cols, "swizzled_128x4")
+    padded = torch.zeros((padded_rows, padded_cols), dtype=torch.uint8, device=scale.device)
+    padded[:rows, :cols] = scale.view(torch.uint8)
+    # [row tile, row group (r % 128 // 32), row in group (r % 32), column tile, column in tile]
+    tiles = padded.view(padded_rows // SWIZZLE_ROWS, SWIZZLE_ROW_GROUPS, SWIZZLE_ROWS // SWIZZLE_ROW_GROUPS,
+                        padded_cols // SWIZZLE_COLS, SWIZZLE_COLS)
+    return tiles.permute(0, 3, 2, 1, 4).contiguous().view(padded_rows, padded_cols).view(scale.dtype)
+
+
+def in_scale_layout(scale: torch.Tensor, scale_layout: str) -> torch.Tensor:
+    """Linear block scales in ``scale_layout``: themselves, or swizzled."""
+    return swizzle_128x4(scale) if scale_layout == "swizzled_128x4" else scale
+
+
 def quantize_nvfp4(
     x: torch.Tensor,
     global_scale: Optional[torch.Tensor] = None,
+    scale_layout: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize ``x`` to NVFP4: ``x ~ e2m1(q) * block_scale / global_scale``.
 
@@ -62,6 +100,11 @@ def quantize_nvfp4(
             calibrated fp32 tensor of one element (``[]`` or ``[1]``), positive and finite, used
             as ``gs`` (the static activation scale of NVFP4 checkpoints: ``input_global_scale``
             = 2688 / calibrated amax).
+        scale_layout: ``"linear"`` (the default, canonical) or ``"swizzled_128x4"``, the layout
+            Blackwell's block-scaled GEMMs read (FlashInfer ``mm_fp4``, CUTLASS, cuBLASLt): rows
+            padded to 128 and scale columns to 4 with zero scales, each 128 x 4 tile 512 bytes,
+            element (r, c) at byte ``(r // 128, c // 4, r % 32, r % 128 // 32, c % 4)`` of a
+            ``[M'/128, C'/4, 32, 4, 4]`` array (``swizzle_128x4``).
 
     Per block of 16 along K, all in fp32 and correctly rounded, in this order:
     ``sf = e4m3fn(min(gs * amax_block / 6, 448))`` (``(gs * amax_block) / 6``: a product then an
@@ -73,7 +116,8 @@ def quantize_nvfp4(
 
     Returns:
         ``q [M, K/2]`` uint8, two codes per byte, element ``2j`` in the low nibble;
-        ``block_scale [M, K/16]`` float8_e4m3fn (canonical linear layout, not swizzled);
+        ``block_scale [M, K/16]`` float8_e4m3fn in the linear layout, or
+        ``[round_up(M, 128), round_up(K/16, 4)]`` swizzled (contiguous either way);
         ``global_scale []`` fp32: the ``gs`` used (a fresh tensor, also when passed in).
     """
     values = x.float()
@@ -92,7 +136,7 @@ def quantize_nvfp4(
     ratio = gs / sf_value  # inf where sf = 0; those blocks are masked below
     codes = encode_e2m1(blocks * ratio.unsqueeze(-1))
     codes = torch.where((sf_value == 0).unsqueeze(-1), torch.zeros_like(codes), codes)
-    return pack_nibbles(codes.view(rows, cols)), sf, gs
+    return pack_nibbles(codes.view(rows, cols)), in_scale_layout(sf, scale_layout), gs
 
 
 class Key(NamedTuple):
@@ -105,11 +149,13 @@ class Key(NamedTuple):
     m_class: int
     x_layout: Layout
     global_scale_layout: Optional[Layout]  # None: the global scale is computed (dynamic)
+    scale_layout: str
 
 
 def validate(
     x: torch.Tensor,
     global_scale: Optional[torch.Tensor] = None,
+    scale_layout: str = "linear",
 ) -> Key:
     """Check a call against the spec; return the dispatch key."""
     check_tensor(NAME, "x", x, dtypes=INPUT_DTYPES, rank=2)
@@ -131,17 +177,19 @@ def validate(
         if global_scale.device != x.device:
             raise InvalidArgumentError(NAME, "global_scale", f"a tensor on {x.device} (x's device)",
                                        global_scale.device)
-    return Key(x.device, x.dtype, cols, size_class(x.shape[0]), layout(x), layout(global_scale))
+    check_choice(NAME, "scale_layout", scale_layout, SCALE_LAYOUTS)
+    return Key(x.device, x.dtype, cols, size_class(x.shape[0]), layout(x), layout(global_scale), scale_layout)
 
 
 def fake(
     x: torch.Tensor,
     global_scale: Optional[torch.Tensor] = None,
+    scale_layout: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     return (
         x.new_empty((rows, cols // 2), dtype=torch.uint8),
-        x.new_empty((rows, cols // BLOCK), dtype=torch.float8_e4m3fn),
+        x.new_empty(scale_shape(rows, cols // BLOCK, scale_layout), dtype=torch.float8_e4m3fn),
         x.new_empty((), dtype=torch.float32),
     )
 
@@ -187,9 +235,10 @@ def cost(kwargs: Mapping[str, Any]) -> Cost:
     # Per element: |x|, a max, a multiply and the rounding; memory-bound. The dynamic global
     # scale needs a second pass over x in practice; the least work reads x once.
     passed = 4 if kwargs.get("global_scale") is not None else 0
+    scale_rows, scale_cols = scale_shape(rows, cols // BLOCK, kwargs.get("scale_layout", "linear"))
     return Cost(
         flops=4 * rows * cols,
-        bytes=x.numel() * x.element_size() + rows * cols // 2 + rows * cols // BLOCK + 4 + passed,
+        bytes=x.numel() * x.element_size() + rows * cols // 2 + scale_rows * scale_cols + 4 + passed,
     )
 
 
@@ -206,7 +255,7 @@ def _activations(rows: int, cols: int, generator: torch.Generator) -> torch.Tens
 
 
 def _maker(rows: int, cols: int, *, dtype: torch.dtype = torch.bfloat16, fill: str = "random",
-           static: Optional[float] = None):
+           static: Optional[float] = None, scale_layout: str = "linear"):
     def make(device: torch.device, generator: torch.Generator) -> dict[str, Any]:
         x = _activations(rows, cols, generator)
         if fill == "weights":
@@ -231,6 +280,7 @@ def _maker(rows: int, cols: int, *, dtype: torch.dtype = torch.bfloat16, fill: s
         kwargs = {"x": x.to(dtype).to(device)}
         kwargs["global_scale"] = (
             None if static is None else torch.tensor(static, dtype=torch.float32, device=device))
+        kwargs["scale_layout"] = scale_layout
         return kwargs
 
     return make
@@ -251,14 +301,22 @@ def _cases() -> tuple[Case, ...]:
              "DeepSeek-V3 expert intermediate (I 2048) before the down projection"),
         Case("deepseek_v3_expert_weight_rows256", _maker(256, 7168, fill="weights"), model,
              "offline weight quantization of an expert gate/up projection [4096, 7168], 256 rows"),
+        Case("deepseek_v3_m128_swizzled", _maker(128, 7168, scale_layout="swizzled_128x4"), quick,
+             "H 7168 for a Blackwell W4A4 GEMM: block scales in the 128x4 swizzled layout"),
         Case("llama3_8b_m1", _maker(1, 4096), quick, "Llama-3-8B hidden 4096, one decode token"),
         Case("llama3_8b_m1024", _maker(1024, 4096), model, "Llama-3-8B hidden 4096, prefill"),
         Case("small_fp32", _maker(5, 96, dtype=torch.float32), random, "fp32, six blocks"),
         Case("small_fp16", _maker(7, 160, dtype=torch.float16), random, "fp16, odd M"),
         Case("small_static", _maker(4, 64, dtype=torch.float32, static=300.0), random,
              "a passed-in global scale"),
+        Case("small_swizzled_ragged", _maker(130, 80, dtype=torch.float32, scale_layout="swizzled_128x4"), random,
+             "swizzled scales of 130 rows x 5 blocks: a second row tile, rows and columns padded with zeros"),
         Case("empty", _maker(0, 7168), edge, "M = 0: gs = 1, empty codes and scales"),
         Case("one_block", _maker(1, 16), edge, "K = 16: one block"),
+        Case("empty_swizzled", _maker(0, 64, scale_layout="swizzled_128x4"), edge,
+             "M = 0 with swizzled scales: [0, 4], nothing padded"),
+        Case("one_block_swizzled", _maker(1, 16, scale_layout="swizzled_128x4"), edge,
+             "one scale, swizzled: a 128 x 4 tile of zeros but its first byte"),
         Case("zero_blocks", _maker(4, 64, fill="zero_blocks"), edge,
              "all-zero rows and blocks (one of -0.0): sf 0, codes 0"),
         Case("all_zero", _maker(3, 32, fill="zeros"), edge, "amax(x) = 0: gs = 1, sf 0, codes 0"),
@@ -279,20 +337,22 @@ def _cases() -> tuple[Case, ...]:
 
 @shapes_strategy
 def _shapes(draw: Any, st: Any) -> Case:
-    """Drawn calls: 0-9 rows of 1-12 blocks, every input dtype, a dynamic or a static global scale,
-    and the edge fills (zero blocks, all zero, one outlier, each dtype's extremes, tiny values)."""
+    """Drawn calls: 0-9 rows of 1-12 blocks, every input dtype, a dynamic or a static global scale, both
+    scale layouts, and the edge fills (zero blocks, all zero, one outlier, each dtype's extremes, tiny values)."""
     fill = draw(st.sampled_from(["random", "weights", "zero_blocks", "zeros", "outlier", "extremes", "tiny"]))
     rows = draw(st.integers({"zero_blocks": 2, "outlier": 1}.get(fill, 0), 9))
     cols = BLOCK * draw(st.integers(2 if fill == "zero_blocks" else 1, 12))
     dtype = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
     static = draw(st.sampled_from([None, 1.0, 300.0])) if fill in ("random", "weights") else None
-    return drawn(f"M {rows}, K {cols}, {str(dtype)[6:]}, {fill}, global scale {static or 'dynamic'}",
-                 _maker(rows, cols, dtype=dtype, fill=fill, static=static))
+    scale_layout = draw(st.sampled_from(SCALE_LAYOUTS))
+    return drawn(f"M {rows}, K {cols}, {str(dtype)[6:]}, {fill}, global scale {static or 'dynamic'}, "
+                 f"{scale_layout} scales",
+                 _maker(rows, cols, dtype=dtype, fill=fill, static=static, scale_layout=scale_layout))
 
 
 SPEC = OpSpec(
     name=NAME,
-    version=1,
+    version=2,  # 2: scale_layout
     reference=quantize_nvfp4,
     validate=validate,
     fake=fake,

@@ -12,6 +12,7 @@ from kernelmux.backends._vendor import first_calls
 from kernelmux.backends.aiter import AITER, QUANTIZE_MXFP4_REASON
 from kernelmux.platforms import Platform
 from kernelmux.specs import quantize_mxfp4 as spec
+from kernelmux.specs.quantize_nvfp4 import in_scale_layout, scale_shape
 
 __all__ = ["quantize_mxfp4", "supports"]
 
@@ -27,6 +28,7 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
 def quantize_mxfp4(
     x: torch.Tensor,
     rounding: str = "floor",
+    scale_layout: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dynamic_mxfp4_quant's codes and linear e8m0 scales as uint8, kept wired for when the roundings
     agree; never selected today."""
@@ -35,10 +37,10 @@ def quantize_mxfp4(
     rows, cols = x.shape
     if rows == 0:
         return (torch.empty((0, cols // 2), dtype=torch.uint8, device=x.device),
-                torch.empty((0, cols // spec.BLOCK), dtype=torch.uint8, device=x.device))
+                torch.empty(scale_shape(0, cols // spec.BLOCK, scale_layout), dtype=torch.uint8, device=x.device))
 
     def call():
         return dynamic_mxfp4_quant(x=x, scaling_mode="even", shuffle=False)
 
     q, scale = first_calls.run(AITER, spec.NAME, x.dtype, "Triton's cache", call)
-    return q.view(torch.uint8), scale.view(torch.uint8)
+    return q.view(torch.uint8), in_scale_layout(scale.view(torch.uint8), scale_layout)

@@ -8,6 +8,7 @@ from kernelmux.backends.cpu._fp4 import SCALE_VALUES, encode_packed, widened
 from kernelmux.backends.cpu.quantize_nvfp4 import STEP_ELEMENTS  # measured there, for both formats
 from kernelmux.specs import quantize_mxfp4 as spec
 from kernelmux.specs._arith import ieee_div
+from kernelmux.specs.quantize_nvfp4 import in_scale_layout
 
 __all__ = ["quantize_mxfp4"]
 
@@ -15,8 +16,10 @@ __all__ = ["quantize_mxfp4"]
 def quantize_mxfp4(
     x: torch.Tensor,
     rounding: str = "floor",
+    scale_layout: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The spec's quantize_mxfp4; arguments are validated by the caller."""
+    """The spec's quantize_mxfp4; arguments are validated by the caller (swizzled scales: the linear ones
+    swizzled, as quantize_nvfp4's)."""
     rows, cols = x.shape
     blocks = cols // spec.BLOCK
     q = torch.empty((rows, cols // 2), dtype=torch.uint8)
@@ -37,4 +40,4 @@ def quantize_mxfp4(
         keep = finite & block_amax.ne(0)
         scale[part] = torch.where(finite, code.mul_(keep), spec.E8M0_NAN)  # zero blocks: code 0
         encode_packed(values.div_(divisor.unsqueeze_(-1)), keep.to(torch.uint8), out=q[part])
-    return q, scale
+    return q, in_scale_layout(scale, scale_layout)

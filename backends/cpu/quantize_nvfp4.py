@@ -22,8 +22,17 @@ STEP_ELEMENTS = 1 << 20
 def quantize_nvfp4(
     x: torch.Tensor,
     global_scale: Optional[torch.Tensor] = None,
+    scale_layout: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The spec's quantize_nvfp4; arguments are validated by the caller."""
+    """The spec's quantize_nvfp4; arguments are validated by the caller. Swizzled scales: the linear ones
+    swizzled (spec.swizzle_128x4), a copy of the scale bytes (1/8 of the codes')."""
+    q, sf, gs = _linear(x, global_scale)
+    return q, spec.in_scale_layout(sf, scale_layout), gs
+
+
+def _linear(x: torch.Tensor,
+            global_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_nvfp4 with linear block scales."""
     rows, cols = x.shape
     blocks = cols // spec.BLOCK
     q = torch.empty((rows, cols // 2), dtype=torch.uint8)

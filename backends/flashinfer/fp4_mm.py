@@ -14,17 +14,15 @@ from kernelmux.backends.flashinfer import FLASHINFER
 from kernelmux.backends.flashinfer.quantize_nvfp4 import WHERE, no_fp4
 from kernelmux.platforms import Platform
 from kernelmux.specs import fp4_mm as spec
+from kernelmux.specs.quantize_nvfp4 import swizzle_128x4  # the layout get_sf_out_offset_128x4 writes
 from kernelmux.specs.scaled_mm import OUT_DTYPES
 
-__all__ = ["Prepared", "fp4_mm", "metadata", "prepare", "run", "supports", "swizzle_128x4"]
+__all__ = ["Prepared", "fp4_mm", "metadata", "prepare", "run", "supports"]
 
 OUT = ("bfloat16", "float16")  # _check_mm_fp4_problem_size: "Only torch.bfloat16 and torch.float16"
 # fp4_gemm_cutlass.cu (sm_100/sm_103): "Expected k/n to be divisible by 32"; cuDNN and b12x are held
 # to the same so that "auto" never finds none.
 MULTIPLE = 32
-# 128x4 swizzle (get_sf_out_offset_128x4, quantization_utils.cuh): rows padded to 128, scale
-# columns to 4; a 128 x 4 tile is 32 rows x (4 row groups x 4 columns), 512 bytes.
-TILE_ROWS, TILE_COLS, ROW_GROUPS = 128, 4, 4
 CUDNN_ONLY_MXFP4 = ("MXFP4: mm_fp4 runs it only through cuDNN (its cutlass and trtllm backends raise "
                     "'Only cudnn and auto FP4 GEMM supports mxfp4 quantization')")
 
@@ -53,27 +51,6 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
 
 def _cudnn_installed() -> bool:
     return importlib.util.find_spec("cudnn") is not None
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
-
-
-def swizzle_128x4(scale: torch.Tensor) -> torch.Tensor:
-    """Linear block scales ``[R, C]`` (one row per matrix row, one column per K block) -> the 128x4
-    swizzled layout, ``[round_up(R, 128), round_up(C, 4)]`` zero-padded (scale 0: finite in e4m3 and
-    e8m0). Element (r, c) lands at byte ``(r // 128, c // 4, r % 32, (r % 128) // 32, c % 4)`` of a
-    ``[R/128, C/4, 32, 4, 4]`` array. Bytes in, bytes out: the dtype is kept (e4m3fn or e8m0 uint8)."""
-    rows, cols = scale.shape
-    padded_rows, padded_cols = _round_up(rows, TILE_ROWS), _round_up(cols, TILE_COLS)
-    raw = scale.view(torch.uint8)
-    padded = torch.zeros((padded_rows, padded_cols), dtype=torch.uint8, device=scale.device)
-    padded[:rows, :cols] = raw
-    # [row tile, row group (r % 128 // 32), row in group (r % 32), column tile, column in tile]
-    tiles = padded.view(padded_rows // TILE_ROWS, ROW_GROUPS, TILE_ROWS // ROW_GROUPS,
-                        padded_cols // TILE_COLS, TILE_COLS)
-    swizzled = tiles.permute(0, 3, 2, 1, 4).contiguous()
-    return swizzled.view(padded_rows, padded_cols).view(scale.dtype)
 
 
 class Prepared(NamedTuple):

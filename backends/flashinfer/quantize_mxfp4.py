@@ -1,4 +1,4 @@
-"""The flashinfer backend's quantize_mxfp4 on fp4_quantize (ue8m0 scales, linear layout): NVIDIA's
+"""The flashinfer backend's quantize_mxfp4 on fp4_quantize (ue8m0 scales in its linear layout): NVIDIA's
 "ceil" scale rounding on bf16/fp16 input, with the spec's values restored for blocks that hold a NaN,
 an Inf or only zeros."""
 
@@ -13,6 +13,7 @@ from kernelmux.backends.flashinfer import FLASHINFER
 from kernelmux.backends.flashinfer.quantize_nvfp4 import INPUT_DTYPES, WHERE, no_fp4
 from kernelmux.platforms import Platform
 from kernelmux.specs import quantize_mxfp4 as spec
+from kernelmux.specs.quantize_nvfp4 import in_scale_layout, scale_shape
 
 __all__ = ["quantize_mxfp4", "supports"]
 
@@ -40,16 +41,18 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
 def quantize_mxfp4(
     x: torch.Tensor,
     rounding: str = "floor",
+    scale_layout: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec's quantize_mxfp4 on fp4_quantize; arguments are validated by the caller and accepted
-    by supports (rounding "ceil", bf16/fp16)."""
+    by supports (rounding "ceil", bf16/fp16). The kernel writes linear scales (the special blocks are
+    fixed in them); swizzled ones are the spec's swizzle of those."""
     from flashinfer.fp4_quantization import fp4_quantize
 
     rows, cols = x.shape
     blocks = cols // spec.BLOCK
     if rows == 0:
         return (torch.empty((0, cols // 2), dtype=torch.uint8, device=x.device),
-                torch.empty((0, blocks), dtype=torch.uint8, device=x.device))
+                torch.empty(scale_shape(0, blocks, scale_layout), dtype=torch.uint8, device=x.device))
     # The kernel takes no strides (CHECK_CONTIGUOUS); a fresh tensor also keeps a one-row x from
     # reading as column-major (fp4_quantize transposes when stride(-2) == 1).
     source = x if x.stride() == (cols, 1) else x.clone(memory_format=torch.contiguous_format)
@@ -62,7 +65,8 @@ def quantize_mxfp4(
     first_calls.run(FLASHINFER, spec.NAME, (x.dtype, x.device), WHERE, call)
     q = result["q"].view(torch.uint8).reshape(rows, cols // 2)
     scale = result["sf"].view(torch.uint8).reshape(rows, blocks)
-    return restore_special_blocks(source, q, scale)
+    q, scale = restore_special_blocks(source, q, scale)
+    return q, in_scale_layout(scale, scale_layout)
 
 
 def restore_special_blocks(x: torch.Tensor, q: torch.Tensor,

@@ -54,10 +54,12 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
 def quantize_nvfp4(
     x: torch.Tensor,
     global_scale: Optional[torch.Tensor] = None,
+    scale_layout: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The spec's quantize_nvfp4 on fp4_quantize with linear scales (kept wired for when the recipes
     agree; supports declines it today): the global scale as the spec computes it, the kernel's
-    codes and scales, and the spec's codes for blocks whose scale is 0."""
+    codes and scales, and the spec's codes for blocks whose scale is 0; swizzled scales by the spec's
+    swizzle of those."""
     from flashinfer.fp4_quantization import fp4_quantize
 
     rows, cols = x.shape
@@ -69,7 +71,8 @@ def quantize_nvfp4(
         gs = global_scale.float().reshape(()).clone()
     if rows == 0:
         return (torch.empty((0, cols // 2), dtype=torch.uint8, device=x.device),
-                torch.empty((0, cols // spec.BLOCK), dtype=torch.float8_e4m3fn, device=x.device), gs)
+                torch.empty(spec.scale_shape(0, cols // spec.BLOCK, scale_layout), dtype=torch.float8_e4m3fn,
+                            device=x.device), gs)
     # The kernel takes no strides (CHECK_CONTIGUOUS); a fresh tensor also keeps a one-row x from
     # reading as column-major (fp4_quantize transposes when stride(-2) == 1).
     source = x if x.stride() == (cols, 1) else x.clone(memory_format=torch.contiguous_format)
@@ -87,4 +90,4 @@ def quantize_nvfp4(
     # gives code 0x8) or by rcp(0) = inf (tiny blocks: saturated codes).
     zero = (sf == 0)[:, :, None]
     q = q.view(rows, cols // spec.BLOCK, spec.BLOCK // 2).masked_fill(zero, 0).view(rows, cols // 2)
-    return q, sf.view(torch.float8_e4m3fn), gs
+    return q, spec.in_scale_layout(sf.view(torch.float8_e4m3fn), scale_layout), gs

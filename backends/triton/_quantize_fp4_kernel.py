@@ -1,10 +1,10 @@
-"""The triton backend's fp4 quantization kernels: quantize_nvfp4 (blocks of 16 with e4m3fn scales under one
-fp32 global scale, passed in or dynamic) and quantize_mxfp4 (blocks of 32 with e8m0 scales, OCP's floor or the
-ceil rule). A program quantizes ROWS rows by BLOCK_K columns (whole blocks) into packed codes and block scales
-in the canonical linear layout; NVFP4's dynamic global scale comes from the program's own reading of every row
-(a few rows) or quantize_fp8's amax pass (a first launch, its atomic max in one fp32). Every step is the spec's
-correctly rounded fp32 operation or exact integer arithmetic (_fp4_kernel.py), so the bits match the
-reference. Host side: quantize_nvfp4.py, quantize_mxfp4.py."""
+"""The triton backend's fp4 quantization kernels: quantize_nvfp4 (blocks of 16 with e4m3fn scales under one fp32
+global scale, passed in or dynamic) and quantize_mxfp4 (blocks of 32 with e8m0 scales, OCP's floor or the ceil
+rule). A program quantizes ROWS rows by BLOCK_K columns (whole blocks) into packed codes and block scales in the
+canonical linear layout or the 128x4 swizzled one (SWIZZLED: the host zeroes its padding); NVFP4's dynamic global
+scale comes from the program's own reading of every row (a few rows) or quantize_fp8's amax pass (a first launch,
+its atomic max in one fp32). Every step is the spec's correctly rounded fp32 operation or exact integer arithmetic
+(_fp4_kernel.py), so the bits match the reference. Host side: quantize_nvfp4.py, quantize_mxfp4.py."""
 
 import triton
 import triton.language as tl
@@ -35,22 +35,28 @@ def _load(x_ptr, row, rows, k0, cols, stride_xm, stride_xk, BLOCK_K: tl.constexp
 
 @triton.jit
 def _store(q_ptr, s_ptr, codes, scale_codes, row, rows, k0, cols, stride_qm, stride_sm, ROWS: tl.constexpr,
-           BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
-    """Packed codes [ROWS, BLOCK_K / 2] and scale bytes [ROWS, BLOCK_K / BLOCK] of the tile at (row, k0)."""
+           BLOCK_K: tl.constexpr, BLOCK: tl.constexpr, SWIZZLED: tl.constexpr):
+    """Packed codes [ROWS, BLOCK_K / 2] and scale bytes [ROWS, BLOCK_K / BLOCK] of the tile at (row, k0); the
+    scales' row pitch stride_sm (swizzled: the padded column count)."""
     row_ok = (row < rows)[:, None]
     byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     tl.store(q_ptr + row[:, None].to(tl.int64) * stride_qm + byte[None, :], pack_pairs(codes, ROWS, BLOCK_K),
              mask=row_ok & (byte < cols // 2)[None, :])
     block = k0 // BLOCK + tl.arange(0, BLOCK_K // BLOCK)
-    tl.store(s_ptr + row[:, None].to(tl.int64) * stride_sm + block[None, :], scale_codes,
-             mask=row_ok & (block < cols // BLOCK)[None, :])
+    r = row[:, None].to(tl.int64)
+    if SWIZZLED:  # (r // 128, c // 4, r % 32, r % 128 // 32, c % 4): 512-byte 128 x 4 tiles
+        c = block[None, :]
+        offsets = (r // 128) * (stride_sm * 128) + (c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
+    else:
+        offsets = r * stride_sm + block[None, :]
+    tl.store(s_ptr + offsets, scale_codes, mask=row_ok & (block < cols // BLOCK)[None, :])
 
 
 @triton.jit
 def quantize_nvfp4_kernel(x_ptr, q_ptr, sf_ptr, gs_in_ptr, gs_out_ptr, amax_ptr, rows, cols,
                           stride_xm, stride_xk, stride_qm, stride_sm,
                           GS: tl.constexpr, NATIVE_FP8: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                          TILE_ROWS: tl.constexpr):
+                          TILE_ROWS: tl.constexpr, SWIZZLED: tl.constexpr):
     """NVFP4 codes and e4m3fn block scales of ROWS rows (axis 0) by BLOCK_K columns (axis 1), in the spec's
     order: sf = e4m3fn(min((gs * amax_block) / 6, 448)), r = gs / sf, codes e2m1(x * r) (0 where sf is 0).
     The first program stores the global scale."""
@@ -82,12 +88,12 @@ def quantize_nvfp4_kernel(x_ptr, q_ptr, sf_ptr, gs_in_ptr, gs_out_ptr, amax_ptr,
     codes = e2m1_codes(blocks * ratio[:, :, None])
     codes = tl.where((sf == 0)[:, :, None], 0, codes)
     _store(q_ptr, sf_ptr, tl.reshape(codes, (ROWS, BLOCK_K)), sf_codes, row, rows, k0, cols, stride_qm, stride_sm,
-           ROWS, BLOCK_K, NVFP4_BLOCK)
+           ROWS, BLOCK_K, NVFP4_BLOCK, SWIZZLED)
 
 
 @triton.jit
 def quantize_mxfp4_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_xm, stride_xk, stride_qm, stride_sm,
-                          CEIL: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+                          CEIL: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, SWIZZLED: tl.constexpr):
     """MXFP4 codes and e8m0 scales of ROWS rows (axis 0) by BLOCK_K columns (axis 1): X = 2^e from the block's
     finite amax (floor: floor(log2 amax) - 2; ceil: ceil(log2(amax / 6))), e clamped to [-127, 127], codes
     e2m1(x / X) as x * 2^-e (exact: both are the correctly rounded x 2^-e). An all-zero block gets scale
@@ -116,4 +122,4 @@ def quantize_mxfp4_kernel(x_ptr, q_ptr, s_ptr, rows, cols, stride_xm, stride_xk,
     codes = e2m1_codes(blocks * inverse[:, :, None])
     codes = tl.where((zero | nonfinite)[:, :, None], 0, codes)
     _store(q_ptr, s_ptr, tl.reshape(codes, (ROWS, BLOCK_K)), scale_codes.to(tl.uint8), row, rows, k0, cols,
-           stride_qm, stride_sm, ROWS, BLOCK_K, MXFP4_BLOCK)
+           stride_qm, stride_sm, ROWS, BLOCK_K, MXFP4_BLOCK, SWIZZLED)

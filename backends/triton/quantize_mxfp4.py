@@ -20,15 +20,19 @@ def _kernels():
     return _quantize_fp4_kernel
 
 
-def quantize_mxfp4(x: torch.Tensor, rounding: str = "floor") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mxfp4(x: torch.Tensor, rounding: str = "floor",
+                   scale_layout: str = "linear") -> tuple[torch.Tensor, torch.Tensor]:
     """The spec's quantize_mxfp4; arguments are validated by the caller."""
     rows, cols = x.shape
-    q, scale = spec.fake(x, rounding)  # the spec's shapes, on x's device
+    q, scale = spec.fake(x, rounding, scale_layout)  # the spec's shapes, on x's device
+    swizzled = scale_layout == "swizzled_128x4"
+    if swizzled:
+        scale.zero_()  # the padding's scale codes are 0; the kernel writes the rest
     if rows == 0:
         return q, scale
     block_rows = ROWS if rows >= PROGRAM_ROWS_FROM else 1
     with device_guard(x.device):
         _kernels().quantize_mxfp4_kernel[(-(-rows // block_rows), -(-cols // BLOCK_K))](
             x, q, scale, rows, cols, *x.stride(), q.stride(0), scale.stride(0), CEIL=rounding == "ceil",
-            ROWS=block_rows, BLOCK_K=min(BLOCK_K, next_pow2(cols)))
+            ROWS=block_rows, BLOCK_K=min(BLOCK_K, next_pow2(cols)), SWIZZLED=swizzled)
     return q, scale

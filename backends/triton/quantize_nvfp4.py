@@ -33,10 +33,14 @@ def _kernels():
 def quantize_nvfp4(
     x: torch.Tensor,
     global_scale: Optional[torch.Tensor] = None,
+    scale_layout: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The spec's quantize_nvfp4; arguments are validated by the caller."""
     rows, cols = x.shape
-    q, block_scale, gs = spec.fake(x, global_scale)  # the spec's shapes, on x's device
+    q, block_scale, gs = spec.fake(x, global_scale, scale_layout)  # the spec's shapes, on x's device
+    swizzled = scale_layout == "swizzled_128x4"
+    if swizzled:
+        block_scale.view(torch.uint8).zero_()  # the padding's scales are 0; the kernel writes the rest
     if rows == 0:  # the amax of nothing is 0: gs 1, or the one passed in
         gs.copy_(global_scale.reshape(()) if global_scale is not None else torch.ones((), device=x.device))
         return q, block_scale, gs
@@ -58,5 +62,5 @@ def quantize_nvfp4(
             x, q, block_scale.view(torch.uint8), global_scale if global_scale is not None else gs, gs, amax,
             rows, cols, *x.stride(), q.stride(0), block_scale.stride(0),
             GS=mode, NATIVE_FP8=native_fp8_cast(x.device), ROWS=block_rows, BLOCK_K=min(BLOCK_K, next_pow2(cols)),
-            TILE_ROWS=ONE_PROGRAM_MAX_ROWS)
+            TILE_ROWS=ONE_PROGRAM_MAX_ROWS, SWIZZLED=swizzled)
     return q, block_scale, gs

@@ -10,6 +10,7 @@ import torch
 
 from kernelmux.platforms import Platform
 from kernelmux.specs import quantize_mxfp4 as spec
+from kernelmux.specs.quantize_nvfp4 import in_scale_layout
 
 __all__ = ["DECLINED", "EPS", "quantize_mxfp4", "supports"]
 
@@ -32,6 +33,7 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
 def quantize_mxfp4(
     x: torch.Tensor,
     rounding: str = "floor",
+    scale_layout: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec's quantize_mxfp4 on per_token_group_quant_mxfp4 (kept wired for when the arithmetic
     agrees; declined today): the kernel's fp32 power-of-two scales turned into e8m0 codes (their
@@ -44,4 +46,4 @@ def quantize_mxfp4(
     torch.ops._C.per_token_group_quant_mxfp4(input=x.contiguous(), output_q=q, output_s=scale,
                                              group_size=spec.BLOCK, eps=EPS)
     codes = ((scale.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)  # 2^e is exponent field e + 127
-    return q, codes
+    return q, in_scale_layout(codes, scale_layout)

@@ -17,6 +17,7 @@ from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._key import Layout
 from kernelmux.specs import quantize_mxfp4 as spec_module
 from kernelmux.specs.quantize_mxfp4 import SPEC
+from fp4_layouts import swizzled_by_loop
 
 reference = SPEC.reference
 f32 = np.float32
@@ -258,6 +259,7 @@ def test_cost_counts_each_input_and_output_once():
         ({"x": torch.zeros(4, 80)}, "x", "multiple of 32"),
         ({"rounding": "nearest"}, "rounding", "one of"),
         ({"rounding": None}, "rounding", "one of"),
+        ({"scale_layout": "128x4"}, "scale_layout", "swizzled_128x4"),
     ],
 )
 def test_bad_input_names_the_argument(changes, argument, fragment):
@@ -282,6 +284,8 @@ def test_key_reflects_dispatch_properties():
     assert key != SPEC.validate(torch.randn(4, 64, dtype=torch.bfloat16))
     assert key != SPEC.validate(torch.randn(4, 96))
     assert spec_module.ROUNDINGS == ("floor", "ceil")
+    assert SPEC.validate(torch.randn(4, 64), scale_layout="swizzled_128x4") == key._replace(
+        scale_layout="swizzled_128x4")
     hash(key)
 
 
@@ -296,3 +300,14 @@ def test_a_misaligned_or_strided_view_changes_only_the_layout_field():
     strided = SPEC.validate(torch.randn(64, 4).T)
     assert not strided.x_layout.unit_stride
     assert strided._replace(x_layout=key.x_layout) == key
+
+
+@pytest.mark.parametrize("name", ["small_swizzled_ragged", "gpt_oss_120b_act_m128_swizzled"])
+def test_swizzled_scales_are_the_linear_ones_swizzled_with_zero_padding(name):
+    kwargs = SPEC.case(name).build(seed=6)
+    q, scale = reference(**kwargs)
+    q_linear, scale_linear = reference(**dict(kwargs, scale_layout="linear"))
+    assert torch.equal(q, q_linear)
+    assert torch.equal(scale, swizzled_by_loop(scale_linear))
+    assert SPEC.cost(kwargs).bytes == SPEC.cost(dict(kwargs, scale_layout="linear")).bytes + scale.numel() - \
+        scale_linear.numel()

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fp4_layouts import swizzled_by_loop
 from kernelmux.errors import InvalidArgumentError
 from kernelmux.specs._key import Layout
 from kernelmux.specs import quantize_nvfp4 as spec_module
@@ -314,6 +315,8 @@ def _good(**changes):
         ({"global_scale": torch.ones(2)}, "global_scale", "one element"),
         ({"global_scale": torch.ones(1, 1)}, "global_scale", "one element"),
         ({"global_scale": torch.ones(1, device="meta")}, "global_scale", "x's device"),
+        ({"scale_layout": "swizzled"}, "scale_layout", "swizzled_128x4"),
+        ({"scale_layout": None}, "scale_layout", "linear"),
     ],
 )
 def test_bad_input_names_the_argument(changes, argument, fragment):
@@ -337,6 +340,8 @@ def test_good_input_passes_and_key_reflects_dispatch_properties():
     assert static.global_scale_layout is not None
     assert static._replace(global_scale_layout=None) == key
     assert SPEC.validate(**_good(x=torch.randn(4, 128))) == key._replace(k=128)
+    assert key.scale_layout == "linear"
+    assert SPEC.validate(**_good(scale_layout="swizzled_128x4")) == key._replace(scale_layout="swizzled_128x4")
     hash(key)
 
 
@@ -351,3 +356,31 @@ def test_a_misaligned_or_strided_view_changes_only_the_layout_field():
     strided = SPEC.validate(**_good(x=torch.randn(64, 4).T))
     assert not strided.x_layout.unit_stride
     assert strided._replace(x_layout=key.x_layout) == key
+
+
+# --- the 128x4 swizzled scale layout ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows, cols", [(1, 1), (5, 2), (130, 5), (256, 8), (33, 12), (0, 3)])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn])
+def test_swizzle_128x4_matches_an_independent_construction(rows, cols, dtype):
+    scale = torch.randint(1, 255, (rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    swizzled = spec_module.swizzle_128x4(scale.view(dtype))
+    assert swizzled.dtype == dtype and swizzled.is_contiguous()
+    assert tuple(swizzled.shape) == spec_module.scale_shape(rows, cols, "swizzled_128x4")
+    assert torch.equal(swizzled.view(torch.uint8), swizzled_by_loop(scale))
+
+
+@pytest.mark.parametrize("name", ["small_swizzled_ragged", "one_block_swizzled", "deepseek_v3_m128_swizzled"])
+def test_swizzled_scales_are_the_linear_ones_swizzled_with_zero_padding(name):
+    kwargs = SPEC.case(name).build(seed=5)
+    q, sf, gs = reference(**kwargs)
+    q_linear, sf_linear, gs_linear = reference(**dict(kwargs, scale_layout="linear"))
+    assert torch.equal(q, q_linear) and torch.equal(gs, gs_linear)
+    assert torch.equal(sf.view(torch.uint8), swizzled_by_loop(sf_linear))
+    assert sf.view(torch.uint8).count_nonzero() <= sf_linear.view(torch.uint8).count_nonzero()
+
+
+def test_cost_counts_the_swizzled_padding():
+    kwargs = SPEC.case("small_swizzled_ragged").build()  # 130 x 80 fp32: scales 130 x 5 padded to 256 x 8
+    assert SPEC.cost(kwargs).bytes == 130 * 80 * 4 + 130 * 40 + 256 * 8 + 4

@@ -1,7 +1,7 @@
 """The triton backend's quantize_nvfp4 and quantize_mxfp4 against the specs' references, bit for bit, compiled
 on a GPU or interpreted on CPU tensors: every case on fresh seeds with freed memory poisoned under the outputs,
-every e2m1 rounding boundary, NVFP4's three global-scale routes, strided and sliced inputs, and on the GPU both
-fp8 code routes of NVFP4's block scales."""
+both scale layouts, every e2m1 rounding boundary, NVFP4's three global-scale routes, strided and sliced inputs,
+and on the GPU both fp8 code routes of NVFP4's block scales."""
 
 import importlib
 import inspect
@@ -107,6 +107,16 @@ def test_several_rows_a_program(op: str, name: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(host, "PROGRAM_ROWS_FROM", 1)
     monkeypatch.setattr(host, "BLOCK_K", 32)
     _check(op, OPS[op][0].case(name).build(DEVICE, 6), f"{name}, {host.ROWS} rows a program")
+
+
+@pytest.mark.parametrize("op, name", [("quantize_nvfp4", "small_swizzled_ragged"),
+                                      ("quantize_mxfp4", "small_swizzled_ragged")])
+def test_swizzled_scales_across_row_tiles(op: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 130 / 131 rows x 5 blocks: every row group of a 128 x 4 tile, a second row tile, and padding that must read
+    # zero over poisoned memory; 4 rows a program keeps the interpreter's programs few.
+    host = nv_host if op == "quantize_nvfp4" else mx_host
+    monkeypatch.setattr(host, "PROGRAM_ROWS_FROM", 1)
+    _check(op, OPS[op][0].case(name).build(DEVICE, 8), f"{name}, swizzled scales")
 
 
 def _strided(x: torch.Tensor) -> torch.Tensor:
