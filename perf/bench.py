@@ -92,16 +92,21 @@ def _baseline_of(result_env: dict[str, Any]) -> str:
 
 def _record_problem(args: argparse.Namespace, result: dict[str, Any]) -> str | None:
     """Why ``result`` may not become its device's baseline (None: it may): a baseline is the full
-    bench of every op, every row ok or declined."""
+    bench, every model case of every op, every row ok or declined."""
     if not args.load and (args.ops or args.backends or args.cases):
         return "a baseline is the full bench: run it without naming ops, --backend or --case"
     if result["method"].get("quick"):
         return "a baseline is the full bench, not --quick"
     if result.get("not_run"):
         return f"the run stopped at its deadline before {len(result['not_run'])} case(s); a baseline is a full run"
-    missing = sorted({spec.name for spec in ALL_SPECS} - {r["op"] for r in result["rows"]})
+    # Every op's model cases (a merged run's parts, or a --case run, may leave some out).
+    device = result["environment"]["device"]
+    expected = [f"{spec.name}/{case.name}" for spec in ALL_SPECS for case in spec.model_cases(False, device)]
+    measured = {f"{r['op']}/{r['case']}" for r in result["rows"]}
+    missing = [key for key in expected if key not in measured]
     if missing:
-        return f"a baseline covers every op; this run lacks {', '.join(missing)}"
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        return f"a baseline covers every op's model cases; this run lacks {shown}"
     if failures(result):
         return "rows of this run failed (wrong or error); a baseline holds a passing run"
     return None

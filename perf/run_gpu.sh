@@ -98,8 +98,9 @@ for step in "$@"; do
             -rfE --durations=15 2>&1) | tee "$out/pytest_slow.txt" | tail -25 ;;
     bench)
         # The deadline (3/4 of the timeout) starts no case late, so the run is written, cut short or not.
-        timeout "${BENCH_TIMEOUT:-300}" python3 -m kernelmux bench ${BENCH_OPS:-} ${BENCH_BUDGET:+--budget $BENCH_BUDGET} \
-            --deadline $(( ${BENCH_TIMEOUT:-300} * 3 / 4 )) --json "$out/bench.json" --md "$out/bench.md" 2> "$out/bench.log" | tail -5 ;;
+        timeout "${BENCH_TIMEOUT:-300}" python3 -m kernelmux bench ${BENCH_OPS:-} \
+            ${BENCH_BUDGET:+--budget $BENCH_BUDGET} --deadline $(( ${BENCH_TIMEOUT:-300} * 3 / 4 )) \
+            --json "$out/bench.json" --md "$out/bench.md" 2> "$out/bench.log" | tail -5 ;;
     tune)
         # The tuning table of this call's bench, into the user's tables (so a later bench on this machine
         # orders by it) and $out/tuning.json (for kernelmux tune --load or --ship here).

@@ -51,7 +51,6 @@ def upgrade(result: dict[str, Any], source: str = "result") -> dict[str, Any]:
     return result
 
 
-
 # What runs merged into one must share: the same code on the same device, timed the same way.
 _SAME_ENVIRONMENT = ("device", "device_name", "platform", "arch", "machine", "torch", "triton", "kernelmux",
                      "python", "commit", "driver", "cuda", "tuning_device", "versions")

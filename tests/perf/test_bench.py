@@ -620,6 +620,7 @@ def test_command_line_merges_repeated_loads_and_records_only_a_full_bench(result
     assert cli.main(["bench", *loads, "--json", str(tmp_path / "merged.json")]) == 0
     merged = json.loads((tmp_path / "merged.json").read_text())
     assert len(merged["parts"]) == 2 and merged["not_run"] == []
-    # The merge is whole, but it is not every op: no baseline.
+    # The merge is whole, but it is not every op's model cases: no baseline.
     assert cli.main(["bench", *loads, "--record"]) == 1
-    assert "not recorded: a baseline covers every op; this run lacks" in capsys.readouterr().err
+    assert "not recorded: a baseline covers every op's model cases; this run lacks grouped_topk/" in \
+        capsys.readouterr().err

@@ -72,20 +72,22 @@ def _recording_into(tmp_path, monkeypatch):
     return baselines, readme
 
 
-def _every_op(run):
-    """``run`` with a reference row (copied from one of its own) for each op it lacks: a recorded
-    baseline predates the ops added after its bench, and a new one needs its device."""
+def _every_model_case(run):
+    """``run`` with a reference row (copied from one of its own) for each model case it lacks: a
+    recorded baseline predates the ops and cases added after its bench, and a new one needs them all."""
     from kernelmux.specs import ALL_SPECS
 
     template = next(r for r in run["rows"] if r["backend"] == "reference" and r["status"] == "ok")
-    have = {r["op"] for r in run["rows"]}
-    run["rows"] += [dict(template, op=spec.name, case="added") for spec in ALL_SPECS if spec.name not in have]
+    have = {(r["op"], r["case"]) for r in run["rows"]}
+    run["rows"] += [dict(template, op=spec.name, case=case.name) for spec in ALL_SPECS
+                    for case in spec.model_cases(False, run["environment"]["device"])
+                    if (spec.name, case.name) not in have]
     return run
 
 
 def test_record_writes_the_runs_device_baseline_and_the_readme_tables(tmp_path, monkeypatch):
     baselines, readme = _recording_into(tmp_path, monkeypatch)
-    run = _every_op(json.loads((baselines / "h100.json").read_text()))
+    run = _every_model_case(json.loads((baselines / "h100.json").read_text()))
     run["environment"].update(device_name="NVIDIA B200", commit="feedbee")  # a device with no baseline yet
     (tmp_path / "run.json").write_text(json.dumps(run))
     assert not (baselines / "b200.json").exists()
