@@ -164,7 +164,9 @@ print(f'built in {time.time() - t:.0f} s')" > /tmp/flashinfer_moe_jit.log 2>&1 <
                 "selective_state_update mamba2_2.7b_b1" "selective_state_update mamba2_2.7b_b8_bf16_state" \
                 "grouped_topk deepseek_v3_t64"; do
             read -r op case <<< "$op_case"
-            timeout 300 python3 -m kernelmux bench "$op" --case "$case" --backend flashinfer --backend deepgemm \
+            # 450 s: at 300 the two FlashInfer prefill builds, among eleven at once, were cut off (then 180 s
+            # in the bench after it, ab86f22).
+            timeout 450 python3 -m kernelmux bench "$op" --case "$case" --backend flashinfer --backend deepgemm \
                 --budget 0.01 > /dev/null 2>> "$out/warm_vendor.log" &
         done
         wait; echo "warm-vendor: $((SECONDS - start)) s"; grep -h "took" "$out/warm_vendor.log" | sort -u ;;

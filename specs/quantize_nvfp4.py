@@ -51,8 +51,8 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 # Block scale layouts: "linear" [M, K/block] (canonical), "swizzled_128x4" (below).
 SCALE_LAYOUTS = ("linear", "swizzled_128x4")
-# The 128x4 swizzle (FlashInfer's and TensorRT-LLM's quantizers, tcgen05 block-scaled MMA, cuBLASLt's VEC16/VEC32
-# scale layout): rows padded to 128 and scale columns to 4 with zeros; each 128 x 4 tile is 512 contiguous bytes,
+# The 128x4 swizzle (what FlashInfer's quantizer writes, get_sf_out_offset_128x4 in quantization_utils.cuh, and its
+# mm_fp4 reads): rows padded to 128 and scale columns to 4 with zeros; each 128 x 4 tile is 512 contiguous bytes,
 # 32 rows of 16 bytes, the 16 being 4 row groups (r % 128 // 32) x the tile's 4 columns.
 SWIZZLE_ROWS, SWIZZLE_COLS, SWIZZLE_ROW_GROUPS = 128, 4, 4
 
@@ -101,7 +101,7 @@ def quantize_nvfp4(
             as ``gs`` (the static activation scale of NVFP4 checkpoints: ``input_global_scale``
             = 2688 / calibrated amax).
         scale_layout: ``"linear"`` (the default, canonical) or ``"swizzled_128x4"``, the layout
-            Blackwell's block-scaled GEMMs read (FlashInfer ``mm_fp4``, CUTLASS, cuBLASLt): rows
+            Blackwell's block-scaled GEMMs read (FlashInfer's ``mm_fp4`` among them): rows
             padded to 128 and scale columns to 4 with zero scales, each 128 x 4 tile 512 bytes,
             element (r, c) at byte ``(r // 128, c // 4, r % 32, r % 128 // 32, c % 4)`` of a
             ``[M'/128, C'/4, 32, 4, 4]`` array (``swizzle_128x4``).
