@@ -18,8 +18,7 @@ def selective_state_update_kernel(
         stride_zb, stride_zh, stride_zp, stride_bias, stride_yb, stride_yh, stride_yp,
         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
         HAS_SLOTS: tl.constexpr, STATE_EVICTION: tl.constexpr, STATE_STORE_CACHE: tl.constexpr, HEADS: tl.constexpr,
-        BLOCK_P: tl.constexpr,
-        BLOCK_N: tl.constexpr):
+        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     # Slot-major program order: consecutive programs walk one request's slot, tile after tile.
     row_blocks = tl.cdiv(head_dim, BLOCK_P)
     tiles = tl.cdiv(num_heads, HEADS) * row_blocks

@@ -181,8 +181,7 @@ def chunk_scan_kernel(x_ptr, c_ptr, d_ptr, z_ptr, step_ptr, cum_ptr, cb_ptr, sta
                       stride_kc, stride_kg, stride_oc, stride_oh,
                       HAS_D: tl.constexpr, HAS_Z: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
                       CHUNK: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr,
-                      WHOLE_TILES: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr):
     """A chunk (axis 0), a head (axis 1) and BLOCK_M tokens x BLOCK_P of P (axis 2): y, from the state entering
     the chunk and the chunk's earlier tokens, with D x and the gate."""
     chunk = tl.program_id(0)
@@ -219,7 +218,7 @@ def chunk_scan_kernel(x_ptr, c_ptr, d_ptr, z_ptr, step_ptr, cum_ptr, cb_ptr, sta
         causal = (i[:, None] >= j[None, :]) & j_ok[None, :]
         # chunk_cb writes every entry of the chunk's Q x Q, finite (zeros past its length), and the decay below is
         # 0 off the causal triangle: tiles that lie within Q load whole vectors, unmasked.
-        if WHOLE_TILES:
+        if (CHUNK % BLOCK_M == 0) and (CHUNK % BLOCK_J == 0):
             cb = tl.load(cbs + i[:, None] * CHUNK + j[None, :])
         else:
             cb = tl.load(cbs + i[:, None] * CHUNK + j[None, :], mask=(i < CHUNK)[:, None] & j_ok[None, :], other=0.0)

@@ -179,6 +179,6 @@ def ssd_scan(
                 *(zz.stride() if z is not None else (0, 0, 0)), *y.stride(), *step.stride()[:2], *cb.stride()[:2],
                 *states.stride()[:2],
                 HAS_D=D is not None, HAS_Z=z is not None, DOT=dot, PRECISION=precision, CHUNK=q, BLOCK_M=t.scan_m,
-                BLOCK_P=t.scan_p, BLOCK_K=t.scan_k, BLOCK_J=t.scan_j, WHOLE_TILES=q % t.scan_m == 0 == q % t.scan_j,
-                num_warps=t.scan_warps, num_stages=t.num_stages)
+                BLOCK_P=t.scan_p, BLOCK_K=t.scan_k, BLOCK_J=t.scan_j, num_warps=t.scan_warps,
+                num_stages=t.num_stages)
     return y, final
