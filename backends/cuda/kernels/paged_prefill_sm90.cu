@@ -75,52 +75,6 @@ __device__ __forceinline__ void load_tile(u32 tile, int tid, const unsigned char
     }
 }
 
-#define KM_ACC64(d)                                                                                     \
-    KM_ACC8(d, 0), KM_ACC8(d, 8), KM_ACC8(d, 16), KM_ACC8(d, 24), KM_ACC8(d, 32), KM_ACC8(d, 40),     \
-        KM_ACC8(d, 48), KM_ACC8(d, 56)
-#define KM_REGS64                                                                                       \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "   \
-    "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "    \
-    "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "    \
-    "%59, %60, %61, %62, %63}"
-
-// d (+)= A (64 x 16, K-major, shared) B (16 x 128, K-major, shared); accumulate 0 overwrites d.
-template <bool BF16>
-__device__ __forceinline__ void mma_ss_m64n128k16(float (&d)[64], u64 a, u64 b, int accumulate) {
-#define KM_MMA(T)                                                                                      \
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %66, 0;\n\t"                                   \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " " KM_REGS64                  \
-                 ", %64, %65, p, 1, 1, 0, 0;\n\t}"                                                    \
-                 : KM_ACC64(d)                                                                         \
-                 : "l"(a), "l"(b), "r"(accumulate))
-    if constexpr (BF16) {
-        KM_MMA("bf16");
-    } else {
-        KM_MMA("f16");
-    }
-#undef KM_MMA
-}
-
-// d += A (64 x 16, from registers: the accumulator layout's pairs packed) B (16 x 128, N-major).
-template <bool BF16>
-__device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const u32 (&a)[4], u64 b) {
-#define KM_MMA(T)                                                                                      \
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %69, 0;\n\t"                                   \
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " " KM_REGS64                  \
-                 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n\t}"                                        \
-                 : KM_ACC64(d)                                                                         \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1))
-    if constexpr (BF16) {
-        KM_MMA("bf16");
-    } else {
-        KM_MMA("f16");
-    }
-#undef KM_MMA
-}
-
-#undef KM_REGS64
-#undef KM_ACC64
-
 }  // namespace
 
 // The kernel's parameters are this struct's fields, in order: the host fills its mirror
