@@ -9,8 +9,8 @@ from typing import Sequence
 
 from kernelmux.backends.cuda._toolchain import KERNELS
 
-__all__ = ["MergeSplitsParams", "MlaDecodeParams", "PagedDecodeParams",
-           "PagedPrefillParams", "abi_checks", "checked_source"]
+__all__ = ["MergeSplitsParams", "MlaDecodeParams", "MoeGemmParams", "MoeRouteParams", "MoeSumParams",
+           "PagedDecodeParams", "PagedPrefillParams", "abi_checks", "checked_source"]
 
 # Why the kernels keep positional parameters (launched with the mirror as their parameter buffer,
 # whose layout CUDA defines as this struct's) instead of taking the struct by value: by value, the
@@ -66,6 +66,28 @@ class MlaDecodeParams(ctypes.Structure):
         "num_seqs num_tokens num_heads num_splits block_size q_per_seq",
         "scale_log2",
         "q_stride_t q_stride_h o_stride_t o_stride_h kv_stride_b kv_stride_p table_stride")
+
+
+class MoeRouteParams(ctypes.Structure):
+    """kernels/fused_moe_sm90.cu's MoeRouteParams (the routing CTA)."""
+
+    _fields_ = _fields("topk_ids expert_map counts starts block_expert total sorted_pairs",
+                       "num_pairs topk num_experts max_blocks", "", "ids_stride_t ids_stride_k map_stride")
+
+
+class MoeGemmParams(ctypes.Structure):
+    """kernels/fused_moe_sm90.cu's MoeGemmParams (gate-up and down)."""
+
+    _fields_ = _fields("a b out sorted_pairs block_expert starts counts total topk_weights",
+                       "topk n_size k_size max_blocks", "",
+                       "a_stride b_stride_e b_stride_n out_stride weights_stride_t weights_stride_k")
+
+
+class MoeSumParams(ctypes.Structure):
+    """kernels/fused_moe_sm90.cu's MoeSumParams (the top-k sum)."""
+
+    _fields_ = _fields("pairs topk_ids expert_map out", "hidden_size topk", "",
+                       "pairs_stride ids_stride_t ids_stride_k map_stride out_stride")
 
 
 def abi_checks(mirror: type[ctypes.Structure], kernels: Sequence[str]) -> str:

@@ -22,10 +22,12 @@ import argparse
 import contextlib
 import json
 import os
+import re
 from unittest import mock
 
 import torch
 
+from kernelmux.backends.cuda import fused_moe as cuda_moe
 from kernelmux.backends.triton import fused_moe as triton_moe
 from kernelmux.backends.triton.fused_moe import GemmConfig, LaunchConfig
 from kernelmux.perf import ceilings as ceilings_module
@@ -161,6 +163,8 @@ def _peers(quantization: str) -> dict:
         from kernelmux.backends.torch import fused_moe as torch_moe
 
         impls["torch"] = torch_moe.fused_moe
+        if torch.cuda.get_device_capability() == cuda_moe.CAPABILITY:
+            impls["cuda"] = cuda_moe.fused_moe
     elif quantization == "fp8_block":
         try:
             import deep_gemm  # noqa: F401
@@ -174,6 +178,16 @@ def _peers(quantization: str) -> dict:
 
 
 KERNELS = ("gemv_gate_up", "gemv_down", "route", "count", "layout", "scatter", "quantize", "gate_up", "down", "sum")
+
+
+def _kernel_name(key: str) -> str:
+    """A profiler key's kernel: the triton kernels' names, the cuda backend's by template (gate-up: GATED true)."""
+    if "moe_gemm_sm90" in key:  # mangled (ILb<BF16>ELb<GATED>E) or demangled (<bf16, gated, ...>)
+        return "gate_up" if re.search(r"moe_gemm_sm90(ILb[01]ELb1E|<\w+, true)", key) else "down"
+    for kernel in ("route", "sum"):
+        if f"moe_{kernel}_sm90" in key:
+            return kernel
+    return next((k for k in KERNELS if f"moe_{k}_kernel" in key), key[:40])
 
 
 def _kernel_times(fn, inputs) -> dict:
@@ -192,9 +206,28 @@ def _kernel_times(fn, inputs) -> dict:
     for event in prof.key_averages():
         if event.self_device_time_total <= 0:
             continue
-        name = next((k for k in KERNELS if f"moe_{k}_kernel" in event.key), event.key[:40])
+        name = _kernel_name(event.key)
         times[name] = round(times.get(name, 0.0) + event.self_device_time_total / len(inputs), 2)
     return times
+
+
+def _dense_bound(kwargs: dict):
+    """A function of the call's arguments that ignores them and runs the two GEMMs of the routed pairs as dense
+    torch.mm (cuBLAS) on operands of their sizes: [pairs, H] x [H, 2I], then [pairs, I] x [I, H] (weights stored
+    K-major, as w1 and w2 are). The FLOPs are the call's; what it leaves out is the routing and gathering."""
+    pairs, hidden_size = kwargs["topk_ids"].numel(), kwargs["hidden"].shape[1]
+    inter_size = kwargs["w1"].shape[1] // 2
+    dtype = kwargs["hidden"].dtype
+    a = torch.randn(pairs, hidden_size, device="cuda", dtype=dtype)
+    b1 = torch.randn(2 * inter_size, hidden_size, device="cuda", dtype=dtype) / hidden_size ** 0.5
+    mid = torch.randn(pairs, inter_size, device="cuda", dtype=dtype)
+    b2 = torch.randn(hidden_size, inter_size, device="cuda", dtype=dtype) / inter_size ** 0.5
+
+    def dense(**_) -> torch.Tensor:
+        torch.mm(a, b1.t())
+        return torch.mm(mid, b2.t())
+
+    return dense
 
 
 def _check(fn, inputs, expected, use_reference: bool) -> str:
@@ -217,6 +250,11 @@ def main() -> None:
     parser.add_argument("--kernels", action="store_true", help="also profile each variant's kernels")
     parser.add_argument("--route-probe", action="store_true",
                         help="also time triton with the routing in three launches (the one-program bound at 0)")
+    parser.add_argument("--dense-bound", action="store_true",
+                        help="also time torch.mm on dense operands of the routed GEMMs' sizes (16-bit experts): "
+                             "cuBLAS's rate on the same FLOPs under the same replay, no routing")
+    parser.add_argument("--cuda-stages", nargs="*", type=int, default=[],
+                        help="also time the cuda backend under these pipeline depths (its plan's stages)")
     parser.add_argument("--impls", nargs="*", default=None,
                         help="time only these (default: all); the peer still checks the triton rows")
     args = parser.parse_args()
@@ -242,6 +280,10 @@ def main() -> None:
             if args.route_probe:
                 variants.append(("triton-3-launch-routing", triton_moe.fused_moe, None))
             variants += [("triton", triton_moe.fused_moe, _parse_config(text)) for text in args.configs]
+            if "cuda" in impls:
+                variants += [("cuda", cuda_moe.fused_moe, cuda_moe.MoePlan(stages)) for stages in args.cuda_stages]
+            if args.dense_bound and quantization == "none":
+                variants.append(("dense_mm", _dense_bound(inputs[0]), None))
             if args.sweep:
                 pairs_per_expert = tokens * MODELS[model][1] / MODELS[model][0]
                 variants += [("triton", triton_moe.fused_moe, config)
@@ -252,11 +294,14 @@ def main() -> None:
                 try:
                     context = contextlib.ExitStack()
                     with context:
-                        if config:
+                        if isinstance(config, cuda_moe.MoePlan):
+                            context.enter_context(cuda_moe.override_plan(stages=config.stages))
+                        elif config:
                             context.enter_context(triton_moe.override_launch_config(config))
                         if name == "triton-3-launch-routing":
                             context.enter_context(mock.patch.object(triton_moe, "ROUTE_ONE_PROGRAM_MAX_PAIRS", 0))
-                        row["check"] = _check(fn, inputs, expected, use_reference or name == peer)
+                        row["check"] = ("not the op: dense GEMMs of its sizes" if name == "dense_mm"
+                                        else _check(fn, inputs, expected, use_reference or name == peer))
                         us = sized_replay_time(fn, inputs)
                         if args.kernels:
                             row["kernels_us"] = _kernel_times(fn, inputs)
