@@ -1,7 +1,7 @@
-// kernelmux cuda backend: device helpers shared by the Hopper (sm_90a) kernels, mla_decode_sm90.cu
-// and paged_prefill_sm90.cu: cp.async copies into shared memory, the proxy fence, named barriers,
-// mbarriers, wgmma descriptors and groups, and a scheduling hint for ptxas (common.cuh has the
-// arch-neutral ones).
+// kernelmux cuda backend: device helpers shared by the Hopper (sm_90a) kernels, mla_decode_sm90.cu,
+// paged_prefill_sm90.cu and fused_moe_sm90.cu: cp.async copies into shared memory, the proxy fence,
+// named barriers, mbarriers, wgmma descriptors and groups, the m64n128k16 wgmmas, and a scheduling hint
+// for ptxas (common.cuh has the arch-neutral ones).
 // _toolchain.py hands every kernels/*.cuh to NVRTC, so a kernel includes it by name.
 
 #pragma once
