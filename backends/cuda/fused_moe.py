@@ -33,6 +33,7 @@ MIN_PAIRS_PER_EXPERT = 64
 SOURCE_NAME = "fused_moe_sm90.cu"
 
 _capability = probes.device_capability
+_sm_count = probes.compute_units
 
 
 def shared_bytes(stages: int) -> int:
@@ -43,9 +44,12 @@ def shared_bytes(stages: int) -> int:
 
 @dataclass(frozen=True)
 class MoePlan:
-    """A launch's choices: pipeline stages in shared memory (one of STAGES)."""
+    """A launch's choices: pipeline stages in shared memory (one of STAGES), and whether the GEMMs run a
+    CTA per SM that walks the tiles (``persistent``: a tile's loads start under the tile before's
+    epilogue) instead of a CTA per tile."""
 
     stages: int = 4
+    persistent: bool = False
 
 
 DEFAULT_PLAN = MoePlan()
@@ -54,6 +58,8 @@ DEFAULT_PLAN = MoePlan()
 def _plan_problem(plan: MoePlan) -> Optional[str]:
     if plan.stages not in STAGES:
         return f"stages must be one of {STAGES}, got {plan.stages!r}"
+    if type(plan.persistent) is not bool:
+        return f"persistent must be a bool, got {plan.persistent!r}"
     return None
 
 
@@ -89,11 +95,11 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     return None
 
 
-def kernel_names(bf16: bool, gelu: bool, plan: MoePlan) -> dict[str, str]:
-    """The C++ names of one call's kernels for a hidden dtype, an activation and a plan."""
+def kernel_names(bf16: bool, gelu: bool, stages: int) -> dict[str, str]:
+    """The C++ names of one call's kernels for a hidden dtype, an activation and the GEMMs' stages."""
     dtype, act = str(bf16).lower(), str(gelu).lower()
-    return {"route": "moe_route_sm90", "gate_up": f"moe_gemm_sm90<{dtype}, true, {act}, {plan.stages}>",
-            "down": f"moe_gemm_sm90<{dtype}, false, false, {plan.stages}>", "sum": f"moe_sum_sm90<{dtype}>"}
+    return {"route": "moe_route_sm90", "gate_up": f"moe_gemm_sm90<{dtype}, true, {act}, {stages}>",
+            "down": f"moe_gemm_sm90<{dtype}, false, false, {stages}>", "sum": f"moe_sum_sm90<{dtype}>"}
 
 
 def source(names: dict[str, str]) -> str:
@@ -107,9 +113,9 @@ def source(names: dict[str, str]) -> str:
 
 @functools.cache
 def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, gelu: bool,
-              plan: MoePlan) -> tuple[_compile.CompiledModule, dict[str, str]]:
+              stages: int) -> tuple[_compile.CompiledModule, dict[str, str]]:
     """One NVRTC compilation per arch, macro set and template set: (module, kernel names)."""
-    names = kernel_names(bf16, gelu, plan)
+    names = kernel_names(bf16, gelu, stages)
     module = _compile.compile_module_cached(source(names), list(names.values()), arch, filename=SOURCE_NAME,
                                             arch_specific=True, defines=defines)
     return module, names
@@ -118,19 +124,19 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, gelu:
 _LOADED = _driver.LoadedKernels()
 
 
-def _kernels(device: torch.device, bf16: bool, gelu: bool, plan: MoePlan) -> tuple[_driver.Kernel, ...]:
+def _kernels(device: torch.device, bf16: bool, gelu: bool, stages: int) -> tuple[_driver.Kernel, ...]:
     """(route, gate-up, down, sum), loaded on ``device`` (cached per device, diagnostics and templates)."""
     defines = _compile.diagnostics_in_force()
 
     def build():
-        module, names = _compiled(_capability(device), defines, bf16, gelu, plan)
-        gemm_bytes = shared_bytes(plan.stages)
+        module, names = _compiled(_capability(device), defines, bf16, gelu, stages)
+        gemm_bytes = shared_bytes(stages)
         return module, [_driver.KernelSpec(names["route"], _params.MoeRouteParams, ROUTE_THREADS),
                         _driver.KernelSpec(names["gate_up"], _params.MoeGemmParams, THREADS, gemm_bytes),
                         _driver.KernelSpec(names["down"], _params.MoeGemmParams, THREADS, gemm_bytes),
                         _driver.KernelSpec(names["sum"], _params.MoeSumParams, SUM_COLUMNS // VECTOR)]
 
-    return _LOADED.get(device, (defines, bf16, gelu, plan), build)
+    return _LOADED.get(device, (defines, bf16, gelu, stages), build)
 
 
 def fused_moe(
@@ -178,16 +184,21 @@ def fused_moe(
     layout = dict(sorted_pairs=sorted_pairs, block_expert=block_expert, starts=starts, counts=counts, total=total,
                   topk_weights=topk_weights, topk=topk, max_blocks=max_blocks,
                   weights_stride_t=topk_weights.stride(0), weights_stride_k=topk_weights.stride(1))
+    plan = _plans.current
+
+    def grid(column_tiles: int) -> tuple[int, int, int]:  # a CTA a tile, or one a multiprocessor walking them
+        tiles = max_blocks * column_tiles
+        return (min(tiles, _sm_count(device)) if plan.persistent else tiles, 1, 1)
+
     with torch.cuda.device(device):
-        route, gate_up, down, moe_sum = _kernels(device, dtype == torch.bfloat16, activation == "gelu",
-                                                 _plans.current)
+        route, gate_up, down, moe_sum = _kernels(device, dtype == torch.bfloat16, activation == "gelu", plan.stages)
         route((1, 1, 1), counts=counts, starts=starts, block_expert=block_expert, total=total,
               sorted_pairs=sorted_pairs, num_pairs=pairs, topk=topk, num_experts=experts, max_blocks=max_blocks,
               **routing)
-        gate_up((max_blocks * -(-inter_size // COLUMNS), 1, 1), a=hidden, b=w1, out=inter, n_size=inter_size,
+        gate_up(grid(-(-inter_size // COLUMNS)), a=hidden, b=w1, out=inter, n_size=inter_size,
                 k_size=hidden_size, a_stride=hidden.stride(0), b_stride_e=w1.stride(0), b_stride_n=w1.stride(1),
                 out_stride=inter.stride(0), **layout)
-        down((max_blocks * -(-hidden_size // (2 * COLUMNS)), 1, 1), a=inter, b=w2, out=down_out,
+        down(grid(-(-hidden_size // (2 * COLUMNS))), a=inter, b=w2, out=down_out,
              n_size=hidden_size, k_size=inter_size, a_stride=inter.stride(0), b_stride_e=w2.stride(0),
              b_stride_n=w2.stride(1), out_stride=down_out.stride(0), **layout)
         if topk == 1:

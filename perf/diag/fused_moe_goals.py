@@ -253,8 +253,8 @@ def main() -> None:
     parser.add_argument("--dense-bound", action="store_true",
                         help="also time torch.mm on dense operands of the routed GEMMs' sizes (16-bit experts): "
                              "cuBLAS's rate on the same FLOPs under the same replay, no routing")
-    parser.add_argument("--cuda-stages", nargs="*", type=int, default=[],
-                        help="also time the cuda backend under these pipeline depths (its plan's stages)")
+    parser.add_argument("--cuda-plans", nargs="*", default=[], metavar="STAGES[p]",
+                        help="also time the cuda backend under these plans: pipeline stages, p for persistent CTAs")
     parser.add_argument("--impls", nargs="*", default=None,
                         help="time only these (default: all); the peer still checks the triton rows")
     args = parser.parse_args()
@@ -281,7 +281,8 @@ def main() -> None:
                 variants.append(("triton-3-launch-routing", triton_moe.fused_moe, None))
             variants += [("triton", triton_moe.fused_moe, _parse_config(text)) for text in args.configs]
             if "cuda" in impls:
-                variants += [("cuda", cuda_moe.fused_moe, cuda_moe.MoePlan(stages)) for stages in args.cuda_stages]
+                variants += [("cuda", cuda_moe.fused_moe, cuda_moe.MoePlan(int(text.rstrip("p")), text.endswith("p")))
+                             for text in args.cuda_plans]
             if args.dense_bound and quantization == "none":
                 variants.append(("dense_mm", _dense_bound(inputs[0]), None))
             if args.sweep:
@@ -295,7 +296,8 @@ def main() -> None:
                     context = contextlib.ExitStack()
                     with context:
                         if isinstance(config, cuda_moe.MoePlan):
-                            context.enter_context(cuda_moe.override_plan(stages=config.stages))
+                            context.enter_context(cuda_moe.override_plan(stages=config.stages,
+                                                                         persistent=config.persistent))
                         elif config:
                             context.enter_context(triton_moe.override_launch_config(config))
                         if name == "triton-3-launch-routing":

@@ -38,7 +38,8 @@ constexpr int kStepK = 64;       // K per pipeline step: one 128-byte row of a s
 constexpr int kThreads = 384;    // producer + two consumers
 constexpr int kTile = 128 * 128;  // 128 rows x 128 bytes
 constexpr int kGroupBlocks = 8;  // row blocks that share each column tile while it is in L2
-constexpr int kProducerRegisters = 72, kConsumerRegisters = 216;  // 128 x 72 + 256 x 216 <= 64K
+// The producer's 12 row pointers and its walk over tiles spilled at 72 (down, persistent loop).
+constexpr int kProducerRegisters = 88, kConsumerRegisters = 208;  // 128 x 88 + 256 x 208 <= 64K
 constexpr int kRouteThreads = 1024;  // the routing CTA: one local expert per thread (E <= 1024)
 constexpr int kSumThreads = 256, kSumVector = 8;  // moe_sum_sm90: 8 columns (16 bytes) a thread
 
@@ -207,7 +208,8 @@ __global__ void __launch_bounds__(kRouteThreads, 1) moe_route_sm90(
     }
 }
 
-// Grid (max_blocks x column tiles), 384 threads, shared_bytes<STAGES>() of dynamic shared memory (and
+// Grid: one CTA a tile (max_blocks x column tiles), or fewer that each take every gridDim.x-th tile
+// (persistent); 384 threads, shared_bytes<STAGES>() of dynamic shared memory (and
 // 16 STAGES bytes of static: the mbarriers). GATED (gate-up): n_size = I, k_size = H, a = hidden
 // (rows gathered by token), out = the intermediate [rows, I] in run order; a CTA's accumulators are
 // columns n0.. of gate (w1 rows n0..) and of up (w1 rows I + n0..). Otherwise (down): n_size = H,
@@ -227,17 +229,21 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_sm90(
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
     if (dynamic_bytes < (u32)shared_bytes<STAGES>()) __trap();  // the host launched it with too little
 
-    // Row blocks in groups of kGroupBlocks; within a group, a column tile's blocks run together.
+    // Tile t's row block and first column: row blocks in groups of kGroupBlocks; within a group, a column
+    // tile's blocks are consecutive tiles, so the CTAs running at once share it in L2. CTA b takes tiles b,
+    // b + gridDim.x, ... (a grid of one CTA a tile, or persistent CTAs); a tile past the routed rows is
+    // skipped by the producer and the consumers alike.
     const int tile_width = GATED ? kCols : 2 * kCols;
     const int column_tiles = (n_size + tile_width - 1) / tile_width;
-    const int group = blockIdx.x / (kGroupBlocks * column_tiles), first_block = group * kGroupBlocks;
-    const int group_blocks = min(max_blocks - first_block, kGroupBlocks);
-    const int within = blockIdx.x % (kGroupBlocks * column_tiles);
-    const int block_m = first_block + within % group_blocks, n0 = within / group_blocks * tile_width;
-    if (block_m * kRows >= *total) return;  // the whole CTA, before any barrier
-    const int expert = block_expert[block_m];
-    const int run_end = starts[expert] + counts[expert];
-    const int row_base = block_m * kRows;
+    const int num_tiles = max_blocks * column_tiles, routed_rows = *total;
+    auto place = [&](int tile, int& block_m, int& n0) {
+        const int group = tile / (kGroupBlocks * column_tiles), first_block = group * kGroupBlocks;
+        const int group_blocks = min(max_blocks - first_block, kGroupBlocks);
+        const int within = tile % (kGroupBlocks * column_tiles);
+        block_m = first_block + within % group_blocks;
+        n0 = within / group_blocks * tile_width;
+        return block_m * kRows < routed_rows;
+    };
 
     const u32 base = shared_address(shared_raw);
     const u32 tiles = (base + 1023u) & ~1023u;
@@ -261,97 +267,114 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_sm90(
     if (wg == 0) {  // the producer
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
         const int row = tid >> 2;
-        // This thread's four rows of each tile (row + 32 p): their sources, fixed for every step.
-        const unsigned char* a_rows[4];
-        const unsigned char* b_rows[2][4];
-        const unsigned char* weights = b + (i64)expert * b_stride_e * 2;
+        int g = 0;  // steps this CTA has issued over its tiles: the ring's position (stage and phase)
+        for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+            int block_m, n0;
+            if (!place(tile, block_m, n0)) continue;
+            const int expert = block_expert[block_m], row_base = block_m * kRows;
+            const int run_end = starts[expert] + counts[expert];
+            // This thread's four rows of each tile (row + 32 p): their sources, fixed for the tile's steps.
+            const unsigned char* a_rows[4];
+            const unsigned char* b_rows[2][4];
+            const unsigned char* weights = b + (i64)expert * b_stride_e * 2;
 #pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            const int r = row_base + row + 32 * p;
-            if (r >= run_end) {
-                a_rows[p] = nullptr;
-            } else if constexpr (GATED) {
-                a_rows[p] = a + (i64)(sorted_pairs[r] / topk) * a_stride * 2;
-            } else {
-                a_rows[p] = a + (i64)r * a_stride * 2;
-            }
+            for (int p = 0; p < 4; ++p) {
+                const int r = row_base + row + 32 * p;
+                if (r >= run_end) {
+                    a_rows[p] = nullptr;
+                } else if constexpr (GATED) {
+                    a_rows[p] = a + (i64)(sorted_pairs[r] / topk) * a_stride * 2;
+                } else {
+                    a_rows[p] = a + (i64)r * a_stride * 2;
+                }
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                // Gate-up: column n of gate is w1 row n, of up row I + n; down: column n is w2 row n.
-                const int column = n0 + (GATED ? 0 : half * kCols) + row + 32 * p;
-                const i64 b_row = GATED ? (i64)half * n_size + column : column;
-                b_rows[half][p] = column < n_size ? weights + b_row * b_stride_n * 2 : nullptr;
+                for (int half = 0; half < 2; ++half) {
+                    // Gate-up: column n of gate is w1 row n, of up row I + n; down: column n is w2 row n.
+                    const int column = n0 + (GATED ? 0 : half * kCols) + row + 32 * p;
+                    const i64 b_row = GATED ? (i64)half * n_size + column : column;
+                    b_rows[half][p] = column < n_size ? weights + b_row * b_stride_n * 2 : nullptr;
+                }
             }
-        }
-        // Step i's copies go out as soon as its stage is free and land on its full barrier by
-        // themselves: every free stage is in flight, and the producer never waits for a load.
-        for (int i = 0; i < steps; ++i) {
-            const int stage = i % STAGES;
-            if (i >= STAGES) mbarrier_wait(empty(stage), (u32)(i / STAGES - 1) & 1u);
-            load_tile(a_tile(stage), tid, b, a_rows, i * kStepK * 2, k_size * 2);
-            load_tile(b_tile(stage, 0), tid, b, b_rows[0], i * kStepK * 2, k_size * 2);
-            load_tile(b_tile(stage, 1), tid, b, b_rows[1], i * kStepK * 2, k_size * 2);
-            copy_arrive(full(stage));
+            // Step g's copies go out as soon as its stage is free and land on its full barrier by
+            // themselves: every free stage is in flight (the next tile's too, under this one's epilogue),
+            // and the producer never waits for a load.
+            for (int i = 0; i < steps; ++i, ++g) {
+                const int stage = g % STAGES;
+                if (g >= STAGES) mbarrier_wait(empty(stage), (u32)(g / STAGES - 1) & 1u);
+                load_tile(a_tile(stage), tid, b, a_rows, i * kStepK * 2, k_size * 2);
+                load_tile(b_tile(stage, 0), tid, b, b_rows[0], i * kStepK * 2, k_size * 2);
+                load_tile(b_tile(stage, 1), tid, b, b_rows[1], i * kStepK * 2, k_size * 2);
+                copy_arrive(full(stage));
+            }
         }
         copy_wait_all();  // nothing of this CTA's left in flight when its threads exit
         return;
     }
 
-    // A consumer: rows 64 c .. 64 c + 63 of the block. This thread's accumulator rows are row0 and
+    // A consumer: rows 64 c .. 64 c + 63 of each block. This thread's accumulator rows are row0 and
     // row0 + 8 of those; its columns 8 j + 2 quad (+1) of each 8-column group j.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
     const int c = wg - 1, lane = tid & 31, quad = lane & 3;
     const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
-    float acc[2][64];
+    int g = 0;  // the producer's count, step for step
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+        int block_m, n0;
+        if (!place(tile, block_m, n0)) continue;
+        const int expert = block_expert[block_m], row_base = block_m * kRows;
+        const int run_end = starts[expert] + counts[expert];
+        float acc[2][64];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) acc[0][i] = acc[1][i] = 0.0f;
-    for (int i = 0; i < steps; ++i) {
-        const int stage = i % STAGES;
-        mbarrier_wait(full(stage), (u32)(i / STAGES) & 1u);
-        fence_async_proxy();  // the copies' writes (generic proxy), seen through the barrier, to the wgmmas
-        wgmma_fence();
-        const u64 a_desc = descriptor(a_tile(stage) + c * 64 * 128, 16, 1024);
-        const u64 b0_desc = descriptor(b_tile(stage, 0), 16, 1024), b1_desc = descriptor(b_tile(stage, 1), 16, 1024);
+        for (int i = 0; i < 64; ++i) acc[0][i] = acc[1][i] = 0.0f;
+        for (int i = 0; i < steps; ++i, ++g) {
+            const int stage = g % STAGES;
+            mbarrier_wait(full(stage), (u32)(g / STAGES) & 1u);
+            fence_async_proxy();  // the copies' writes (generic proxy), seen through the barrier, to the wgmmas
+            wgmma_fence();
+            const u64 a_desc = descriptor(a_tile(stage) + c * 64 * 128, 16, 1024);
+            const u64 b0_desc = descriptor(b_tile(stage, 0), 16, 1024);
+            const u64 b1_desc = descriptor(b_tile(stage, 1), 16, 1024);
 #pragma unroll
-        for (int k = 0; k < kStepK / 16; ++k) {
-            mma_ss_m64n128k16<BF16>(acc[0], a_desc + 2 * k, b0_desc + 2 * k, 1);
-            mma_ss_m64n128k16<BF16>(acc[1], a_desc + 2 * k, b1_desc + 2 * k, 1);
+            for (int k = 0; k < kStepK / 16; ++k) {
+                mma_ss_m64n128k16<BF16>(acc[0], a_desc + 2 * k, b0_desc + 2 * k, 1);
+                mma_ss_m64n128k16<BF16>(acc[1], a_desc + 2 * k, b1_desc + 2 * k, 1);
+            }
+            wgmma_commit();
+            wgmma_wait<1>();  // the step before's MMAs are done: its stage goes back to the producer
+            if (i > 0) mbarrier_arrive_if(empty((g - 1) % STAGES), lane == 0);
         }
-        wgmma_commit();
-        wgmma_wait<1>();  // the step before's MMAs are done: its stage goes back to the producer
-        if (i > 0) mbarrier_arrive_if(empty((i - 1) % STAGES), lane == 0);
-    }
-    wgmma_wait<0>();
-    fence_registers(acc[0]);
-    fence_registers(acc[1]);
+        wgmma_wait<0>();
+        fence_registers(acc[0]);
+        fence_registers(acc[1]);
+        mbarrier_arrive_if(empty((g - 1) % STAGES), lane == 0);  // the tile's last stage, for the next tile
 
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row_base + 64 * c + row0 + 8 * r;
-        if (row >= run_end) continue;
-        if constexpr (GATED) {
-            unsigned char* row_out = out + ((i64)row * out_stride + n0 + 2 * quad) * 2;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                if (n0 + 8 * j + 2 * quad >= n_size) continue;
-                float g0 = acc[0][4 * j + 2 * r], g1 = acc[0][4 * j + 2 * r + 1];
-                float u0 = acc[1][4 * j + 2 * r], u1 = acc[1][4 * j + 2 * r + 1];
-                round2<BF16>(g0, g1);
-                round2<BF16>(u0, u1);
-                *reinterpret_cast<u32*>(row_out + 16 * j) = pack2<BF16>(gated<GELU>(g0, u0), gated<GELU>(g1, u1));
-            }
-        } else {
-            const int pair = sorted_pairs[row];
-            const float weight = topk_weights[(i64)(pair / topk) * weights_stride_t +
-                                              (i64)(pair % topk) * weights_stride_k];
-            unsigned char* row_out = out + ((i64)pair * out_stride + n0 + 2 * quad) * 2;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
+        for (int r = 0; r < 2; ++r) {
+            const int row = row_base + 64 * c + row0 + 8 * r;
+            if (row >= run_end) continue;
+            if constexpr (GATED) {
+                unsigned char* row_out = out + ((i64)row * out_stride + n0 + 2 * quad) * 2;
 #pragma unroll
                 for (int j = 0; j < 16; ++j) {
-                    if (n0 + half * kCols + 8 * j + 2 * quad >= n_size) continue;
-                    *reinterpret_cast<u32*>(row_out + (half * kCols + 8 * j) * 2) =
-                        pack2<BF16>(acc[half][4 * j + 2 * r] * weight, acc[half][4 * j + 2 * r + 1] * weight);
+                    if (n0 + 8 * j + 2 * quad >= n_size) continue;
+                    float g0 = acc[0][4 * j + 2 * r], g1 = acc[0][4 * j + 2 * r + 1];
+                    float u0 = acc[1][4 * j + 2 * r], u1 = acc[1][4 * j + 2 * r + 1];
+                    round2<BF16>(g0, g1);
+                    round2<BF16>(u0, u1);
+                    *reinterpret_cast<u32*>(row_out + 16 * j) = pack2<BF16>(gated<GELU>(g0, u0), gated<GELU>(g1, u1));
+                }
+            } else {
+                const int pair = sorted_pairs[row];
+                const float weight = topk_weights[(i64)(pair / topk) * weights_stride_t +
+                                                  (i64)(pair % topk) * weights_stride_k];
+                unsigned char* row_out = out + ((i64)pair * out_stride + n0 + 2 * quad) * 2;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) {
+                        if (n0 + half * kCols + 8 * j + 2 * quad >= n_size) continue;
+                        *reinterpret_cast<u32*>(row_out + (half * kCols + 8 * j) * 2) =
+                            pack2<BF16>(acc[half][4 * j + 2 * r] * weight, acc[half][4 * j + 2 * r + 1] * weight);
+                    }
                 }
             }
         }

@@ -24,7 +24,7 @@ from kernelmux.specs import fused_moe as spec_module
 from kernelmux.specs.fused_moe import SPEC
 
 SM90, SM89 = simulate("sm_90"), simulate("sm_89")
-PLANS = [cuda_moe.MoePlan(stages) for stages in cuda_moe.STAGES]
+PLANS = [cuda_moe.MoePlan(stages, persistent) for stages in cuda_moe.STAGES for persistent in (False, True)]
 # Every 16-bit case whose router weight applies after down (the kernels' calls), and the sizes beyond the
 # spec's small cases: one expert's run over several blocks, ragged H and I, a map with holes, top-1, fp16.
 SERVED = [case.name for case in SPEC.cases if case.name in {
@@ -116,14 +116,17 @@ def test_override_plan_checks_its_argument():
     with pytest.raises(ValueError, match="stages must be one of"):
         with cuda_moe.override_plan(stages=3):
             pass
+    with pytest.raises(ValueError, match="persistent must be a bool"):
+        with cuda_moe.override_plan(persistent=1):
+            pass
 
 
 @pytest.fixture(scope="module")
 def sm90a_modules():
     modules = {}
-    for bf16, gelu, plan in itertools.product((True, False), (False, True), PLANS):
-        names = cuda_moe.kernel_names(bf16, gelu, plan)
-        modules[bf16, gelu, plan] = (names, _compile.compile_module(
+    for bf16, gelu, stages in itertools.product((True, False), (False, True), cuda_moe.STAGES):
+        names = cuda_moe.kernel_names(bf16, gelu, stages)
+        modules[bf16, gelu, stages] = (names, _compile.compile_module(
             cuda_moe.source(names), list(names.values()), (9, 0), verbose=True, arch_specific=True))
     return modules
 
@@ -132,12 +135,12 @@ def sm90a_modules():
 def test_kernels_compile_for_sm90a_without_spills(sm90a_modules):
     # The producer warpgroup gives registers to the consumers (setmaxnreg): both sides must fit their
     # share without spilling, and ptxas must not serialize the wgmmas.
-    for (bf16, gelu, plan), (names, module) in sm90a_modules.items():
+    for (bf16, gelu, stages), (names, module) in sm90a_modules.items():
         for role, name in names.items():
             assert module.spill_bytes(name) == 0, name
             if role in ("gate_up", "down"):
                 assert 0 < module.registers(name) <= 168, name  # 384 threads, one CTA per SM
-                assert module.static_shared_bytes(name) == 16 * plan.stages, name  # two mbarriers a stage
+                assert module.static_shared_bytes(name) == 16 * stages, name  # two mbarriers a stage
         assert "Performance Loss" not in module.log, module.log  # ptxas serialized wgmmas (C7514)
         assert "setmaxnreg" not in module.log, module.log  # ptxas says when it ignores it (C7508)
 
@@ -154,10 +157,10 @@ def test_spec_cases_match_the_reference(name, seed):
 
 
 @needs_hopper
-@pytest.mark.parametrize("plan", PLANS, ids=lambda plan: f"stages{plan.stages}")
+@pytest.mark.parametrize("plan", PLANS, ids=lambda plan: f"stages{plan.stages}{'-persistent' * plan.persistent}")
 @pytest.mark.parametrize("name", list(LARGE))
 def test_prefill_sizes_match_the_reference(name, plan):
-    with cuda_moe.override_plan(stages=plan.stages):
+    with cuda_moe.override_plan(stages=plan.stages, persistent=plan.persistent):
         _check(_large(name, 3), name)
 
 
