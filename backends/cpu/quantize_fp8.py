@@ -1,9 +1,11 @@
 """The cpu backend's quantize_fp8: the spec's arithmetic (its scales, IEEE divisions, torch's round-to-nearest-even
 saturating cast) over blocks of rows that stay in cache, each group's scale broadcast to its elements rather
-than expanded into a divisor the size of the input."""
+than expanded into a divisor the size of the input; a call with one scale (per_tensor, or per_token over one
+row) computes it on the host."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernelmux.specs import quantize_fp8 as spec
@@ -24,23 +26,28 @@ def quantize_fp8(
     scale_layout: str = "k_major",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The spec's quantize_fp8; arguments are validated by the caller. Each block of rows is widened to
-    fp32 once; its maxima, scales, quotients and codes come from that copy."""
+    fp32 once; its maxima, scales, quotients and codes come from that copy. One per_token row is divided
+    as it is (the [1, 1] fp32 scale promotes the quotient to fp32)."""
     rows, cols = x.shape
     fp8 = spec.FP8_DTYPES[fp8_dtype]
-    fp8_max = spec.FP8_MAX[fp8_dtype]
     if granularity == "per_tensor":
-        amax = torch.zeros(1, dtype=torch.float32)
+        amax = 0.0
         if x.numel():  # max(-min, max): one pass in x's dtype, no |x| tensor (1024 x 4096 bf16: 252 against 1082 us)
             low, high = torch.aminmax(x)
-            amax = torch.maximum(-low, high).float().reshape(1)
-        scale = spec.scale_from_amax(amax, granularity, ue8m0, fp8_dtype)
+            amax = max(-low.item(), high.item())
+        scale = _one_scale(amax, ue8m0, fp8_dtype, shape=(1,))
+    elif granularity == "per_token" and rows == 1:  # a decode row: its scale on the host, two torch calls for codes
+        scale = _one_scale(x.abs().amax().item(), ue8m0, fp8_dtype, shape=(1, 1))
+        return torch.div(x, scale).to(fp8).contiguous(), scale
     block_rows = max(1, BLOCK_ELEMENTS // cols)
+    # The casts below need no clamp to +-fp8_max first: a quotient exceeds it by an ulp at most (x <= amax =
+    # fp8_max scale, to rounding), and torch's cast rounds that to fp8_max (e4m3fn's cast saturates anyway).
     if rows <= block_rows:  # one block: no copies of the scales, and the cast allocates the codes
         values = x.float().contiguous()  # (.to(memory_format=) keeps a strided fp32 x as it is)
         if granularity != "per_tensor":
             scale = _block_scale(values, granularity, group_size, ue8m0, fp8_dtype)
         quotients = _divided(values, scale, granularity, group_size, in_place=values is not x)
-        return quotients.clamp_(-fp8_max, fp8_max).to(fp8), spec.in_scale_layout(scale, scale_layout)
+        return quotients.to(fp8), spec.in_scale_layout(scale, scale_layout)
     q = torch.empty((rows, cols), dtype=fp8)
     if granularity != "per_tensor":
         scale = spec.fake(x, granularity, group_size, scale_layout=scale_layout)[1]
@@ -52,9 +59,19 @@ def quantize_fp8(
             scale[start:stop] = block_scale = _block_scale(values, granularity, group_size, ue8m0, fp8_dtype)
         else:
             block_scale = scale
-        q[start:stop].copy_(_divided(values, block_scale, granularity, group_size, in_place=True)
-                            .clamp_(-fp8_max, fp8_max))  # torch's saturating round-to-nearest-even cast
+        q[start:stop].copy_(_divided(values, block_scale, granularity, group_size, in_place=True))
     return q, scale
+
+
+def _one_scale(amax: float, ue8m0: bool, fp8_dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """spec.scale_from_amax of one per_tensor or per_token maximum, on the host (numpy's fp32 scalars instead
+    of four torch calls): max(amax / fp8_max, 2^-126), the division an IEEE fp32 one, ue8m0 rounded up on the
+    bits; a tensor of ``shape``."""
+    scale = max(np.float32(amax) / np.float32(spec.FP8_MAX[fp8_dtype]), np.float32(spec.SCALE_FLOOR))
+    if ue8m0:
+        bits = np.array(scale, dtype=np.float32).view(np.int32)
+        scale = ((bits + np.int32(0x007FFFFF)) & np.int32(-0x00800000)).view(np.float32)
+    return torch.full(shape, float(scale), dtype=torch.float32)
 
 
 def _block_scale(values: torch.Tensor, granularity: str, group_size: int, ue8m0: bool,

@@ -49,3 +49,33 @@ def test_ragged_groups_and_an_empty_batch() -> None:
     _check(dict(x=x, granularity="per_group", group_size=7), "groups of 7")
     for granularity in spec.GRANULARITIES:
         _check(dict(x=torch.empty(0, 64, dtype=torch.bfloat16), granularity=granularity), f"empty, {granularity}")
+
+
+@pytest.mark.parametrize("fp8_dtype", list(spec.FP8_DTYPES))
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_the_host_scale_is_the_specs(fp8_dtype: str, ue8m0: bool) -> None:
+    # One scale (per_tensor, a per_token row) is computed in numpy's fp32 scalars: the spec's bits for maxima
+    # of every magnitude, fp32 subnormals and 0 (the 2^-126 floor) to the largest finite values.
+    gen = torch.Generator().manual_seed(5)
+    amax = torch.cat([torch.exp2(torch.empty(2000).uniform_(-149, 128, generator=gen)),
+                      torch.tensor([0.0, 2.0**-149, 448.0 * 2.0**-126, 448.0, 240.0, torch.finfo(torch.float32).max])])
+    amax = amax[amax.isfinite()].float()
+    expected = spec.scale_from_amax(amax, "per_token", ue8m0, fp8_dtype)
+    actual = torch.stack([impl._one_scale(float(a), ue8m0, fp8_dtype, shape=()) for a in amax])
+    assert torch.equal(actual.view(torch.int32), expected.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_row_with_its_scale_on_the_host(dtype: torch.dtype) -> None:
+    # per_token over one row and per_tensor take their scale from the host: strided rows, a zero row and a row
+    # of tiny values (both at the 2^-126 floor), each dtype, both formats, ue8m0.
+    gen = torch.Generator().manual_seed(6)
+    wide = torch.randn(3, 2 * 256, generator=gen)
+    rows = [wide[1:2, ::2], wide[:1, :256].t().contiguous().t(), torch.zeros(1, 256), wide[:1, :256] * 2.0**-120]
+    for x in rows:
+        for granularity in ("per_token", "per_tensor"):
+            for ue8m0 in (False, True):
+                for fp8_dtype in spec.FP8_DTYPES:
+                    kwargs = dict(x=x.to(dtype), granularity=granularity, ue8m0=ue8m0, fp8_dtype=fp8_dtype)
+                    _check(kwargs, f"{granularity} {dtype} {fp8_dtype} ue8m0 {ue8m0}, strides {x.stride()}")
+                    assert impl.quantize_fp8(**kwargs)[0].is_contiguous()
