@@ -15,8 +15,8 @@ from kernelmux.backends.cuda._targets import HOPPER
 from kernelmux.platforms import Platform, probes
 from kernelmux.specs import fused_moe as spec
 
-__all__ = ["CAPABILITY", "MIN_PAIRS_PER_EXPERT", "MoePlan", "fused_moe", "kernel_names", "override_plan",
-           "shared_bytes", "source", "supports"]
+__all__ = ["CAPABILITY", "MIN_PAIRS_PER_EXPERT", "MoePlan", "describe", "fused_moe", "kernel_names",
+           "override_plan", "shared_bytes", "source", "supports"]
 
 CAPABILITY = HOPPER  # wgmma and setmaxnreg: sm_90a cubins run on sm_90 only
 ROWS = 128  # rows per routing block: the GEMMs' M (two consumer warpgroups of 64)
@@ -93,6 +93,14 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
                 f"{MIN_PAIRS_PER_EXPERT}: its 128-row blocks would be mostly padding (the triton backend's "
                 "smaller blocks serve decode sizes)")
     return None
+
+
+def describe(key: spec.Key, platform: Platform) -> str:
+    """What a call runs (for explain): the GEMMs' tiles and the plan in force."""
+    plan = _plans.current
+    grid = "one CTA an SM walking the tiles" if plan.persistent else "a CTA a tile"
+    return (f"GEMMs of {ROWS}-row blocks x 2 x {COLUMNS} columns, {plan.stages} stages of 48 KiB, {grid} "
+            "(perf/decisions/fused_moe.md)")
 
 
 def kernel_names(bf16: bool, gelu: bool, stages: int) -> dict[str, str]:

@@ -1,14 +1,14 @@
 // kernelmux cuda backend: fused_moe on Hopper (sm_90a) for 16-bit experts at prefill sizes.
 //
 // At T = 4096 the two grouped GEMMs are matmul-bound, and the triton kernels stop at 45-65% of the
-// bf16 rate (perf/decisions/fused_moe.md): their gathered A rows are cp.async tiles of one warp
-// group's mainloop, with nothing overlapping loads, MMAs and epilogues. This file's GEMM gives
-// each of three warpgroups one job, as the prefill kernel does (paged_prefill_sm90.cu):
+// bf16 rate (perf/decisions/fused_moe.md). This file's GEMM gives each of three warpgroups one job, as
+// the prefill kernel does (paged_prefill_sm90.cu). Measured level with the triton kernels so far: the
+// L2 traffic of every CTA's own B tiles bounds both (the decision file; next: TMA multicast).
 //
 //   - Routing (moe_route_sm90, one CTA): each (token, slot) pair placed in its local expert's run
 //     of rows, each run padded to whole 128-row blocks: counts, padded starts and each block's
 //     expert, then every pair scattered to a row of its run. No host sync: the GEMMs' grids are
-//     bounds from host ints, and a CTA past the routed rows returns at once.
+//     bounds from host ints, and a tile past the routed rows is skipped.
 //   - The grouped GEMM (moe_gemm_sm90): a CTA computes a 128-row block against two 128-wide column
 //     tiles of one expert's weights: gate and up (gate-up: the same 128 columns of both halves of
 //     w1, so the activation is the epilogue's) or two neighbouring tiles (down). Warpgroup 0 (the

@@ -112,6 +112,14 @@ def test_shared_memory_fits_hopper():
         assert cuda_moe.shared_bytes(plan.stages) + 16 * plan.stages <= 227 * 1024
 
 
+def test_describe_names_the_plan_in_force():
+    key = SPEC.validate(**_prefill_call())
+    assert cuda_moe.describe(key, SM90).startswith("GEMMs of 128-row blocks x 2 x 128 columns, 4 stages of 48 KiB, "
+                                                   "a CTA a tile")
+    with cuda_moe.override_plan(stages=2, persistent=True):
+        assert "2 stages of 48 KiB, one CTA an SM walking the tiles" in cuda_moe.describe(key, SM90)
+
+
 def test_override_plan_checks_its_argument():
     with pytest.raises(ValueError, match="stages must be one of"):
         with cuda_moe.override_plan(stages=3):
