@@ -2,18 +2,21 @@
 device: Mixtral-8x7B and Qwen3-30B-A3B in bf16 and DeepSeek-V3 with 128-block fp8 weights, at T = 1,
 64 and 4096, and gpt-oss-120b with MXFP4 weights (random codes and scales: the values do not change
 the time) at T = 1 and 64. Each implementation that serves a shape (the triton backend's kernels; torch's
-grouped_mm and DeepGEMM as peers) is timed by CUDA-graph replay over four routings (so decode reads
+grouped_mm, the cuda backend's Hopper GEMMs (called directly, past its floor on pairs per expert) and
+DeepGEMM as peers) is timed by CUDA-graph replay over four routings (so decode reads
 cold experts, as a serving step does), after its output is checked: against the spec's reference
 where that is cheap (check_close), else against the peer (the largest difference relative to the
 peer's largest output). Times are set against the copy bandwidth and matmul rates measured in the
 same run: "roofline" is the larger of the spec's FLOPs at the matmul rate and its bytes (the experts
 actually routed to) at the copy rate. --sweep also times the triton backend under each launch
 configuration of _sweep, checked the same way first; --kernels adds each kernel's device time (the
-profiler), --route-probe the triton call with its routing in three launches.
+profiler), --route-probe the triton call with its routing in three launches, --cuda-plans the cuda
+backend under other plans, --dense-bound torch.mm on dense operands of the same FLOPs (no routing: a bound
+for the grouped GEMMs under the same replay).
 
     python perf/diag/fused_moe_goals.py --out DIR [--models mixtral qwen3 deepseek] [--tokens 1 64 4096] [--sweep]
-        [--impls triton torch deepgemm] [--configs BM/BN/BK/WARPS/STAGES[/REDUCE] gemv/BN/BK/WARPS/STAGES ...]
-        [--kernels] [--route-probe]
+        [--impls triton torch cuda deepgemm] [--configs BM/BN/BK/WARPS/STAGES[/REDUCE] gemv/BN/BK/WARPS/STAGES ...]
+        [--cuda-plans STAGES[p] ...] [--dense-bound] [--kernels] [--route-probe]
 """
 
 from __future__ import annotations
