@@ -54,32 +54,38 @@ _FNUZ_REBIAS = tl.constexpr(952)
 
 
 @triton.jit
-def e4m3fn_codes(x, nan_sign, NATIVE_FP8: tl.constexpr):
+def e4m3fn_codes(x, nan_sign, NATIVE_FP8: tl.constexpr, IN_RANGE: tl.constexpr = False):
     """fp32 (already divided by the scale) -> float8_e4m3fn codes (uint8): saturated to +-448,
-    rounded to nearest even; NaN -> 0x7F | nan_sign (int32, 0 or 0x80 per element)."""
-    # Comparisons with NaN are false, so NaN passes this clamp; tl.minimum / tl.maximum would not
-    # do on the GPU (max.f32 returns the operand that is not NaN).
-    x = tl.where(x > FP8_MAX, FP8_MAX, x)
-    x = tl.where(x < -FP8_MAX, -FP8_MAX, x)
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80  # fp32 bit 31 -> code bit 7
-    mag = bits & 0x7FFFFFFF
-    if NATIVE_FP8:
-        code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    rounded to nearest even; NaN -> 0x7F | nan_sign (int32, 0 or 0x80 per element). IN_RANGE (no NaN
+    in x and |x| within an ulp of 448 at most, as quantize_fp8's quotients are) with NATIVE_FP8: the
+    hardware cast alone, which rounds such values as the clamped route does (448 + an ulp to 448)."""
+    if NATIVE_FP8 and IN_RANGE:  # if/else, not an early return: Triton would build the rest too
+        code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        # Normal codes: round the 23-bit mantissa to 3 bits (add just under half an ulp of the
-        # result, plus one when the kept lsb is odd: ties go to even); a carry out of the mantissa
-        # moves into the exponent, as it must (1.9375 -> 2.0). |x| <= 448 here, so no overflow
-        # (NaN lanes wrap, harmlessly: they are replaced below).
-        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - _REBIAS
-        # Subnormal codes (|x| < 2**-6): the code is |x| / 2**-9 rounded to nearest even, which an
-        # fp32 add of 2**23 does (RNE at unit precision); |x| * 512 is exact, so an FMA contraction
-        # gives the same bits. A result of 8 is 2**-6, the smallest normal code: also right.
-        scaled = mag.to(tl.float32, bitcast=True) * 512.0 + 8388608.0
-        subnormal = scaled.to(tl.int32, bitcast=True) - _MAGIC_BITS
-        code = sign | tl.where(mag < _MIN_NORMAL_BITS, subnormal, normal)
-    code = tl.where(mag > _INF_BITS, nan_sign | 0x7F, code)
-    return code.to(tl.uint8)
+        # Comparisons with NaN are false, so NaN passes this clamp; tl.minimum / tl.maximum would not
+        # do on the GPU (max.f32 returns the operand that is not NaN).
+        x = tl.where(x > FP8_MAX, FP8_MAX, x)
+        x = tl.where(x < -FP8_MAX, -FP8_MAX, x)
+        bits = x.to(tl.int32, bitcast=True)
+        sign = (bits >> 24) & 0x80  # fp32 bit 31 -> code bit 7
+        mag = bits & 0x7FFFFFFF
+        if NATIVE_FP8:
+            code = x.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+        else:
+            # Normal codes: round the 23-bit mantissa to 3 bits (add just under half an ulp of the
+            # result, plus one when the kept lsb is odd: ties go to even); a carry out of the mantissa
+            # moves into the exponent, as it must (1.9375 -> 2.0). |x| <= 448 here, so no overflow
+            # (NaN lanes wrap, harmlessly: they are replaced below).
+            normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - _REBIAS
+            # Subnormal codes (|x| < 2**-6): the code is |x| / 2**-9 rounded to nearest even, which an
+            # fp32 add of 2**23 does (RNE at unit precision); |x| * 512 is exact, so an FMA contraction
+            # gives the same bits. A result of 8 is 2**-6, the smallest normal code: also right.
+            scaled = mag.to(tl.float32, bitcast=True) * 512.0 + 8388608.0
+            subnormal = scaled.to(tl.int32, bitcast=True) - _MAGIC_BITS
+            code = sign | tl.where(mag < _MIN_NORMAL_BITS, subnormal, normal)
+        code = tl.where(mag > _INF_BITS, nan_sign | 0x7F, code)
+        code = code.to(tl.uint8)
+    return code
 
 
 @triton.jit

@@ -38,7 +38,9 @@ def _codes(x, scale, NATIVE_FP8: tl.constexpr, FNUZ: tl.constexpr):
     """fp32 x [r, c] over its per-row scale [r, 1] (broadcast) -> e4m3fn (e4m3fnuz under FNUZ) codes, the
     IEEE division first."""
     x = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
-    return e4m3fnuz_codes(x) if FNUZ else e4m3fn_codes(x, 0, NATIVE_FP8)
+    # IN_RANGE: the quotients are within an ulp of fp8_max (x <= amax), and the spec leaves a NaN or Inf
+    # input's codes unspecified.
+    return e4m3fnuz_codes(x) if FNUZ else e4m3fn_codes(x, 0, NATIVE_FP8, IN_RANGE=True)
 
 
 @triton.jit
