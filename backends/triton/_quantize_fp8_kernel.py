@@ -1,7 +1,8 @@
 """The triton backend's quantize_fp8 kernels: rows (per token, or the whole tensor's one scale from its own
 tile or from per-program partial maxima) and 1 x G groups, each reading its input once for the amax and
-once for the codes, with the spec's fp32 arithmetic (IEEE divisions, its floors, ue8m0 by the bits) and
-the shared code routines (e4m3fn, or e4m3fnuz under FNUZ). Host side: quantize_fp8.py."""
+once for the codes (groups, and rows read whole in one step, once for both), with the spec's fp32
+arithmetic (IEEE divisions, its floors, ue8m0 by the bits) and the shared code routines (e4m3fn, or
+e4m3fnuz under FNUZ). Host side: quantize_fp8.py."""
 
 import triton
 import triton.language as tl
@@ -66,14 +67,23 @@ def amax_partials_kernel(x_ptr, partial_ptr, rows, cols, stride_xm, stride_xk,
 def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, rows, cols, num_partials,
                          stride_xm, stride_xk, stride_qm, stride_sm,
                          AMAX: tl.constexpr, UE8M0: tl.constexpr, NATIVE_FP8: tl.constexpr, FNUZ: tl.constexpr,
-                         ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr):
+                         ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, ONE_STEP: tl.constexpr):
     """Codes of the program's ROWS rows and their scale: per row (AMAX ROW, scale [M, 1]) or one for
     the tensor (TILE: this program's rows are all of it; PARTIALS: the first pass's maxima), stored by
-    program 0 (scale [1])."""
+    program 0 (scale [1]). ONE_STEP (BLOCK_K >= cols, AMAX ROW or TILE): the rows are read once and kept
+    in registers from their maxima to their codes, instead of a second pass."""
     row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = row < rows
     x_rows = x_ptr + row[:, None].to(tl.int64) * stride_xm
-    if AMAX == PARTIALS:
+    if ONE_STEP:
+        tl.static_assert(AMAX != PARTIALS)
+        k = tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (k < cols)[None, :]
+        x = tl.load(x_rows + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        if AMAX == TILE:
+            amax = tl.zeros((ROWS,), dtype=tl.float32) + tl.max(amax, axis=0)
+    elif AMAX == PARTIALS:
         amax = tl.zeros((BLOCK_P,), dtype=tl.float32)
         for p0 in range(0, num_partials, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)
@@ -94,11 +104,14 @@ def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, rows, cols, num_p
     else:
         tl.store(scale_ptr + row, scale, mask=row == 0)  # the tensor's one scale, from row 0's lane
     q_rows = q_ptr + row[:, None].to(tl.int64) * stride_qm
-    for k0 in range(0, cols, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        mask = row_ok[:, None] & (k < cols)[None, :]
-        x = tl.load(x_rows + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    if ONE_STEP:
         tl.store(q_rows + k[None, :], _codes(x, scale[:, None], NATIVE_FP8, FNUZ), mask=mask)
+    else:
+        for k0 in range(0, cols, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            mask = row_ok[:, None] & (k < cols)[None, :]
+            x = tl.load(x_rows + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_rows + k[None, :], _codes(x, scale[:, None], NATIVE_FP8, FNUZ), mask=mask)
 
 
 @triton.jit

@@ -25,6 +25,12 @@ ONE_PROGRAM_MAX_ROWS = ROWS
 # (13.3 / 47.0 at 2, 14.5 / 53.5 at 8; BLOCK_K 512 and 2048 slower at every height). At T 1, H 7168: 6.6 us
 # against 38.3 for a 4-row tile (3 rows masked, their divisions still paid).
 TOKEN_ROWS = 1
+# per_token rows of at most this many columns are read once, whole, and kept in registers for their codes
+# (ONE_STEP), by ONE_STEP_WARPS warps. H200, T 4096, bf16: H 2048 8.31 us one step against 9.88 in two
+# passes (8 warps 9.63, 16 warps 13.36); H 7168 33.50 in two passes against 39.08 one step (8 warps 36.68):
+# so up to 2048 (widths between not measured).
+ONE_STEP_MAX_COLS = 2048
+ONE_STEP_WARPS = 4
 PARTIALS_BLOCK = 1024  # maxima read per step by the quantizing pass
 GROUPS = 8  # per_group: groups of one row per program
 # quantize_rows_kernel's AMAX
@@ -65,10 +71,12 @@ def quantize_fp8(
                 x, codes, scale, cols, group_size, groups, *x.stride(), codes.stride(0), *scale.stride(),
                 UE8M0=ue8m0, NATIVE_FP8=native, FNUZ=fnuz, GROUPS=GROUPS, GROUP_PAD=next_pow2(group_size))
             return q, scale
-        block_rows = ROWS
+        block_rows, block_k, one_step, warps = ROWS, BLOCK_K, False, 4
         partials = scale  # a placeholder unless per_tensor takes two passes
         if granularity == "per_token":
             amax, block_rows = AMAX_ROW, TOKEN_ROWS
+            if cols <= ONE_STEP_MAX_COLS:
+                block_k, one_step, warps = next_pow2(cols), True, ONE_STEP_WARPS
         elif rows <= ONE_PROGRAM_MAX_ROWS:
             amax, block_rows = AMAX_TILE, next_pow2(rows)
         else:
@@ -78,6 +86,6 @@ def quantize_fp8(
                                                               BLOCK_K=BLOCK_K)
         kernels.quantize_rows_kernel[(-(-rows // block_rows),)](
             x, codes, scale, partials, rows, cols, partials.numel(), *x.stride(), codes.stride(0), scale.stride(0),
-            AMAX=amax, UE8M0=ue8m0, NATIVE_FP8=native, FNUZ=fnuz, ROWS=block_rows, BLOCK_K=BLOCK_K,
-            BLOCK_P=PARTIALS_BLOCK)
+            AMAX=amax, UE8M0=ue8m0, NATIVE_FP8=native, FNUZ=fnuz, ROWS=block_rows, BLOCK_K=block_k,
+            BLOCK_P=PARTIALS_BLOCK, ONE_STEP=one_step, num_warps=warps)
     return q, scale

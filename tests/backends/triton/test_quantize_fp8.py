@@ -104,6 +104,17 @@ def test_strided_and_sliced_inputs(granularity: str, group_size: int) -> None:
                     group_size=group_size, ue8m0=False, fp8_dtype="e4m3fn"), f"{granularity}, strides {x.stride()}")
 
 
+@pytest.mark.parametrize("cols, one_step_max_cols", [(300, 0), (300, 512), (8200, host.ONE_STEP_MAX_COLS), (1, 1)],
+                         ids=["two-passes", "one-step-ragged", "wider-than-one-step", "one-column"])
+def test_both_per_token_routes(cols: int, one_step_max_cols: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows of at most ONE_STEP_MAX_COLS columns are read once and kept for their codes; wider ones in two passes.
+    monkeypatch.setattr(host, "ONE_STEP_MAX_COLS", one_step_max_cols)
+    gen = torch.Generator().manual_seed(8)
+    x = (torch.randn(3, cols, generator=gen) * torch.rand(3, 1, generator=gen) * 30).to(torch.bfloat16).to(DEVICE)
+    for ue8m0 in (False, True):
+        _check(dict(x=x, granularity="per_token", ue8m0=ue8m0), f"{cols} columns, one step up to {one_step_max_cols}")
+
+
 @pytest.mark.skipif(not ON_GPU, reason="GPU only: the native fp8 route is the hardware cast (sm_89+)")
 @pytest.mark.parametrize("name", ["deepseek_v3_m128", "extremes_per_token", "llama3_8b_m1024_per_tensor"])
 def test_the_integer_code_route_on_the_gpu(name: str) -> None:
