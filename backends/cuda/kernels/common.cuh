@@ -1,7 +1,7 @@
 // kernelmux cuda backend: device helpers every kernel of the backend shares, whatever its target
 // arch (paged_decode_fp8.cu runs from sm_89; sm90_common.cuh adds the Hopper-only ones): the
 // integer types, -inf, log2(e) and ln(2), the base-2 exponential and logarithm, and fp32 pairs
-// packed into 16-bit pairs.
+// packed into 16-bit pairs and back.
 // _toolchain.py hands every kernels/*.cuh to NVRTC, so a kernel includes it by name.
 
 #pragma once
@@ -40,6 +40,18 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
         asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
     }
     return d;
+}
+
+// A 16-bit pair (bf16 or f16, lo in the low half) as two floats: pack2's inverse, exact.
+template <bool BF16>
+__device__ __forceinline__ void unpack2(u32 v, float& lo, float& hi) {
+    if constexpr (BF16) {
+        lo = __uint_as_float(v << 16);
+        hi = __uint_as_float(v & 0xffff0000u);
+    } else {
+        asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+            : "=f"(lo), "=f"(hi) : "r"(v));
+    }
 }
 
 // Programmatic dependent launch (sm_90 and newer; a no-op before, and for a grid launched without

@@ -55,18 +55,6 @@ __device__ __forceinline__ int local_expert(const int* ids, const int* expert_ma
     return expert_map != nullptr ? expert_map[(i64)id * map_stride] : id;
 }
 
-// A 16-bit pair as two floats.
-template <bool BF16>
-__device__ __forceinline__ void unpack2(u32 v, float& lo, float& hi) {
-    if constexpr (BF16) {
-        lo = __uint_as_float(v << 16);
-        hi = __uint_as_float(v & 0xffff0000u);
-    } else {
-        asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
-            : "=f"(lo), "=f"(hi) : "r"(v));
-    }
-}
-
 // x and y rounded to the 16-bit dtype and back.
 template <bool BF16>
 __device__ __forceinline__ void round2(float& x, float& y) { unpack2<BF16>(pack2<BF16>(x, y), x, y); }
