@@ -1,6 +1,7 @@
 """The cuda backend's driver calls (libcuda through ctypes): a compiled module loaded once per
-device, and each kernel launched on torch's current stream with its params struct, optionally as a
-programmatic dependent of the kernel before it (cuLaunchKernelEx, sm_90+)."""
+device, each kernel launched on torch's current stream with its params struct, optionally as a
+programmatic dependent of the kernel before it (cuLaunchKernelEx, sm_90+), and the TMA tensor maps
+kernels take as parameters (cuTensorMapEncodeTiled, sm_90+)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Callable, Hashable, Optional, Sequence
 from kernelmux.backends.cuda._compile import CompiledModule
 from kernelmux.backends.cuda._toolchain import NvrtcError
 
-__all__ = ["Kernel", "KernelSpec", "LoadedKernels", "load_kernel", "module_global"]
+__all__ = ["Kernel", "KernelSpec", "LoadedKernels", "TensorMap", "load_kernel", "module_global", "tensor_map"]
 
 _CU_OCCUPANCY = "cuOccupancyMaxActiveBlocksPerMultiprocessor"
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -32,9 +33,6 @@ def _cu_check(result: int, what: str) -> None:
     raise NvrtcError(f"{what}: CUDA error {result} ({text.value.decode() if text.value else 'unknown'})")
 
 
-# cuLaunchKernel's ``extra`` markers (cuda.h): the parameters as one buffer, laid out as the
-# kernel's parameter list, which is the params struct's layout (_params.py).
-_CU_LAUNCH_PARAM_END, _CU_LAUNCH_PARAM_BUFFER_POINTER, _CU_LAUNCH_PARAM_BUFFER_SIZE = 0, 1, 2
 # cuLaunchKernelEx's attribute CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h).
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
@@ -51,6 +49,46 @@ class _LaunchConfig(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
                 ("num_attrs", ctypes.c_uint)]
+
+
+# CUtensorMap: 128 opaque bytes (64-byte aligned where the driver writes it and on the device).
+TensorMap = ctypes.c_ubyte * 128
+_TENSOR_MAP_ALIGNMENT = 64
+# cuTensorMapEncodeTiled's enums (cuda.h): the element type, no interleave, the 128-byte swizzle (the
+# layout the kernels' wgmma descriptors read), 256-byte L2 promotion, zeros for elements out of bounds.
+_CU_TENSOR_MAP_DATA_TYPE = {1: 0, 2: 1, 4: 2}  # element bytes -> UINT8, UINT16, UINT32: copies, no arithmetic
+_CU_TENSOR_MAP_INTERLEAVE_NONE, _CU_TENSOR_MAP_SWIZZLE_128B = 0, 3
+_CU_TENSOR_MAP_L2_PROMOTION_L2_256B, _CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE = 3, 0
+
+
+@functools.lru_cache(maxsize=256)
+def _encoded_map(address: int, element_bytes: int, dims: tuple[int, ...], strides: tuple[int, ...],
+                 box: tuple[int, ...]) -> bytes:
+    rank = len(dims)
+    storage = ctypes.create_string_buffer(ctypes.sizeof(TensorMap) + _TENSOR_MAP_ALIGNMENT)
+    aligned = -ctypes.addressof(storage) % _TENSOR_MAP_ALIGNMENT
+    dims_array = (ctypes.c_uint64 * rank)(*dims)
+    strides_array = (ctypes.c_uint64 * max(rank - 1, 1))(*strides)
+    box_array = (ctypes.c_uint32 * rank)(*box)
+    element_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
+    _cu_check(_libcuda().cuTensorMapEncodeTiled(
+        ctypes.c_void_p(ctypes.addressof(storage) + aligned), _CU_TENSOR_MAP_DATA_TYPE[element_bytes],
+        ctypes.c_uint32(rank), ctypes.c_void_p(address), dims_array, strides_array, box_array, element_strides,
+        _CU_TENSOR_MAP_INTERLEAVE_NONE, _CU_TENSOR_MAP_SWIZZLE_128B, _CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        _CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+        f"cuTensorMapEncodeTiled(dims {dims}, byte strides {strides}, box {box})")
+    return storage.raw[aligned:aligned + ctypes.sizeof(TensorMap)]
+
+
+def tensor_map(tensor, box: Sequence[int]) -> TensorMap:
+    """A TMA map of ``tensor`` (unit stride along its last dim; 16-byte aligned data and strides) for
+    loads of ``box`` elements per dim, innermost first (the tensor's dims reversed), in the 128-byte
+    swizzle; elements out of bounds load as zeros. Maps are encoded once per (address, shape, strides,
+    box) and copied into each launch's parameters."""
+    dims = tuple(reversed(tensor.shape))
+    strides = tuple(stride * tensor.element_size() for stride in reversed(tensor.stride()[:-1]))
+    encoded = _encoded_map(tensor.data_ptr(), tensor.element_size(), dims, strides, tuple(box))
+    return TensorMap.from_buffer_copy(encoded)
 
 
 class Kernel:
@@ -77,11 +115,12 @@ class Kernel:
         return count.value
 
     def parameters(self, **fields) -> ctypes.Array:
-        """The ``extra`` array cuLaunchKernel reads: the params struct, filled from ``fields`` (a
-        tensor or None for a pointer field: its data or null), as the kernel's parameter buffer.
-        The struct is allocated once per kernel and thread and refilled per call (a launch copies
-        it out before it returns); every field must be named, so none keeps a previous call's
-        value."""
+        """The ``kernelParams`` array cuLaunchKernel reads: a pointer to each field of the params
+        struct, in order, filled from ``fields`` (a tensor or None for a pointer field: its data or
+        null). The driver copies each parameter to the offset the cubin gives it, which for a TMA map
+        (64-byte aligned in the constant bank) is not the struct's. The struct is allocated once per
+        kernel and thread and refilled per call (a launch copies it out before it returns); every
+        field must be named, so none keeps a previous call's value."""
         if len(fields) != len(self._fields) or not self._fields.issuperset(fields):
             missing = sorted(self._fields - set(fields))
             unknown = sorted(set(fields) - self._fields)
@@ -89,17 +128,15 @@ class Kernel:
         storage = getattr(self._per_thread, "storage", None)
         if storage is None:
             struct = self._params()
-            size = ctypes.c_size_t(ctypes.sizeof(struct))
-            extra = (ctypes.c_void_p * 5)(_CU_LAUNCH_PARAM_BUFFER_POINTER, ctypes.addressof(struct),
-                                          _CU_LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size),
-                                          _CU_LAUNCH_PARAM_END)
-            storage = self._per_thread.storage = (struct, size, extra)
-        struct, _, extra = storage
+            pointers = (ctypes.c_void_p * len(self._params._fields_))(
+                *[ctypes.addressof(struct) + getattr(self._params, name).offset for name, _ in self._params._fields_])
+            storage = self._per_thread.storage = (struct, pointers)
+        struct, pointers = storage
         for name, value in fields.items():
             if value is not None and hasattr(value, "data_ptr"):
                 value = value.data_ptr()
             setattr(struct, name, value)
-        return extra
+        return pointers
 
     def __call__(self, grid: tuple[int, int, int], *, overlap_previous: bool = False, **fields) -> None:
         """Launch on torch's current stream with the params struct filled from ``fields``.
@@ -108,11 +145,11 @@ class Kernel:
         (``griddepcontrol.wait``) before its first global read or write."""
         import torch
 
-        extra = self.parameters(**fields)
+        pointers = self.parameters(**fields)
         stream = torch.cuda.current_stream().cuda_stream
         if not overlap_previous:
             _cu_check(_libcuda().cuLaunchKernel(self._function, grid[0], grid[1], grid[2], self._block, 1, 1,
-                                                self._shared_bytes, ctypes.c_void_p(stream), None, extra),
+                                                self._shared_bytes, ctypes.c_void_p(stream), pointers, None),
                       "cuLaunchKernel")
             return
         config = getattr(self._per_thread, "config", None)
@@ -124,7 +161,7 @@ class Kernel:
                 attrs=ctypes.pointer(attribute), num_attrs=1)
         config.grid[0], config.grid[1], config.grid[2] = grid
         config.stream = stream
-        _cu_check(_libcuda().cuLaunchKernelEx(ctypes.byref(config), self._function, None, extra),
+        _cu_check(_libcuda().cuLaunchKernelEx(ctypes.byref(config), self._function, pointers, None),
                   "cuLaunchKernelEx")
 
 

@@ -1,31 +1,44 @@
 """The cuda kernels' named ABI: one ctypes mirror per params struct of the .cu files (the same
 fields, in order, of the same types), and the static_asserts appended to each compiled source
-that hold the kernel's parameter list, its struct and the mirror to one layout."""
+that hold the kernel's parameter list, its struct and the mirror to one list of types. A launch
+points the driver at each field of the mirror (_driver.Kernel.parameters)."""
 
 from __future__ import annotations
 
 import ctypes
 from typing import Sequence
 
+from kernelmux.backends.cuda._driver import TensorMap
 from kernelmux.backends.cuda._toolchain import KERNELS
 
 __all__ = ["MergeSplitsParams", "MlaDecodeParams", "MoeGemmParams", "MoeRouteParams", "MoeSumParams",
            "PagedDecodeParams", "PagedPrefillParams", "abi_checks", "checked_source"]
 
-# Why the kernels keep positional parameters (launched with the mirror as their parameter buffer,
-# whose layout CUDA defines as this struct's) instead of taking the struct by value: by value, the
+# Why the kernels keep positional parameters (launched with a pointer to each field of the mirror)
+# instead of taking the struct by value: by value, the
 # pointers lose __restrict__, and ptxas emitted other SASS (ld.global.nc lost, prefill and MLA
 # rescheduled), which perf/decisions/paged_attention.md's tuning did not measure.
-_P, _I, _Q, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-_KINDS = {_P: "p", _I: "i", _Q: "q", _F: "f"}
-_KIND_NAMES = {_P: "pointer", _I: "int32", _Q: "int64", _F: "float32"}
+_P, _I, _Q, _F, _M = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float, TensorMap
+_KINDS = {_P: "p", _I: "i", _Q: "q", _F: "f", _M: "m"}
+_KIND_NAMES = {_P: "pointer", _I: "int32", _Q: "int64", _F: "float32", _M: "TMA tensor map"}
+# A TensorMap's alignment in C (alignas(64)): a struct holding one pads its size to a multiple of it, which
+# ctypes does not (the launch passes fields, not the struct).
+_MAP_ALIGNMENT = 64
 
 
-def _fields(pointers: str, ints: str, floats: str, longs: str) -> list[tuple[str, type]]:
-    """Fields in the .cu struct's order, as its declarations group them: pointers, then int32s,
-    then floats, then int64s."""
-    groups = ((pointers, _P), (ints, _I), (floats, _F), (longs, _Q))
+def _fields(pointers: str, ints: str, floats: str, longs: str, maps: str = "") -> list[tuple[str, type]]:
+    """Fields in the .cu struct's order, as its declarations group them: TMA maps, pointers, then
+    int32s, then floats, then int64s."""
+    groups = ((maps, _M), (pointers, _P), (ints, _I), (floats, _F), (longs, _Q))
     return [(name, kind) for names, kind in groups for name in names.split()]
+
+
+def _c_size(mirror: type[ctypes.Structure]) -> int:
+    """sizeof of the .cu struct ``mirror`` mirrors: its own size, padded as C pads a struct with a map."""
+    size = ctypes.sizeof(mirror)
+    if any(kind is _M for _, kind in mirror._fields_):
+        size = -(-size // _MAP_ALIGNMENT) * _MAP_ALIGNMENT
+    return size
 
 
 class PagedDecodeParams(ctypes.Structure):
@@ -71,16 +84,16 @@ class MlaDecodeParams(ctypes.Structure):
 class MoeRouteParams(ctypes.Structure):
     """kernels/fused_moe_sm90.cu's MoeRouteParams (the routing CTA)."""
 
-    _fields_ = _fields("topk_ids expert_map counts starts block_expert total sorted_pairs",
-                       "num_pairs topk num_experts max_blocks", "", "ids_stride_t ids_stride_k map_stride")
+    _fields_ = _fields("topk_ids expert_map counts starts block_expert sorted_pairs",
+                       "num_pairs topk num_experts max_blocks run_blocks", "", "ids_stride_t ids_stride_k map_stride")
 
 
 class MoeGemmParams(ctypes.Structure):
     """kernels/fused_moe_sm90.cu's MoeGemmParams (gate-up and down)."""
 
-    _fields_ = _fields("a b out sorted_pairs block_expert starts counts total topk_weights",
-                       "topk n_size k_size max_blocks", "",
-                       "a_stride b_stride_e b_stride_n out_stride weights_stride_t weights_stride_k")
+    _fields_ = _fields("a out sorted_pairs block_expert starts counts topk_weights",
+                       "topk n_size k_size max_blocks", "", "a_stride out_stride weights_stride_t weights_stride_k",
+                       maps="b_map")
 
 
 class MoeSumParams(ctypes.Structure):
@@ -93,11 +106,12 @@ class MoeSumParams(ctypes.Structure):
 def abi_checks(mirror: type[ctypes.Structure], kernels: Sequence[str]) -> str:
     """C++ static_asserts that the struct named like ``mirror`` has the mirror's size and, field by
     field, its names, sizes and kinds, and that each kernel of ``kernels`` (C++ name expressions)
-    takes exactly those fields' types as its parameters, in the mirror's order: the offsets then
-    follow, by the same C layout rules on both sides (NVRTC has no constant offsetof)."""
+    takes exactly those fields' types as its parameters, in the mirror's order. The struct's offsets
+    then follow by the same C layout rules on both sides (NVRTC has no constant offsetof); the
+    parameters' own offsets are the cubin's, where the driver copies each field to."""
     struct = mirror.__name__
-    lines = [f'static_assert(sizeof({struct}) == {ctypes.sizeof(mirror)}, "{struct}: its size differs from its '
-             f'host mirror\'s ({ctypes.sizeof(mirror)} bytes, backends/cuda/_params.py)");']
+    lines = [f'static_assert(sizeof({struct}) == {_c_size(mirror)}, "{struct}: its size differs from its '
+             f'host mirror\'s ({_c_size(mirror)} bytes, backends/cuda/_params.py)");']
     for name, kind in mirror._fields_:
         size = getattr(mirror, name).size
         lines.append(

@@ -293,8 +293,8 @@ __device__ __forceinline__ void value_mmas(float (&o)[128], u32 p_tile, u32 kv_t
 }  // namespace
 
 // The kernel's parameters are this struct's fields, in order: the host fills its mirror
-// (_params.MlaDecodeParams) and launches with it as the parameter buffer; the host appends static_asserts
-// holding the kernel's parameter list, this struct and the mirror to one layout.
+// (_params.MlaDecodeParams) and launches with a pointer to each of its fields; the host appends static_asserts
+// holding the kernel's parameter list, this struct and the mirror to one list of types.
 struct MlaDecodeParams {
     const unsigned char* q;
     const unsigned char* kv;

@@ -120,8 +120,8 @@ __device__ __forceinline__ float finite_abs(float x) {
 // KERNELMUX_DIAG_TRACE's marks (TRACE_MARK, slots 0-7): diagnostics.cuh.
 
 // The kernel's parameters are this struct's fields, in order: the host fills its mirror
-// (_params.PagedDecodeParams) and launches with it as the parameter buffer; the host appends static_asserts
-// holding the kernel's parameter list, this struct and the mirror to one layout.
+// (_params.PagedDecodeParams) and launches with a pointer to each of its fields; the host appends static_asserts
+// holding the kernel's parameter list, this struct and the mirror to one list of types.
 struct PagedDecodeParams {
     const unsigned char* query;
     const unsigned char* k_cache;

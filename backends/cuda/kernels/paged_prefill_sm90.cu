@@ -78,8 +78,8 @@ __device__ __forceinline__ void load_tile(u32 tile, int tid, const unsigned char
 }  // namespace
 
 // The kernel's parameters are this struct's fields, in order: the host fills its mirror
-// (_params.PagedPrefillParams) and launches with it as the parameter buffer; the host appends static_asserts
-// holding the kernel's parameter list, this struct and the mirror to one layout.
+// (_params.PagedPrefillParams) and launches with a pointer to each of its fields; the host appends static_asserts
+// holding the kernel's parameter list, this struct and the mirror to one list of types.
 struct PagedPrefillParams {
     const unsigned char* query;
     const unsigned char* k_cache;

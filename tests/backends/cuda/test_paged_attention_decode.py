@@ -400,31 +400,28 @@ class _Mirror(ctypes.Structure):
 
 
 def test_launch_parameters_hold_each_field_by_kind():
-    # What cuLaunchKernel reads: ``extra`` names the params struct as the parameter buffer (and
-    # its size); each field holds its argument's value in its C type.
+    # What cuLaunchKernel reads: ``kernelParams``, a pointer to each field of the params struct in
+    # order; each field holds its argument's value in its C type.
     kernel = _driver.Kernel(ctypes.c_void_p(0), _Mirror, 128, None)
     tensor = torch.arange(4.0)
-    names = [name for name, _ in _Mirror._fields_]
 
-    def read(extra):
-        assert extra[0] == _driver._CU_LAUNCH_PARAM_BUFFER_POINTER and extra[2] == _driver._CU_LAUNCH_PARAM_BUFFER_SIZE
-        assert extra[4] is None  # CU_LAUNCH_PARAM_END
-        assert ctypes.cast(extra[3], ctypes.POINTER(ctypes.c_size_t)).contents.value == ctypes.sizeof(_Mirror)
-        struct = ctypes.cast(extra[1], ctypes.POINTER(_Mirror)).contents
-        return [getattr(struct, name) for name in names]
+    def read(pointers):
+        assert len(pointers) == len(_Mirror._fields_)
+        return [ctypes.cast(pointer, ctypes.POINTER(kind)).contents.value
+                for pointer, (_, kind) in zip(pointers, _Mirror._fields_)]
 
-    extra = kernel.parameters(x=tensor, y=None, n=-7, stride=1 << 40, scale=0.25)
-    assert read(extra) == [tensor.data_ptr(), None, -7, 1 << 40, 0.25]
+    pointers = kernel.parameters(x=tensor, y=None, n=-7, stride=1 << 40, scale=0.25)
+    assert read(pointers) == [tensor.data_ptr(), None, -7, 1 << 40, 0.25]
     # Refilled per call; another thread gets its own storage, so concurrent launches do not mix.
     other = torch.arange(8.0)
-    extra = kernel.parameters(x=other, y=other, n=3, stride=-1, scale=2.0)
-    assert read(extra) == [other.data_ptr(), other.data_ptr(), 3, -1, 2.0]
+    pointers = kernel.parameters(x=other, y=other, n=3, stride=-1, scale=2.0)
+    assert read(pointers) == [other.data_ptr(), other.data_ptr(), 3, -1, 2.0]
     seen = {}
     thread = threading.Thread(
-        target=lambda: seen.update(extra=kernel.parameters(x=tensor, y=None, n=1, stride=2, scale=3.0)))
+        target=lambda: seen.update(pointers=kernel.parameters(x=tensor, y=None, n=1, stride=2, scale=3.0)))
     thread.start()
     thread.join()
-    assert seen["extra"][1] != kernel.parameters(x=other, y=other, n=3, stride=-1, scale=2.0)[1]
+    assert seen["pointers"][0] != kernel.parameters(x=other, y=other, n=3, stride=-1, scale=2.0)[0]
     # Every field named, none unknown: a field left out would keep the previous call's value.
     with pytest.raises(TypeError, match=r"_Mirror: missing fields \['n', 'scale', 'stride'\], unknown fields \[\]"):
         kernel.parameters(x=tensor, y=None)

@@ -1,7 +1,7 @@
 """The cuda kernels' named ABI (backends/cuda/_params.py): each kernel's parameters are its params
 struct's fields, which are its ctypes mirror's; a mirror that disagrees fails the compilation,
-naming the struct, and the cubin's parameter layout is the mirror's (the launch passes the mirror
-as the parameter buffer). NVRTC compiles for sm_90 without a GPU."""
+naming the struct, and the cubin's parameters are the mirror's fields, size for size (the launch
+points the driver at each field). NVRTC compiles for sm_90 without a GPU."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import tempfile
 import pytest
 
 from cuda_kernels import CUOBJDUMP, needs_cuobjdump, needs_nvrtc
-from kernelmux.backends.cuda import _compile, _paged_decode, _paged_prefill, _params, _toolchain, mla_decode
+from kernelmux.backends.cuda import (_compile, _driver, _paged_decode, _paged_prefill, _params, _toolchain, fused_moe,
+                                    mla_decode)
 
 pytestmark = needs_nvrtc
 
@@ -57,14 +58,15 @@ def test_a_mirror_that_disagrees_fails_the_compilation_naming_the_struct(change,
         _compile_checked(_variant(_params.PagedDecodeParams, fields))
 
 
-def _kernel_params(cubin: bytes) -> list[tuple[int, int]]:
-    """(offset, size) of each parameter of the cubin's one kernel, in order (its ELF's
-    EIATTR_KPARAM_INFO records)."""
+def _kernel_params(cubin: bytes, lowered: str) -> list[tuple[int, int]]:
+    """(offset, size) of each parameter of the cubin's kernel ``lowered`` (its mangled name), in
+    order: the EIATTR_KPARAM_INFO records of its ELF section .nv.info.<name>."""
     with tempfile.TemporaryDirectory() as folder:
         path = pathlib.Path(folder) / "module.cubin"
         path.write_bytes(cubin)
         listing = subprocess.run([CUOBJDUMP, "-elf", str(path)], check=True, capture_output=True, text=True).stdout
-    found = re.findall(r"Ordinal\s*:\s*(0x[0-9a-f]+)\s+Offset\s*:\s*(0x[0-9a-f]+)\s+Size\s*:\s*(0x[0-9a-f]+)", listing)
+    section = listing.split(f"\n.nv.info.{lowered}\n", 1)[1].split("\n.", 1)[0]
+    found = re.findall(r"Ordinal\s*:\s*(0x[0-9a-f]+)\s+Offset\s*:\s*(0x[0-9a-f]+)\s+Size\s*:\s*(0x[0-9a-f]+)", section)
     return [(int(offset, 16), int(size, 16)) for _, offset, size in sorted(found, key=lambda f: int(f[0], 16))]
 
 
@@ -76,11 +78,18 @@ def _kernel_params(cubin: bytes) -> list[tuple[int, int]]:
     (_params.MlaDecodeParams, lambda names: mla_decode.source(names, []), "mla_decode_sm90<true, true>", True),
     (_params.MergeSplitsParams, lambda names: mla_decode.source([], names), "merge_splits<512, 1, true>", True),
     (_params.MergeSplitsParams, lambda names: mla_decode.source([], names), "merge_splits<512, 2, true>", True),
+    # A TMA map first (64-byte aligned), then the rest.
+    (_params.MoeGemmParams, lambda names: _params.checked_source(fused_moe.SOURCE_NAME, [(_params.MoeGemmParams,
+                                                                                         names)]),
+     "moe_gemm_sm90<true, true, false, 4, 2>", True),
 ])
-def test_the_kernels_parameter_buffer_is_the_mirrors_layout(mirror, source, name, arch_specific):
-    # The launch hands the mirror's bytes to the driver as the kernel's parameter buffer: each
-    # parameter must sit at its field's offset, with its size.
+def test_the_kernels_parameters_are_the_mirrors_fields(mirror, source, name, arch_specific):
+    # The launch points the driver at each field of the mirror, which copies as many bytes as the
+    # cubin's parameter of that ordinal has. Offsets are the struct's up to a TMA map, which sits
+    # 64-byte aligned in the constant bank (48 bytes in on sm_90), not at the struct's 0.
     names = (name,) if source is _paged_decode.source else [name]
     module = _compile.compile_module(source(names), [name], (9, 0), arch_specific=arch_specific)
-    expected = [(getattr(mirror, field).offset, getattr(mirror, field).size) for field, _ in mirror._fields_]
-    assert _kernel_params(module.cubin) == expected
+    found = _kernel_params(module.cubin, module.names[name])
+    assert [size for _, size in found] == [getattr(mirror, field).size for field, _ in mirror._fields_]
+    if not any(kind is _driver.TensorMap for _, kind in mirror._fields_):
+        assert [offset for offset, _ in found] == [getattr(mirror, field).offset for field, _ in mirror._fields_]
