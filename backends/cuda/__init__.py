@@ -30,8 +30,7 @@ def _cache_dir() -> str:
 
 _CUDA = frozenset({PlatformKind.CUDA})
 
-# Above the triton backend (20): each implementation takes only the calls it was written for
-# (fused_moe's entry says why it is below).
+# Above the triton backend (20): each implementation takes only the calls it was written for.
 _DEFAULTS = Defaults(
     priority=30,
     requirement=PlatformRequirement(kinds=_CUDA),
@@ -52,14 +51,12 @@ TABLE = (
           "Hopper, 16-bit or fp8 latent cache: 64-head CTAs, Q and two 64-position cache tiles in shared "
           "memory; warpgroup 0 runs Q K^T (wgmma) and the softmax, warpgroup 1 the loads, each half of P V",
           {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
-    # Below triton (20) until it is faster: level with triton's kernels at the H200 goal shapes
-    # (perf/decisions/fused_moe.md); a tuning table ranks it where a bench finds it first.
+    # 1.02-1.41x triton's kernels at every H200 shape it serves that was measured (perf/decisions/fused_moe.md).
     Entry("fused_moe",
           "Hopper, 16-bit experts at prefill sizes: routing in one CTA, then grouped GEMMs of 128-row blocks where a "
-          "producer warpgroup gathers rows by cp.async and two consumers run wgmma (gate-up's activation and "
-          "down's router weight in their epilogues)",
-          {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"})),
-           "priority": 19}),
+          "producer warpgroup gathers A rows by cp.async and loads B tiles by TMA, and two consumers run wgmma "
+          "(gate-up's activation and down's router weight in their epilogues)",
+          {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
 )
 
 

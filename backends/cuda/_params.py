@@ -85,7 +85,7 @@ class MoeRouteParams(ctypes.Structure):
     """kernels/fused_moe_sm90.cu's MoeRouteParams (the routing CTA)."""
 
     _fields_ = _fields("topk_ids expert_map counts starts block_expert sorted_pairs",
-                       "num_pairs topk num_experts max_blocks run_blocks", "", "ids_stride_t ids_stride_k map_stride")
+                       "num_pairs topk num_experts max_blocks", "", "ids_stride_t ids_stride_k map_stride")
 
 
 class MoeGemmParams(ctypes.Structure):

@@ -1,8 +1,8 @@
 """The cuda backend's fused_moe on Hopper (kernels/fused_moe_sm90.cu): 16-bit experts at prefill sizes.
 Which calls it takes (``supports``), its launch plan, and the launches of one call: the routing in one
-CTA, gate-up and down as warp-specialized wgmma grouped GEMMs (B by TMA, multicast within clusters of two
-CTAs), and for top-k > 1 the sum. No launch reads a device value on the host: every size is a bound from
-host ints (CUDA-graph safe; the weights' TMA maps travel in the launches' parameters)."""
+CTA, gate-up and down as warp-specialized wgmma grouped GEMMs (B by TMA), and for top-k > 1 the sum. No
+launch reads a device value on the host: every size is a bound from host ints (CUDA-graph safe; the weights'
+TMA maps travel in the launches' parameters)."""
 
 import functools
 from dataclasses import dataclass
@@ -16,7 +16,7 @@ from kernelmux.backends.cuda._targets import HOPPER
 from kernelmux.platforms import Platform, probes
 from kernelmux.specs import fused_moe as spec
 
-__all__ = ["CAPABILITY", "CLUSTERS", "MIN_PAIRS_PER_EXPERT", "MoePlan", "describe", "fused_moe", "kernel_names",
+__all__ = ["CAPABILITY", "MIN_PAIRS_PER_EXPERT", "MoePlan", "describe", "fused_moe", "kernel_names",
            "override_plan", "shared_bytes", "source", "supports"]
 
 CAPABILITY = HOPPER  # wgmma and setmaxnreg: sm_90a cubins run on sm_90 only
@@ -28,7 +28,6 @@ MAX_EXPERTS = ROUTE_THREADS
 SUM_COLUMNS = 256 * 8  # moe_sum_sm90: 256 threads of 8 columns
 VECTOR = 8  # elements per 16-byte copy: H and I must be multiples
 STAGES = (2, 4)  # pipeline stages the GEMM is instantiated for (4 x 48 KiB fills 193 of the 227 KiB)
-CLUSTERS = (1, 2)  # CTAs that share B tiles (TMA multicast)
 B_BOX = (64, 128, 1)  # a B tile's TMA box, innermost first: 64 of K (128 bytes), 128 rows, one expert
 # Below this many pairs per expert (at the top of the call's T class) most of a 128-row block is padding
 # and the grid leaves SMs idle: the triton backend's 16-64-row blocks serve those calls.
@@ -47,14 +46,11 @@ def shared_bytes(stages: int) -> int:
 
 @dataclass(frozen=True)
 class MoePlan:
-    """A launch's choices: pipeline stages in shared memory (one of STAGES); the CTAs of a cluster
-    (``cluster``, one of CLUSTERS: 2 pairs neighbouring row blocks, which load each B tile once for both
-    when they are of one expert); and whether the GEMMs run a CTA per SM that walks the tiles
-    (``persistent``: a tile's loads start under the tile before's epilogue; clusters of 1 only) instead
-    of a CTA per tile."""
+    """A launch's choices: pipeline stages in shared memory (one of STAGES), and whether the GEMMs run a
+    CTA per SM that walks the tiles (``persistent``: a tile's loads start under the tile before's
+    epilogue) instead of a CTA per tile."""
 
     stages: int = 4
-    cluster: int = 2
     persistent: bool = False
 
 
@@ -64,12 +60,8 @@ DEFAULT_PLAN = MoePlan()
 def _plan_problem(plan: MoePlan) -> Optional[str]:
     if plan.stages not in STAGES:
         return f"stages must be one of {STAGES}, got {plan.stages!r}"
-    if plan.cluster not in CLUSTERS:
-        return f"cluster must be one of {CLUSTERS}, got {plan.cluster!r}"
     if type(plan.persistent) is not bool:
         return f"persistent must be a bool, got {plan.persistent!r}"
-    if plan.persistent and plan.cluster > 1:
-        return f"persistent CTAs walk tiles of their own: cluster must be 1, got {plan.cluster}"
     return None
 
 
@@ -109,17 +101,15 @@ def describe(key: spec.Key, platform: Platform) -> str:
     """What a call runs (for explain): the GEMMs' tiles and the plan in force."""
     plan = _plans.current
     grid = "one CTA an SM walking the tiles" if plan.persistent else "a CTA a tile"
-    sharing = ", B tiles multicast to clusters of 2" if plan.cluster > 1 else ""
-    return (f"GEMMs of {ROWS}-row blocks x 2 x {COLUMNS} columns, {plan.stages} stages of 48 KiB, {grid}{sharing} "
+    return (f"GEMMs of {ROWS}-row blocks x 2 x {COLUMNS} columns, {plan.stages} stages of 48 KiB, {grid} "
             "(perf/decisions/fused_moe.md)")
 
 
-def kernel_names(bf16: bool, gelu: bool, stages: int, cluster: int) -> dict[str, str]:
-    """The C++ names of one call's kernels for a hidden dtype, an activation, and the GEMMs' stages and
-    cluster size."""
+def kernel_names(bf16: bool, gelu: bool, stages: int) -> dict[str, str]:
+    """The C++ names of one call's kernels for a hidden dtype, an activation and the GEMMs' stages."""
     dtype, act = str(bf16).lower(), str(gelu).lower()
-    return {"route": "moe_route_sm90", "gate_up": f"moe_gemm_sm90<{dtype}, true, {act}, {stages}, {cluster}>",
-            "down": f"moe_gemm_sm90<{dtype}, false, false, {stages}, {cluster}>", "sum": f"moe_sum_sm90<{dtype}>"}
+    return {"route": "moe_route_sm90", "gate_up": f"moe_gemm_sm90<{dtype}, true, {act}, {stages}>",
+            "down": f"moe_gemm_sm90<{dtype}, false, false, {stages}>", "sum": f"moe_sum_sm90<{dtype}>"}
 
 
 def source(names: dict[str, str]) -> str:
@@ -132,10 +122,10 @@ def source(names: dict[str, str]) -> str:
 
 
 @functools.cache
-def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, gelu: bool, stages: int,
-              cluster: int) -> tuple[_compile.CompiledModule, dict[str, str]]:
+def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, gelu: bool,
+              stages: int) -> tuple[_compile.CompiledModule, dict[str, str]]:
     """One NVRTC compilation per arch, macro set and template set: (module, kernel names)."""
-    names = kernel_names(bf16, gelu, stages, cluster)
+    names = kernel_names(bf16, gelu, stages)
     module = _compile.compile_module_cached(source(names), list(names.values()), arch, filename=SOURCE_NAME,
                                             arch_specific=True, defines=defines)
     return module, names
@@ -144,20 +134,19 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, gelu:
 _LOADED = _driver.LoadedKernels()
 
 
-def _kernels(device: torch.device, bf16: bool, gelu: bool, stages: int,
-             cluster: int) -> tuple[_driver.Kernel, ...]:
+def _kernels(device: torch.device, bf16: bool, gelu: bool, stages: int) -> tuple[_driver.Kernel, ...]:
     """(route, gate-up, down, sum), loaded on ``device`` (cached per device, diagnostics and templates)."""
     defines = _compile.diagnostics_in_force()
 
     def build():
-        module, names = _compiled(_capability(device), defines, bf16, gelu, stages, cluster)
+        module, names = _compiled(_capability(device), defines, bf16, gelu, stages)
         gemm_bytes = shared_bytes(stages)
         return module, [_driver.KernelSpec(names["route"], _params.MoeRouteParams, ROUTE_THREADS),
                         _driver.KernelSpec(names["gate_up"], _params.MoeGemmParams, THREADS, gemm_bytes),
                         _driver.KernelSpec(names["down"], _params.MoeGemmParams, THREADS, gemm_bytes),
                         _driver.KernelSpec(names["sum"], _params.MoeSumParams, SUM_COLUMNS // VECTOR)]
 
-    return _LOADED.get(device, (defines, bf16, gelu, stages, cluster), build)
+    return _LOADED.get(device, (defines, bf16, gelu, stages), build)
 
 
 def fused_moe(
@@ -185,11 +174,8 @@ def fused_moe(
     experts, inter_size = w1.shape[0], w1.shape[1] // 2
     topk = topk_ids.shape[1]
     pairs = num_tokens * topk
-    plan = _plans.current
-    # Each used expert's run pads to whole groups of `cluster` blocks (a cluster's blocks then start together):
-    # at most min(E, pairs) runs of < run_rows padding.
-    run_rows = ROWS * plan.cluster
-    max_rows = -(-(pairs + min(experts, pairs) * (run_rows - 1)) // run_rows) * run_rows
+    # Each used expert's run pads to whole blocks: at most min(E, pairs) runs of < ROWS padding.
+    max_rows = -(-(pairs + min(experts, pairs) * (ROWS - 1)) // ROWS) * ROWS
     max_blocks = max_rows // ROWS
     index = torch.empty(2 * experts + max_blocks + max_rows, dtype=torch.int32, device=device)
     counts, starts = index[:experts], index[experts:2 * experts]
@@ -208,17 +194,16 @@ def fused_moe(
     layout = dict(sorted_pairs=sorted_pairs, block_expert=block_expert, starts=starts, counts=counts,
                   topk_weights=topk_weights, topk=topk, max_blocks=max_blocks,
                   weights_stride_t=topk_weights.stride(0), weights_stride_k=topk_weights.stride(1))
+    plan = _plans.current
 
     def grid(column_tiles: int) -> tuple[int, int, int]:  # a CTA a tile, or one a multiprocessor walking them
-        tiles = max_blocks * column_tiles  # max_blocks is a multiple of the cluster: whole clusters
+        tiles = max_blocks * column_tiles
         return (min(tiles, _sm_count(device)) if plan.persistent else tiles, 1, 1)
 
     with torch.cuda.device(device):
-        route, gate_up, down, moe_sum = _kernels(device, dtype == torch.bfloat16, activation == "gelu", plan.stages,
-                                                 plan.cluster)
+        route, gate_up, down, moe_sum = _kernels(device, dtype == torch.bfloat16, activation == "gelu", plan.stages)
         route((1, 1, 1), counts=counts, starts=starts, block_expert=block_expert, sorted_pairs=sorted_pairs,
-              num_pairs=pairs, topk=topk, num_experts=experts, max_blocks=max_blocks, run_blocks=plan.cluster,
-              **routing)
+              num_pairs=pairs, topk=topk, num_experts=experts, max_blocks=max_blocks, **routing)
         gate_up(grid(-(-inter_size // COLUMNS)), b_map=_driver.tensor_map(w1, B_BOX), a=hidden, out=inter,
                 n_size=inter_size, k_size=hidden_size, a_stride=hidden.stride(0), out_stride=inter.stride(0),
                 **layout)

@@ -16,7 +16,7 @@ for the grouped GEMMs under the same replay).
 
     python perf/diag/fused_moe_goals.py --out DIR [--models mixtral qwen3 deepseek] [--tokens 1 64 4096] [--sweep]
         [--impls triton torch cuda deepgemm] [--configs BM/BN/BK/WARPS/STAGES[/REDUCE] gemv/BN/BK/WARPS/STAGES ...]
-        [--cuda-plans STAGES[cCLUSTER][p] ...] [--dense-bound] [--kernels] [--route-probe]
+        [--cuda-plans STAGES[p] ...] [--dense-bound] [--kernels] [--route-probe]
 """
 
 from __future__ import annotations
@@ -242,14 +242,6 @@ def _check(fn, inputs, expected, use_reference: bool) -> str:
     return f"vs peer: max |diff| {(out.float() - expected.float()).abs().max().item() / scale:.2e} of max |out|"
 
 
-def _parse_plan(text: str) -> cuda_moe.MoePlan:
-    """STAGES[cCLUSTER][p]: e.g. 4 (4 stages, clusters of 2), 4c1, 4c1p (persistent)."""
-    found = re.fullmatch(r"(\d+)(?:c(\d+))?(p?)", text)
-    if found is None:
-        raise SystemExit(f"--cuda-plans: STAGES[cCLUSTER][p], got {text!r}")
-    return cuda_moe.MoePlan(int(found[1]), int(found[2] or cuda_moe.MoePlan.cluster), found[3] == "p")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -264,9 +256,8 @@ def main() -> None:
     parser.add_argument("--dense-bound", action="store_true",
                         help="also time torch.mm on dense operands of the routed GEMMs' sizes (16-bit experts): "
                              "cuBLAS's rate on the same FLOPs under the same replay, no routing")
-    parser.add_argument("--cuda-plans", nargs="*", default=[], metavar="STAGES[cCLUSTER][p]",
-                        help="also time the cuda backend under these plans: pipeline stages, the CTAs of a cluster "
-                             "(default 2), p for persistent CTAs (e.g. 4c1p)")
+    parser.add_argument("--cuda-plans", nargs="*", default=[], metavar="STAGES[p]",
+                        help="also time the cuda backend under these plans: pipeline stages, p for persistent CTAs")
     parser.add_argument("--impls", nargs="*", default=None,
                         help="time only these (default: all); the peer still checks the triton rows")
     args = parser.parse_args()
@@ -293,7 +284,8 @@ def main() -> None:
                 variants.append(("triton-3-launch-routing", triton_moe.fused_moe, None))
             variants += [("triton", triton_moe.fused_moe, _parse_config(text)) for text in args.configs]
             if "cuda" in impls:
-                variants += [("cuda", cuda_moe.fused_moe, _parse_plan(text)) for text in args.cuda_plans]
+                variants += [("cuda", cuda_moe.fused_moe, cuda_moe.MoePlan(int(text.rstrip("p")), text.endswith("p")))
+                             for text in args.cuda_plans]
             if args.dense_bound and quantization == "none":
                 variants.append(("dense_mm", _dense_bound(inputs[0]), None))
             if args.sweep:
@@ -307,7 +299,7 @@ def main() -> None:
                     context = contextlib.ExitStack()
                     with context:
                         if isinstance(config, cuda_moe.MoePlan):
-                            context.enter_context(cuda_moe.override_plan(stages=config.stages, cluster=config.cluster,
+                            context.enter_context(cuda_moe.override_plan(stages=config.stages,
                                                                          persistent=config.persistent))
                         elif config:
                             context.enter_context(triton_moe.override_launch_config(config))

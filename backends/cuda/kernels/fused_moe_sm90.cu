@@ -2,22 +2,20 @@
 //
 // At T = 4096 the two grouped GEMMs are matmul-bound, and the triton kernels stop at 45-65% of the
 // bf16 rate (perf/decisions/fused_moe.md). This file's GEMM gives each of three warpgroups one job, as
-// the prefill kernel does (paged_prefill_sm90.cu). Measured level with the triton kernels so far: the
-// L2 traffic of every CTA's own B tiles bounded both (the decision file): B now comes by TMA, multicast
-// to clusters of two CTAs.
+// the prefill kernel does (paged_prefill_sm90.cu); with B by TMA it measured 1.02-1.10x the triton
+// kernels there (the decision file says what else was measured and not kept).
 //
 //   - Routing (moe_route_sm90, one CTA): each (token, slot) pair placed in its local expert's run
-//     of rows, each run padded to whole 128-row blocks (pairs of them for clusters): counts, padded
-//     starts and each block's expert, then every pair scattered to a row of its run. No host sync:
-//     the GEMMs' grids are bounds from host ints, and a tile of a block without routed rows is skipped.
+//     of rows, each run padded to whole 128-row blocks: counts, padded starts and each block's
+//     expert, then every pair scattered to a row of its run. No host sync: the GEMMs' grids are
+//     bounds from host ints, and a tile past the routed rows is skipped.
 //   - The grouped GEMM (moe_gemm_sm90): a CTA computes a 128-row block against two 128-wide column
 //     tiles of one expert's weights: gate and up (gate-up: the same 128 columns of both halves of
 //     w1, so the activation is the epilogue's) or two neighbouring tiles (down). Warpgroup 0 (the
 //     producer) copies 64-wide K steps of the A rows with 16-byte cp.async (gate-up: gathered
 //     through the routing, by token; down: the intermediate in run order; rows past the run are
-//     zero-filled, never read) and of the 256 B rows by TMA (shared with the cluster's other CTA
-//     where it is of the same expert) into a ring of STAGES stages, each tile 128 rows x 128 bytes
-//     in the 128-byte swizzled layout wgmma reads. Warpgroups 1 and 2 (the consumers) take 64 rows
+//     zero-filled, never read) and of the 256 B rows by TMA into a ring of STAGES stages, each
+//     tile 128 rows x 128 bytes in the 128-byte swizzled layout wgmma reads. Warpgroups 1 and 2 (the consumers) take 64 rows
 //     each: per step 8 wgmma m64n128k16 into two accumulators, the step's group waited for one step
 //     later, when its stage is handed back.
 //   - Epilogues: gate-up rounds gate and up to the hidden dtype, applies silu or gelu in fp32 and
@@ -28,7 +26,7 @@
 //
 // Hand-offs are mbarriers, two per stage: full completes when the producer's copies into the stage
 // land (each producer thread's cp.async.mbarrier.arrive, and the TMA's bytes), empty when every
-// consumer warp that reads it is done with it. Compiled at runtime by NVRTC for sm_90a; see fused_moe.py.
+// consumer warp is done with it. Compiled at runtime by NVRTC for sm_90a; see fused_moe.py.
 
 #include "sm90_common.cuh"
 
@@ -103,7 +101,7 @@ struct MoeRouteParams {
     int* starts;
     int* block_expert;
     int* sorted_pairs;
-    int num_pairs, topk, num_experts, max_blocks, run_blocks;
+    int num_pairs, topk, num_experts, max_blocks;
     i64 ids_stride_t, ids_stride_k, map_stride;
 };
 
@@ -129,16 +127,13 @@ struct MoeSumParams {
     i64 pairs_stride, ids_stride_t, ids_stride_k, map_stride, out_stride;
 };
 
-// One CTA of 1024 threads. counts, starts: [num_experts]; each run padded to whole groups of run_blocks
-// blocks (2: a run starts on an even block, so a cluster's two blocks are of one expert as often as can be);
-// block_expert: [max_blocks] (-1 for a block holding no routed row: past the last run, or a run's padding);
-// sorted_pairs[row] = the pair in that row of its expert's run (rows of a run's padding are not written:
-// the GEMMs stop at starts + counts).
+// One CTA of 1024 threads. counts, starts: [num_experts]; block_expert: [max_blocks] (-1 past the last
+// used block); sorted_pairs[row] = the pair in that row of its expert's run (rows of a run's padding are
+// not written: the GEMMs stop at starts + counts).
 __global__ void __launch_bounds__(kRouteThreads, 1) moe_route_sm90(
     const int* __restrict__ topk_ids, const int* __restrict__ expert_map, int* __restrict__ counts,
     int* __restrict__ starts, int* __restrict__ block_expert, int* __restrict__ sorted_pairs, int num_pairs,
-    int topk, int num_experts, int max_blocks, int run_blocks, i64 ids_stride_t, i64 ids_stride_k,
-    i64 map_stride) {
+    int topk, int num_experts, int max_blocks, i64 ids_stride_t, i64 ids_stride_k, i64 map_stride) {
     __shared__ int count[kRouteThreads], cursor[kRouteThreads], ends[kRouteThreads], warp_sums[32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     count[tid] = 0;
@@ -149,8 +144,7 @@ __global__ void __launch_bounds__(kRouteThreads, 1) moe_route_sm90(
     }
     __syncthreads();
     // Padded run lengths, scanned over the CTA: within each warp, then over the warps' sums.
-    const int run_rows = kRows * run_blocks;
-    const int padded = tid < num_experts ? (count[tid] + run_rows - 1) / run_rows * run_rows : 0;
+    const int padded = tid < num_experts ? (count[tid] + kRows - 1) / kRows * kRows : 0;
     int end = padded;
 #pragma unroll
     for (int offset = 1; offset < 32; offset <<= 1) {
@@ -178,8 +172,7 @@ __global__ void __launch_bounds__(kRouteThreads, 1) moe_route_sm90(
         starts[tid] = end - padded;
     }
     __syncthreads();
-    // A block's expert: the first whose run ends past the block's first row, unless that row is past the
-    // run's routed rows (its start from its end: the cursors move in the scatter below).
+    // A block's expert: the first whose run ends past the block's first row.
     for (int block = tid; block < max_blocks; block += kRouteThreads) {
         const int row = block * kRows;
         int owner = -1;
@@ -189,8 +182,7 @@ __global__ void __launch_bounds__(kRouteThreads, 1) moe_route_sm90(
                 const int mid = (lo + hi) >> 1;
                 if (ends[mid] > row) hi = mid; else lo = mid + 1;
             }
-            const int run_start = ends[lo] - (count[lo] + run_rows - 1) / run_rows * run_rows;
-            owner = row < run_start + count[lo] ? lo : -1;
+            owner = lo;
         }
         block_expert[block] = owner;
     }
@@ -200,29 +192,23 @@ __global__ void __launch_bounds__(kRouteThreads, 1) moe_route_sm90(
     }
 }
 
-// Grid: one CTA a tile (max_blocks x column tiles, rounded up to whole clusters), or (CLUSTER 1 only) fewer
-// that each take every gridDim.x-th tile (persistent); 384 threads, shared_bytes<STAGES>() of dynamic shared
-// memory (and 16 STAGES bytes of static: the mbarriers). GATED (gate-up): n_size = I, k_size = H, a = hidden
-// (rows gathered by token), out = the intermediate [rows, I] in run order; a CTA's accumulators are columns
-// n0.. of gate (w1 rows n0..) and of up (w1 rows I + n0..). Otherwise (down): n_size = H, k_size = I, a = the
-// intermediate, out = pair rows; the accumulators are columns n0.. and n0 + 128... b_map: w1 [E, 2I, H] or
-// w2 [E, H, I] as (K, rows, expert), boxes of 64 x 128 x 1 in the 128-byte swizzle. Sizes and strides in
-// elements; rows 16-byte aligned, K a multiple of 8.
-// CLUSTER 2: the CTAs of tiles 2j and 2j + 1 (row blocks b and b + 1 of one column tile) form a cluster. When
-// both blocks are of one expert they need the same B tiles: each CTA's producer loads one of the two and
-// multicasts it to both, which halves B's traffic from L2; their consumers then hand each stage back to both
-// producers. Otherwise each CTA loads its own, as with CLUSTER 1.
-template <bool BF16, bool GATED, bool GELU, int STAGES, int CLUSTER>
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(kThreads, 1) moe_gemm_sm90(
+// Grid: one CTA a tile (max_blocks x column tiles), or fewer that each take every gridDim.x-th tile
+// (persistent); 384 threads, shared_bytes<STAGES>() of dynamic shared memory (and 16 STAGES bytes of static:
+// the mbarriers). GATED (gate-up): n_size = I, k_size = H, a = hidden (rows gathered by token), out = the
+// intermediate [rows, I] in run order; a CTA's accumulators are columns n0.. of gate (w1 rows n0..) and of up
+// (w1 rows I + n0..). Otherwise (down): n_size = H, k_size = I, a = the intermediate, out = pair rows; the
+// accumulators are columns n0.. and n0 + 128... b_map: w1 [E, 2I, H] or w2 [E, H, I] as (K, rows, expert),
+// boxes of 64 x 128 x 1 in the 128-byte swizzle. Sizes and strides in elements; rows 16-byte aligned, K a
+// multiple of 8.
+template <bool BF16, bool GATED, bool GELU, int STAGES>
+__global__ void __launch_bounds__(kThreads, 1) moe_gemm_sm90(
     const __grid_constant__ TensorMap b_map, const unsigned char* __restrict__ a, unsigned char* __restrict__ out,
     const int* __restrict__ sorted_pairs, const int* __restrict__ block_expert, const int* __restrict__ starts,
     const int* __restrict__ counts, const float* __restrict__ topk_weights, int topk, int n_size, int k_size,
     int max_blocks, i64 a_stride, i64 out_stride, i64 weights_stride_t, i64 weights_stride_k) {
-    static_assert(CLUSTER == 1 || CLUSTER == 2, "a CTA shares its B tiles with at most one other");
-    // full: the producer's 128 threads' copies, and thread 0's arrival expecting the B tiles' bytes;
-    // empty: each consumer warp of the CTAs that read the stage's B tiles (a warp of a CTA that shares with
-    // none arrives for its partner too).
-    constexpr u32 kFullCount = 128 + 1, kEmptyCount = 8 * CLUSTER;
+    // full: the producer's 128 threads' copies, and thread 0's arrival expecting the B tiles' bytes; empty:
+    // the consumers' 8 warps.
+    constexpr u32 kFullCount = 128 + 1, kEmptyCount = 8;
     __shared__ __align__(8) u64 barriers[2][STAGES];
     extern __shared__ unsigned char shared_raw[];
     u32 dynamic_bytes;
@@ -231,13 +217,12 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(kThreads, 1) m
 
     // Tile t's row block, first column and expert: row blocks in groups of kGroupBlocks; within a group, a
     // column tile's blocks are consecutive tiles, so the CTAs running at once share it in L2. CTA b takes
-    // tiles b, b + gridDim.x, ... (a grid of one CTA a tile, or persistent CTAs); a tile whose block holds no
+    // tiles b, b + gridDim.x, ... (a grid of one CTA a tile, or persistent CTAs); a tile of a block past the
     // routed rows (expert -1) is skipped by the producer and the consumers alike.
     const int tile_width = GATED ? kCols : 2 * kCols;
     const int column_tiles = (n_size + tile_width - 1) / tile_width;
     const int num_tiles = max_blocks * column_tiles;
     auto place = [&](int tile, int& block_m, int& n0, int& expert) {
-        if (tile >= num_tiles) return false;
         const int group = tile / (kGroupBlocks * column_tiles), first_block = group * kGroupBlocks;
         const int group_blocks = min(max_blocks - first_block, kGroupBlocks);
         const int within = tile % (kGroupBlocks * column_tiles);
@@ -246,19 +231,9 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(kThreads, 1) m
         expert = block_expert[block_m];
         return expert >= 0;
     };
-    // With CLUSTER 2 the grid is a CTA a tile and the partner's tile is blockIdx.x ^ 1: whether the two
-    // share B tiles (the same for both CTAs).
-    const u32 rank = CLUSTER > 1 ? cluster_rank() : 0u;
-    bool shared = false;
-    if constexpr (CLUSTER > 1) {
-        int block_m, n0, expert, partner_block, partner_n0, partner_expert;
-        shared = place(blockIdx.x, block_m, n0, expert) &&
-                 place(blockIdx.x ^ 1, partner_block, partner_n0, partner_expert) && n0 == partner_n0 &&
-                 expert == partner_expert;
-    }
 
     const u32 base = shared_address(shared_raw);
-    const u32 tiles = (base + 1023u) & ~1023u;  // the same offset in every CTA: multicasts land alike
+    const u32 tiles = (base + 1023u) & ~1023u;
     auto a_tile = [&](int stage) { return tiles + (3 * stage) * kTile; };
     auto b_tile = [&](int stage, int half) { return tiles + (3 * stage + 1 + half) * kTile; };
     const u32 barrier_base = shared_address(&barriers[0][0]);
@@ -272,13 +247,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(kThreads, 1) m
             mbarrier_init(full(stage), kFullCount);
             mbarrier_init(empty(stage), kEmptyCount);
         }
-        if constexpr (CLUSTER > 1) fence_barrier_init();
     }
-    if constexpr (CLUSTER > 1) {
-        cluster_sync();  // both CTAs' barriers exist before either producer multicasts or consumer arrives
-    } else {
-        __syncthreads();
-    }
+    __syncthreads();
     const int steps = (k_size + kStepK - 1) / kStepK;
 
     if (wg == 0) {  // the producer
@@ -313,35 +283,22 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(kThreads, 1) m
                 if (g >= STAGES) mbarrier_wait(empty(stage), (u32)(g / STAGES - 1) & 1u);
                 if (tid == 0) {
                     mbarrier_arrive_expect_bytes(full(stage), 2 * kTile);
-                    if (shared) {
-                        tma_load_3d_multicast(b_tile(stage, rank), b_map, i * kStepK, rank ? b_row1 : b_row0, expert,
-                                              full(stage), (u16)0x3);
-                    } else {
-                        tma_load_3d(b_tile(stage, 0), b_map, i * kStepK, b_row0, expert, full(stage));
-                        tma_load_3d(b_tile(stage, 1), b_map, i * kStepK, b_row1, expert, full(stage));
-                    }
+                    tma_load_3d(b_tile(stage, 0), b_map, i * kStepK, b_row0, expert, full(stage));
+                    tma_load_3d(b_tile(stage, 1), b_map, i * kStepK, b_row1, expert, full(stage));
                 }
                 load_tile(a_tile(stage), tid, a, a_rows, i * kStepK * 2, k_size * 2);
                 copy_arrive(full(stage));
             }
         }
         copy_wait_all();  // nothing of this CTA's left in flight when its threads exit
-        if (shared) cluster_sync();  // the partner's multicasts into this CTA and its arrivals here are done
         return;
     }
 
     // A consumer: rows 64 c .. 64 c + 63 of each block. This thread's accumulator rows are row0 and
-    // row0 + 8 of those; its columns 8 j + 2 quad (+1) of each 8-column group j. Lane 0 of each warp hands a
-    // stage back: to both CTAs' producers when they share, else to its own for both.
+    // row0 + 8 of those; its columns 8 j + 2 quad (+1) of each 8-column group j.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
     const int c = wg - 1, lane = tid & 31, quad = lane & 3;
     const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
-    const u32 own_arrivals = shared ? 1u : (u32)CLUSTER;
-    const int partner_arrives = shared && lane == 0;
-    auto release = [&](int stage) {
-        mbarrier_arrive_count_if(empty(stage), own_arrivals, lane == 0);
-        if constexpr (CLUSTER > 1) mbarrier_arrive_remote_if(empty(stage), rank ^ 1u, partner_arrives);
-    };
     int g = 0;  // the producer's count, step for step
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         int block_m, n0, expert;
@@ -365,12 +322,12 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(kThreads, 1) m
             }
             wgmma_commit();
             wgmma_wait<1>();  // the step before's MMAs are done: its stage goes back to the producer
-            if (i > 0) release((g - 1) % STAGES);
+            if (i > 0) mbarrier_arrive_if(empty((g - 1) % STAGES), lane == 0);
         }
         wgmma_wait<0>();
         fence_registers(acc[0]);
         fence_registers(acc[1]);
-        release((g - 1) % STAGES);  // the tile's last stage, for the next tile
+        mbarrier_arrive_if(empty((g - 1) % STAGES), lane == 0);  // the tile's last stage, for the next tile
 
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -404,7 +361,6 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(kThreads, 1) m
             }
         }
     }
-    if (shared) cluster_sync();  // the partner's multicasts into this CTA and its arrivals here are done
 }
 
 // Grid (T, ceil(H / 2048)), 256 threads: out[t, n..n+7] = the sum of the token's k pair rows there.

@@ -1,8 +1,7 @@
 // kernelmux cuda backend: device helpers shared by the Hopper (sm_90a) kernels, mla_decode_sm90.cu,
 // paged_prefill_sm90.cu and fused_moe_sm90.cu: cp.async copies into shared memory, the proxy fence,
-// named barriers, mbarriers (with their cluster forms), TMA tile loads, thread-block clusters, wgmma
-// descriptors and groups, the m64n128k16 wgmmas, and a scheduling hint for ptxas (common.cuh has the
-// arch-neutral ones).
+// named barriers, mbarriers, TMA tile loads, wgmma descriptors and groups, the m64n128k16 wgmmas, and a
+// scheduling hint for ptxas (common.cuh has the arch-neutral ones).
 // _toolchain.py hands every kernels/*.cuh to NVRTC, so a kernel includes it by name.
 
 #pragma once
@@ -103,52 +102,16 @@ __device__ __forceinline__ void copy_arrive(u32 barrier) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(barrier) : "memory");
 }
 __device__ __forceinline__ void copy_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-// `count` arrivals at once when `arrive` is nonzero (predicated, as mbarrier_arrive_if).
-__device__ __forceinline__ void mbarrier_arrive_count_if(u32 barrier, u32 count, int arrive) {
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %2, 0;\n\t@p mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n\t}"
-                 ::"r"(barrier), "r"(count), "r"(arrive) : "memory");
-}
-// One arrival on the mbarrier at the same shared address in CTA `rank` of the cluster, when `arrive` is
-// nonzero. The default semantics (release at CTA scope), as CUTLASS's TMA pipelines hand a multicast stage
-// back: the arriving warp's reads of the stage were wgmmas it has already waited for.
-__device__ __forceinline__ void mbarrier_arrive_remote_if(u32 barrier, u32 rank, int arrive) {
-    asm volatile("{\n\t.reg .pred p;\n\t.reg .b32 remote;\n\tsetp.ne.b32 p, %2, 0;\n\t"
-                 "mapa.shared::cluster.u32 remote, %0, %1;\n\t"
-                 "@p mbarrier.arrive.shared::cluster.b64 _, [remote];\n\t}"
-                 ::"r"(barrier), "r"(rank), "r"(arrive) : "memory");
-}
 // One arrival that also expects `bytes` more of asynchronous copies (TMA) to complete the phase.
 __device__ __forceinline__ void mbarrier_arrive_expect_bytes(u32 barrier, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(bytes) : "memory");
 }
-// TMA: the box of `map` at coordinates (x, y, z) (x innermost) into shared memory at `dst` of this CTA, or
-// of every CTA of the cluster in `mask` at the same address, each completing `barrier` (the same address in
-// each destination) by the bytes it received. Rows past the tensor's bounds arrive as zeros.
+// TMA: the box of `map` at coordinates (x, y, z) (x innermost) into shared memory at `dst`, completing
+// `barrier` by its bytes. Elements past the tensor's bounds arrive as zeros.
 __device__ __forceinline__ void tma_load_3d(u32 dst, const TensorMap& map, int x, int y, int z, u32 barrier) {
     asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
                  "[%0], [%1, {%2, %3, %4}], [%5];"
                  ::"r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(x), "r"(y), "r"(z), "r"(barrier) : "memory");
-}
-__device__ __forceinline__ void tma_load_3d_multicast(u32 dst, const TensorMap& map, int x, int y, int z,
-                                                      u32 barrier, u16 mask) {
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
-                 "[%0], [%1, {%2, %3, %4}], [%5], %6;"
-                 ::"r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(x), "r"(y), "r"(z), "r"(barrier), "h"(mask)
-                 : "memory");
-}
-// Thread-block clusters: this CTA's rank in its cluster; a barrier over every thread of the cluster
-// (release, then acquire: shared-memory accesses before it are seen by every CTA after it); and the fence
-// that makes this CTA's mbarrier inits visible to the cluster before such a barrier.
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 rank;
-    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
-    return rank;
-}
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-}
-__device__ __forceinline__ void fence_barrier_init() {
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
 // A wgmma shared-memory matrix descriptor with the 128-byte swizzle. K-major operands: `stride`

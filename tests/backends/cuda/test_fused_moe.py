@@ -24,9 +24,7 @@ from kernelmux.specs import fused_moe as spec_module
 from kernelmux.specs.fused_moe import SPEC
 
 SM90, SM89 = simulate("sm_90"), simulate("sm_89")
-# Every valid plan: persistent CTAs walk tiles of their own, outside clusters.
-PLANS = [cuda_moe.MoePlan(stages, cluster, persistent) for stages in cuda_moe.STAGES for cluster in cuda_moe.CLUSTERS
-         for persistent in (False, True) if not (persistent and cluster > 1)]
+PLANS = [cuda_moe.MoePlan(stages, persistent) for stages in cuda_moe.STAGES for persistent in (False, True)]
 # Every 16-bit case whose router weight applies after down (the kernels' calls), and the sizes beyond the
 # spec's small cases: one expert's run over several blocks, ragged H and I, a map with holes, top-1, fp16.
 SERVED = [case.name for case in SPEC.cases if case.name in {
@@ -117,9 +115,9 @@ def test_shared_memory_fits_hopper():
 def test_describe_names_the_plan_in_force():
     key = SPEC.validate(**_prefill_call())
     assert cuda_moe.describe(key, SM90).startswith("GEMMs of 128-row blocks x 2 x 128 columns, 4 stages of 48 KiB, "
-                                                   "a CTA a tile, B tiles multicast to clusters of 2")
-    with cuda_moe.override_plan(stages=2, cluster=1, persistent=True):
-        assert "2 stages of 48 KiB, one CTA an SM walking the tiles (" in cuda_moe.describe(key, SM90)
+                                                   "a CTA a tile")
+    with cuda_moe.override_plan(stages=2, persistent=True):
+        assert "2 stages of 48 KiB, one CTA an SM walking the tiles" in cuda_moe.describe(key, SM90)
 
 
 def test_override_plan_checks_its_argument():
@@ -129,23 +127,14 @@ def test_override_plan_checks_its_argument():
     with pytest.raises(ValueError, match="persistent must be a bool"):
         with cuda_moe.override_plan(persistent=1):
             pass
-    with pytest.raises(ValueError, match="cluster must be one of"):
-        with cuda_moe.override_plan(cluster=4):
-            pass
-    with pytest.raises(ValueError, match="persistent CTAs walk tiles of their own: cluster must be 1, got 2"):
-        with cuda_moe.override_plan(persistent=True):
-            pass
 
 
 @pytest.fixture(scope="module")
 def sm90a_modules():
-    # Every dtype, activation and stage count in clusters of 2 (the default), and bf16 silu unclustered.
-    variants = [(*variant, 2) for variant in itertools.product((True, False), (False, True), cuda_moe.STAGES)]
-    variants += [(True, False, stages, 1) for stages in cuda_moe.STAGES]
     modules = {}
-    for variant in variants:
-        names = cuda_moe.kernel_names(*variant)
-        modules[variant] = (names, _compile.compile_module(
+    for bf16, gelu, stages in itertools.product((True, False), (False, True), cuda_moe.STAGES):
+        names = cuda_moe.kernel_names(bf16, gelu, stages)
+        modules[bf16, gelu, stages] = (names, _compile.compile_module(
             cuda_moe.source(names), list(names.values()), (9, 0), verbose=True, arch_specific=True))
     return modules
 
@@ -154,7 +143,7 @@ def sm90a_modules():
 def test_kernels_compile_for_sm90a_without_spills(sm90a_modules):
     # The producer warpgroup gives registers to the consumers (setmaxnreg): both sides must fit their
     # share without spilling, and ptxas must not serialize the wgmmas.
-    for (bf16, gelu, stages, cluster), (names, module) in sm90a_modules.items():
+    for (bf16, gelu, stages), (names, module) in sm90a_modules.items():
         for role, name in names.items():
             assert module.spill_bytes(name) == 0, name
             if role in ("gate_up", "down"):
@@ -176,11 +165,10 @@ def test_spec_cases_match_the_reference(name, seed):
 
 
 @needs_hopper
-@pytest.mark.parametrize("plan", PLANS, ids=lambda plan: (f"stages{plan.stages}-cluster{plan.cluster}"
-                                                         f"{'-persistent' * plan.persistent}"))
+@pytest.mark.parametrize("plan", PLANS, ids=lambda plan: f"stages{plan.stages}{'-persistent' * plan.persistent}")
 @pytest.mark.parametrize("name", list(LARGE))
 def test_prefill_sizes_match_the_reference(name, plan):
-    with cuda_moe.override_plan(stages=plan.stages, cluster=plan.cluster, persistent=plan.persistent):
+    with cuda_moe.override_plan(stages=plan.stages, persistent=plan.persistent):
         _check(_large(name, 3), name)
 
 

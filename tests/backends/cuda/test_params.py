@@ -81,7 +81,7 @@ def _kernel_params(cubin: bytes, lowered: str) -> list[tuple[int, int]]:
     # A TMA map first (64-byte aligned), then the rest.
     (_params.MoeGemmParams, lambda names: _params.checked_source(fused_moe.SOURCE_NAME, [(_params.MoeGemmParams,
                                                                                          names)]),
-     "moe_gemm_sm90<true, true, false, 4, 2>", True),
+     "moe_gemm_sm90<true, true, false, 4>", True),
 ])
 def test_the_kernels_parameters_are_the_mirrors_fields(mirror, source, name, arch_specific):
     # The launch points the driver at each field of the mirror, which copies as many bytes as the
