@@ -15,9 +15,9 @@ __all__ = ["MergeSplitsParams", "MlaDecodeParams", "MoeGemmParams", "MoeRoutePar
            "PagedDecodeParams", "PagedPrefillParams", "abi_checks", "checked_source"]
 
 # Why the kernels keep positional parameters (launched with a pointer to each field of the mirror)
-# instead of taking the struct by value: by value, the
-# pointers lose __restrict__, and ptxas emitted other SASS (ld.global.nc lost, prefill and MLA
-# rescheduled), which perf/decisions/paged_attention.md's tuning did not measure.
+# instead of taking the struct by value: by value, the pointers lose __restrict__, and ptxas emitted
+# other SASS (ld.global.nc lost, prefill and MLA rescheduled), which perf/decisions/paged_attention.md's
+# tuning did not measure.
 _P, _I, _Q, _F, _M = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float, TensorMap
 _KINDS = {_P: "p", _I: "i", _Q: "q", _F: "f", _M: "m"}
 _KIND_NAMES = {_P: "pointer", _I: "int32", _Q: "int64", _F: "float32", _M: "TMA tensor map"}

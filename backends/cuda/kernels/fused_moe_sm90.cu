@@ -3,7 +3,7 @@
 // At T = 4096 the two grouped GEMMs are matmul-bound, and the triton kernels stop at 45-65% of the
 // bf16 rate (perf/decisions/fused_moe.md). This file's GEMM gives each of three warpgroups one job, as
 // the prefill kernel does (paged_prefill_sm90.cu); with B by TMA it measured 1.02-1.10x the triton
-// kernels there (the decision file says what else was measured and not kept).
+// kernels at T = 4096 (the decision file says what else was measured and not kept).
 //
 //   - Routing (moe_route_sm90, one CTA): each (token, slot) pair placed in its local expert's run
 //     of rows, each run padded to whole 128-row blocks: counts, padded starts and each block's
@@ -15,9 +15,9 @@
 //     producer) copies 64-wide K steps of the A rows with 16-byte cp.async (gate-up: gathered
 //     through the routing, by token; down: the intermediate in run order; rows past the run are
 //     zero-filled, never read) and of the 256 B rows by TMA into a ring of STAGES stages, each
-//     tile 128 rows x 128 bytes in the 128-byte swizzled layout wgmma reads. Warpgroups 1 and 2 (the consumers) take 64 rows
-//     each: per step 8 wgmma m64n128k16 into two accumulators, the step's group waited for one step
-//     later, when its stage is handed back.
+//     tile 128 rows x 128 bytes in the 128-byte swizzled layout wgmma reads. Warpgroups 1 and 2
+//     (the consumers) take 64 rows each: per step 8 wgmma m64n128k16 into two accumulators, the
+//     step's group waited for one step later, when its stage is handed back.
 //   - Epilogues: gate-up rounds gate and up to the hidden dtype, applies silu or gelu in fp32 and
 //     stores the rounded product in run order (the spec's dataflow); down multiplies the router
 //     weight in fp32 and stores each pair's row rounded (top-1: the output itself).

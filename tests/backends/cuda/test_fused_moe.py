@@ -16,7 +16,7 @@ import torch
 from conftest import DEVICE
 from cuda_kernels import needs_hopper, needs_nvrtc
 from fakes import ask
-from kernelmux.backends.cuda import _compile
+from kernelmux.backends.cuda import _compile, _driver
 from kernelmux.backends.cuda import fused_moe as cuda_moe
 from kernelmux.conformance import poison_freed_memory
 from kernelmux.platforms import simulate
@@ -105,6 +105,16 @@ def test_declines_rows_it_cannot_copy_in_16_bytes():
     wide[:, :64] = kwargs["hidden"]
     kwargs["hidden"] = wide[:, :64]  # rows of 136 bytes: not 16-byte aligned
     assert "hidden needs a unit stride" in ask(cuda_moe.supports, SPEC, kwargs, SM90)
+
+
+def test_weight_maps_give_k_rows_and_experts_innermost_first(monkeypatch):
+    # The TMA map of w1 [E, 2I, H] (here with rows padded to H + 16) is (H, 2I, E) with byte strides
+    # (row, expert), boxes of 64 of K by 128 rows by one expert.
+    seen = []
+    monkeypatch.setattr(_driver, "_encoded_map", lambda *args: seen.append(args) or bytes(128))
+    w1 = torch.zeros(3, 2 * 40, 72 + 16, dtype=torch.bfloat16)[:, :, :72]
+    _driver.tensor_map(w1, cuda_moe.B_BOX)
+    assert seen == [(w1.data_ptr(), 2, (72, 80, 3), (88 * 2, 80 * 88 * 2), (64, 128, 1))]
 
 
 def test_shared_memory_fits_hopper():

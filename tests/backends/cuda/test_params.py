@@ -78,9 +78,9 @@ def _kernel_params(cubin: bytes, lowered: str) -> list[tuple[int, int]]:
     (_params.MlaDecodeParams, lambda names: mla_decode.source(names, []), "mla_decode_sm90<true, true>", True),
     (_params.MergeSplitsParams, lambda names: mla_decode.source([], names), "merge_splits<512, 1, true>", True),
     (_params.MergeSplitsParams, lambda names: mla_decode.source([], names), "merge_splits<512, 2, true>", True),
-    # A TMA map first (64-byte aligned), then the rest.
-    (_params.MoeGemmParams, lambda names: _params.checked_source(fused_moe.SOURCE_NAME, [(_params.MoeGemmParams,
-                                                                                         names)]),
+    # A TMA map, then the rest.
+    (_params.MoeGemmParams,
+     lambda names: _params.checked_source(fused_moe.SOURCE_NAME, [(_params.MoeGemmParams, names)]),
      "moe_gemm_sm90<true, true, false, 4>", True),
 ])
 def test_the_kernels_parameters_are_the_mirrors_fields(mirror, source, name, arch_specific):
