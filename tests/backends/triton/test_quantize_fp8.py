@@ -115,6 +115,20 @@ def test_both_per_token_routes(cols: int, one_step_max_cols: int, monkeypatch: p
         _check(dict(x=x, granularity="per_token", ue8m0=ue8m0), f"{cols} columns, one step up to {one_step_max_cols}")
 
 
+@pytest.mark.parametrize("group_size", [128, 64])
+@pytest.mark.parametrize("wide_min", [0, 1 << 30], ids=["wide", "narrow"])
+def test_both_per_group_widths(group_size: int, wide_min: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rows of a multiple of WIDE_GROUPS groups: WIDE_GROUPS a program when the grid stays large enough, else GROUPS.
+    monkeypatch.setattr(host, "WIDE_MIN_PROGRAMS_PER_UNIT", wide_min)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, host.WIDE_GROUPS * group_size, generator=gen) * torch.rand(3, host.WIDE_GROUPS, generator=gen
+                                                                                   ).repeat_interleave(group_size, 1)
+    x[1, 5 * group_size:6 * group_size] = 0.0  # an all-zero group: the amax floor
+    for ue8m0 in (False, True):
+        _check(dict(x=(x * 40).to(torch.bfloat16).to(DEVICE), granularity="per_group", group_size=group_size,
+                    ue8m0=ue8m0), f"group size {group_size}, wide from {wide_min} programs per unit")
+
+
 @pytest.mark.skipif(not ON_GPU, reason="GPU only: the native fp8 route is the hardware cast (sm_89+)")
 @pytest.mark.parametrize("name", ["deepseek_v3_m128", "extremes_per_token", "llama3_8b_m1024_per_tensor"])
 def test_the_integer_code_route_on_the_gpu(name: str) -> None:
