@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_sm90(
     const int steps = (k_size + kStepK - 1) / kStepK;
 
     if (wg == 0) {  // the producer
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
+        release_registers<kProducerRegisters>();
         const int row = tid >> 2;
         int g = 0;  // steps this CTA has issued over its tiles: the ring's position (stage and phase)
         for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -296,9 +296,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_sm90(
 
     // A consumer: rows 64 c .. 64 c + 63 of each block. This thread's accumulator rows are row0 and
     // row0 + 8 of those; its columns 8 j + 2 quad (+1) of each 8-column group j.
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
+    claim_registers<kConsumerRegisters>();
     const int c = wg - 1, lane = tid & 31, quad = lane & 3;
-    const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
+    const int row0 = accumulator_row(tid);
     int g = 0;  // the producer's count, step for step
     for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
         int block_m, n0, expert;

@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_sm90(
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform as far as the compiler knows
     // This thread's accumulator rows (heads of the CTA): row0 and row0 + 8; its columns 8j + 2quad
     // (+1) of each 8-column group j.
-    const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
+    const int row0 = accumulator_row(tid);
     const int head0 = blockIdx.x * kHeads, token = blockIdx.y, split = blockIdx.z;
     // The cache's values are value_scale times what the tiles hold (fp8: its scale): scores and
     // output carry it.

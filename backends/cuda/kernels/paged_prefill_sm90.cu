@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
     const int first = lo / kStep, steps = hi > lo ? (hi + kStep - 1) / kStep - first : 0;
 
     if (wg == 0) {  // the producer
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegisters));
+        release_registers<kProducerRegisters>();
         const int* table = block_table + (i64)seq * table_stride;
         const int block_mask = (1 << page_shift) - 1, row = tid >> 2;
         // This thread's four rows' cache blocks for a step (0 past the sequence: never used).
@@ -214,9 +214,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_prefill_sm90(
 
     // A consumer: query rows 64 c .. 64 c + 63 of the tile. This thread's accumulator rows are
     // row0 and row0 + 8 of those; its columns 8 j + 2 quad (+1) of each 8-column group j.
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegisters));
+    claim_registers<kConsumerRegisters>();
     const int c = wg - 1, lane = tid & 31, quad = lane & 3;
-    const int row0 = ((tid & 127) >> 5) * 16 + (lane >> 2);
+    const int row0 = accumulator_row(tid);
     const int first_row = m0 + 64 * c;  // the warpgroup's first query of the sequence
     int position_of[2];                 // this thread's rows' own positions (causal)
 #pragma unroll

@@ -1,7 +1,8 @@
 // kernelmux cuda backend: device helpers shared by the Hopper (sm_90a) kernels, mla_decode_sm90.cu,
 // paged_prefill_sm90.cu and fused_moe_sm90.cu: cp.async copies into shared memory, the proxy fence,
-// named barriers, mbarriers, TMA tile loads, wgmma descriptors and groups, the m64n128k16 wgmmas, and a
-// scheduling hint for ptxas (common.cuh has the arch-neutral ones).
+// named barriers, register hand-offs between warpgroups, mbarriers, TMA tile loads, wgmma descriptors,
+// groups and accumulator rows, the m64n128k16 wgmmas, and a scheduling hint for ptxas (common.cuh has the
+// arch-neutral ones).
 // _toolchain.py hands every kernels/*.cuh to NVRTC, so a kernel includes it by name.
 
 #pragma once
@@ -59,6 +60,19 @@ __device__ __forceinline__ void bar_arrive_if(int id, int arrive) {
                  ::"r"(id), "n"(THREADS), "r"(arrive) : "memory");
 }
 
+// Warp specialization: a warpgroup gives registers back to the pool (the producer) or takes them from it
+// (the consumers); every warp of the warpgroup executes it.
+template <int REGISTERS>
+__device__ __forceinline__ void release_registers() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGISTERS));
+}
+template <int REGISTERS>
+__device__ __forceinline__ void claim_registers() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGISTERS));
+}
+// The first of the two accumulator rows of an m64 wgmma tile that thread `tid` of its warpgroup holds (the
+// other is 8 rows below); its columns are 8 j + 2 (tid % 4) (+1) of each 8-column group j.
+__device__ __forceinline__ int accumulator_row(int tid) { return ((tid & 127) >> 5) * 16 + ((tid & 31) >> 2); }
 // mbarriers (64-bit, in shared memory): a phase completes once `count` arrivals have come; a
 // waiter names the phase by its parity (0 for the first, then alternating per completion).
 __device__ __forceinline__ void mbarrier_init(u32 barrier, u32 count) {
