@@ -34,11 +34,39 @@ def _scale(amax, GROUPED: tl.constexpr, UE8M0: tl.constexpr, FNUZ: tl.constexpr)
     return scale
 
 
+# _codes divides by a row's (or group's) scale through its reciprocal and an FMA correction. Scales below
+# RESCALE_BELOW (only rows' scales, floored at 2^-126, reach them; groups' are >= 1e-4 / 448) are multiplied
+# by RESCALE, and the row with them (a power of two: exact, and |x| <= 448 scale keeps it far from overflow),
+# so the FMA residual of any quotient the codes can tell apart (>= 2^-10, half of e4m3's smallest subnormal)
+# stays >= 2^-134, above fp32's subnormals (2^-149): it is then exact.
+RESCALE_BELOW = tl.constexpr(2.0**-100)
+RESCALE = tl.constexpr(2.0**64)
+
+
 @triton.jit
-def _codes(x, scale, NATIVE_FP8: tl.constexpr, FNUZ: tl.constexpr):
-    """fp32 x [r, c] over its per-row scale [r, 1] (broadcast) -> e4m3fn (e4m3fnuz under FNUZ) codes, the
-    IEEE division first."""
-    x = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))
+def _divisor(scale, GROUPED: tl.constexpr):
+    """(factor, scale * factor, its correctly rounded reciprocal) of a row's or group's scale, for _codes
+    (a group's factor is 1: the multiplications by it fold away)."""
+    if GROUPED:
+        factor = tl.full(scale.shape, 1.0, tl.float32)
+    else:
+        factor = tl.where(scale < RESCALE_BELOW, RESCALE, 1.0)
+    scaled = scale * factor
+    return factor, scaled, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scaled)
+
+
+@triton.jit
+def _codes(x, factor, scaled, reciprocal, NATIVE_FP8: tl.constexpr, FNUZ: tl.constexpr):
+    """fp32 x [r, c] over its per-row scale ([r, 1] each, broadcast: _divisor's) -> e4m3fn (e4m3fnuz under
+    FNUZ) codes, the IEEE division first: x times the reciprocal, corrected once by its FMA residual
+    (Markstein), is the correctly rounded quotient given a correctly rounded reciprocal and a residual that
+    neither overflows nor underflows (RESCALE_BELOW). div_rn would pay a range check and a branch per element."""
+    x = x * tl.broadcast_to(factor, x.shape)
+    scaled, reciprocal = tl.broadcast_to(scaled, x.shape), tl.broadcast_to(reciprocal, x.shape)
+    quotient = x * reciprocal
+    # The residual x - quotient * scale as -(quotient * scale - x): the same value, and -0 where it is a zero,
+    # so a zero x keeps its sign (+0 + -0 would give +0 to -0 / scale).
+    x = tl.math.fma(-tl.math.fma(quotient, scaled, -x), reciprocal, quotient)
     # IN_RANGE: the quotients are within an ulp of fp8_max (x <= amax), and the spec leaves a NaN or Inf
     # input's codes unspecified.
     return e4m3fnuz_codes(x) if FNUZ else e4m3fn_codes(x, 0, NATIVE_FP8, IN_RANGE=True)
@@ -104,14 +132,16 @@ def quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, rows, cols, num_p
     else:
         tl.store(scale_ptr + row, scale, mask=row == 0)  # the tensor's one scale, from row 0's lane
     q_rows = q_ptr + row[:, None].to(tl.int64) * stride_qm
+    factor, scaled, reciprocal = _divisor(scale, False)
+    factor, scaled, reciprocal = factor[:, None], scaled[:, None], reciprocal[:, None]
     if ONE_STEP:
-        tl.store(q_rows + k[None, :], _codes(x, scale[:, None], NATIVE_FP8, FNUZ), mask=mask)
+        tl.store(q_rows + k[None, :], _codes(x, factor, scaled, reciprocal, NATIVE_FP8, FNUZ), mask=mask)
     else:
         for k0 in range(0, cols, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             mask = row_ok[:, None] & (k < cols)[None, :]
             x = tl.load(x_rows + k[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_rows + k[None, :], _codes(x, scale[:, None], NATIVE_FP8, FNUZ), mask=mask)
+            tl.store(q_rows + k[None, :], _codes(x, factor, scaled, reciprocal, NATIVE_FP8, FNUZ), mask=mask)
 
 
 @triton.jit
@@ -129,4 +159,6 @@ def quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, cols, group_size, num_groups
     x = tl.load(x_ptr + row * stride_xm + col * stride_xk, mask=mask, other=0.0).to(tl.float32)
     scale = _scale(tl.max(tl.abs(x), axis=1), True, UE8M0, FNUZ)
     tl.store(scale_ptr + row * stride_sm + group * stride_sg, scale, mask=group < num_groups)
-    tl.store(q_ptr + row * stride_qm + col, _codes(x, scale[:, None], NATIVE_FP8, FNUZ), mask=mask)
+    factor, scaled, reciprocal = _divisor(scale, True)
+    tl.store(q_ptr + row * stride_qm + col,
+             _codes(x, factor[:, None], scaled[:, None], reciprocal[:, None], NATIVE_FP8, FNUZ), mask=mask)

@@ -129,6 +129,49 @@ def test_both_per_group_widths(group_size: int, wide_min: int, monkeypatch: pyte
                     ue8m0=ue8m0), f"group size {group_size}, wide from {wide_min} programs per unit")
 
 
+def _finite_bf16_values(seed: int) -> torch.Tensor:
+    """Every finite bf16 value, shuffled, as rows of 128 (zeros pad the last)."""
+    values = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = values[torch.isfinite(values)]
+    values = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(seed))]
+    return torch.cat([values, values.new_zeros(-values.numel() % 128)]).view(-1, 128)
+
+
+@pytest.mark.parametrize("granularity", ["per_group", "per_token"])
+def test_every_finite_bf16_value_bit_for_bit(granularity: str) -> None:
+    # The codes' division (a reciprocal and one FMA correction) against the reference's IEEE division: each
+    # finite bf16 value meets the scale of the random row or group it was shuffled into.
+    for seed in (0, 1):
+        _check(dict(x=_finite_bf16_values(seed).to(DEVICE), granularity=granularity, group_size=128,
+                    ue8m0=False), f"{granularity}, shuffle {seed}")
+
+
+# (row maximum, value): fp32 pairs whose quotient by the row's scale (between 2^-126 and RESCALE_BELOW) is within
+# an ulp or three of an e4m3 rounding boundary, where the reciprocal's FMA correction without rescaling
+# underflows and picks the other code (found by an exact search).
+TINY_ROWS = [(float.fromhex(amax), float.fromhex(value)) for amax, value in [
+    ("0x1.f64dfcp-107", "0x1.9c9b7cp-121"), ("0x1.bfa6ecp-115", "0x1.8fb078p-128"),
+    ("0x1.842a72p-113", "0x1.764d80p-127"), ("0x1.8630a0p-114", "0x1.942014p-127"),
+    ("0x1.aa7886p-117", "0x1.02edc0p-129"), ("0x1.a74c22p-109", "0x1.982dfcp-123"),
+    ("0x1.06bca6p-112", "0x1.3f09a6p-125"), ("0x1.071a18p-108", "0x1.77dc24p-125"),
+    ("0x1.019522p-111", "0x1.38c762p-124"), ("0x1.37c832p-109", "0x1.d3ac4cp-124"),
+    ("0x1.82c86ap-115", "0x1.9098b8p-128"), ("0x1.456154p-110", "0x1.51003cp-123")]]
+
+
+@pytest.mark.parametrize("granularity", ["per_token", "per_tensor"])
+def test_rows_of_tiny_values_bit_for_bit(granularity: str) -> None:
+    # Scales between 2^-126 (the floor) and RESCALE_BELOW: the division is rescaled by a power of two, or its
+    # FMA residual would underflow. Each row: its maximum, the value near a boundary, and random values below.
+    gen = torch.Generator().manual_seed(3)
+    x = torch.rand(len(TINY_ROWS), 64, generator=gen) * torch.tensor([[amax] for amax, _ in TINY_ROWS])
+    x[:, 0] = torch.tensor([amax for amax, _ in TINY_ROWS])
+    x[:, 1] = torch.tensor([value for _, value in TINY_ROWS])
+    x[:, 2] = -x[:, 1]
+    for row in (range(len(TINY_ROWS)) if granularity == "per_tensor" else [slice(None)]):
+        _check(dict(x=x[row].reshape(-1, 64).to(DEVICE), granularity=granularity, ue8m0=False),
+               f"{granularity}, tiny rows {row}")
+
+
 @pytest.mark.skipif(not ON_GPU, reason="GPU only: the native fp8 route is the hardware cast (sm_89+)")
 @pytest.mark.parametrize("name", ["deepseek_v3_m128", "extremes_per_token", "llama3_8b_m1024_per_tensor"])
 def test_the_integer_code_route_on_the_gpu(name: str) -> None:
