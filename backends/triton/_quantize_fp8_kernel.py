@@ -66,7 +66,11 @@ def _codes(x, factor, scaled, reciprocal, NATIVE_FP8: tl.constexpr, FNUZ: tl.con
     quotient = x * reciprocal
     # The residual x - quotient * scale as -(quotient * scale - x): the same value, and -0 where it is a zero,
     # so a zero x keeps its sign (+0 + -0 would give +0 to -0 / scale).
-    x = tl.math.fma(-tl.math.fma(quotient, scaled, -x), reciprocal, quotient)
+    quotient = tl.math.fma(-tl.math.fma(quotient, scaled, -x), reciprocal, quotient)
+    # x's sign bit on the quotient: where the correction cancels the product exactly (a quotient below fp32's
+    # smallest subnormal), the sum is +0, while the IEEE quotient of a negative x is -0 (and so is its code).
+    x = (quotient.to(tl.uint32, bitcast=True) | (x.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32,
+                                                                                                bitcast=True)
     # IN_RANGE: the quotients are within an ulp of fp8_max (x <= amax), and the spec leaves a NaN or Inf
     # input's codes unspecified.
     return e4m3fnuz_codes(x) if FNUZ else e4m3fn_codes(x, 0, NATIVE_FP8, IN_RANGE=True)
