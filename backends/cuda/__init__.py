@@ -51,11 +51,13 @@ TABLE = (
           "Hopper, 16-bit or fp8 latent cache: 64-head CTAs, Q and two 64-position cache tiles in shared "
           "memory; warpgroup 0 runs Q K^T (wgmma) and the softmax, warpgroup 1 the loads, each half of P V",
           {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
-    # 1.02-1.41x triton's kernels at every H200 shape it serves that was measured (perf/decisions/fused_moe.md).
+    # 1.02-1.41x triton's kernels at every H200 shape it serves that was measured, the decode GEMVs 1.17x at
+    # Qwen3-30B-A3B T = 1 (perf/decisions/fused_moe.md).
     Entry("fused_moe",
           "Hopper, 16-bit experts at prefill sizes: routing in one CTA, then grouped GEMMs of 128-row blocks where a "
           "producer warpgroup gathers A rows by cp.async and loads B tiles by TMA, and two consumers run wgmma "
-          "(gate-up's activation and down's router weight in their epilogues)",
+          "(gate-up's activation and down's router weight in their epilogues); at T = 1 with small experts, two "
+          "GEMVs (a warp a column, no routing launch, down summing the top-k)",
           {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
 )
 

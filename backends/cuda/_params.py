@@ -11,8 +11,8 @@ from typing import Sequence
 from kernelmux.backends.cuda._driver import TensorMap
 from kernelmux.backends.cuda._toolchain import KERNELS
 
-__all__ = ["MergeSplitsParams", "MlaDecodeParams", "MoeGemmParams", "MoeRouteParams", "MoeSumParams",
-           "PagedDecodeParams", "PagedPrefillParams", "abi_checks", "checked_source"]
+__all__ = ["MergeSplitsParams", "MlaDecodeParams", "MoeDecodeDownParams", "MoeDecodeGateUpParams", "MoeGemmParams",
+           "MoeRouteParams", "MoeSumParams", "PagedDecodeParams", "PagedPrefillParams", "abi_checks", "checked_source"]
 
 # Why the kernels keep positional parameters (launched with a pointer to each field of the mirror)
 # instead of taking the struct by value: by value, the pointers lose __restrict__, and ptxas emitted
@@ -101,6 +101,24 @@ class MoeSumParams(ctypes.Structure):
 
     _fields_ = _fields("pairs topk_ids expert_map out", "hidden_size topk", "",
                        "pairs_stride ids_stride_t ids_stride_k map_stride out_stride")
+
+
+class MoeDecodeGateUpParams(ctypes.Structure):
+    """kernels/fused_moe_decode.cu's MoeDecodeGateUpParams (the gate-up GEMV)."""
+
+    _fields_ = _fields("hidden w1 inter topk_ids expert_map topk_weights",
+                       "num_pairs topk inter_size hidden_size on_input", "",
+                       "hidden_stride w1_stride_e w1_stride_n inter_stride ids_stride_t ids_stride_k map_stride "
+                       "weights_stride_t")
+
+
+class MoeDecodeDownParams(ctypes.Structure):
+    """kernels/fused_moe_decode.cu's MoeDecodeDownParams (the down GEMV)."""
+
+    _fields_ = _fields("inter w2 out topk_ids expert_map topk_weights",
+                       "num_tokens topk hidden_size inter_size on_input", "",
+                       "inter_stride w2_stride_e w2_stride_n out_stride ids_stride_t ids_stride_k map_stride "
+                       "weights_stride_t weights_stride_k")
 
 
 def abi_checks(mirror: type[ctypes.Structure], kernels: Sequence[str]) -> str:

@@ -1,8 +1,9 @@
-"""The cuda backend's fused_moe on Hopper (kernels/fused_moe_sm90.cu): 16-bit experts at prefill sizes.
-Which calls it takes (``supports``), its launch plan, and the launches of one call: the routing in one
-CTA, gate-up and down as warp-specialized wgmma grouped GEMMs (B by TMA), and for top-k > 1 the sum. No
-launch reads a device value on the host: every size is a bound from host ints (CUDA-graph safe; the weights'
-TMA maps travel in the launches' parameters)."""
+"""The cuda backend's fused_moe on Hopper: 16-bit experts at prefill sizes (kernels/fused_moe_sm90.cu) and at
+T = 1 (kernels/fused_moe_decode.cu). Which calls it takes (``supports``), its launch plan, and the launches
+of one call: at prefill sizes the routing in one CTA, gate-up and down as warp-specialized wgmma grouped GEMMs
+(B by TMA), and for top-k > 1 the sum; at T = 1 two GEMVs (no routing, down sums the top-k itself). No launch
+reads a device value on the host: every size is a bound from host ints (CUDA-graph safe; the weights' TMA maps
+travel in the launches' parameters)."""
 
 import functools
 from dataclasses import dataclass
@@ -16,8 +17,9 @@ from kernelmux.backends.cuda._targets import HOPPER
 from kernelmux.platforms import Platform, probes
 from kernelmux.specs import fused_moe as spec
 
-__all__ = ["CAPABILITY", "MIN_PAIRS_PER_EXPERT", "MoePlan", "describe", "fused_moe", "kernel_names",
-           "override_plan", "shared_bytes", "source", "supports"]
+__all__ = ["CAPABILITY", "DECODE_MAX_TOKENS", "MIN_PAIRS_PER_EXPERT", "MoePlan", "decode_kernel_names",
+           "decode_source", "describe", "fused_moe", "kernel_names", "override_plan", "shared_bytes", "source",
+           "supports"]
 
 CAPABILITY = HOPPER  # wgmma and setmaxnreg: sm_90a cubins run on sm_90 only
 ROWS = 128  # rows per routing block: the GEMMs' M (two consumer warpgroups of 64)
@@ -33,6 +35,15 @@ B_BOX = (64, 128, 1)  # a B tile's TMA box, innermost first: 64 of K (128 bytes)
 # and the grid leaves SMs idle: the triton backend's 16-64-row blocks serve those calls.
 MIN_PAIRS_PER_EXPERT = 64
 SOURCE_NAME = "fused_moe_sm90.cu"
+# The decode GEMVs: at T = 1 each pair has its own expert, whose weights one pass streams.
+DECODE_MAX_TOKENS = 1
+# Above this many bytes of routed weights a T = 1 call stays with triton's grouped kernels, which stream
+# large experts faster: H200, Qwen3-30B-A3B's 75 MB 25.8 us against triton's 30.2, Mixtral's 705 MB 179.9
+# against 176.7 (perf/decisions/fused_moe.md).
+DECODE_MAX_ROUTED_BYTES = 256 << 20
+GEMV_THREADS = 256
+MAX_DECODE_TOPK = 32  # down keeps slot s's expert and router weight in lane s of a warp
+DECODE_SOURCE_NAME = "fused_moe_decode.cu"
 
 _capability = probes.device_capability
 _sm_count = probes.compute_units
@@ -46,12 +57,14 @@ def shared_bytes(stages: int) -> int:
 
 @dataclass(frozen=True)
 class MoePlan:
-    """A launch's choices: pipeline stages in shared memory (one of STAGES), and whether the GEMMs run a
+    """A launch's choices: pipeline stages in shared memory (one of STAGES), whether the GEMMs run a
     CTA per SM that walks the tiles (``persistent``: a tile's loads start under the tile before's
-    epilogue) instead of a CTA per tile."""
+    epilogue) instead of a CTA per tile, and whether the decode GEMVs serve the call (``gemv``; None:
+    at T <= DECODE_MAX_TOKENS; True or False at any T, for tests and sweeps)."""
 
     stages: int = 4
     persistent: bool = False
+    gemv: Optional[bool] = None
 
 
 DEFAULT_PLAN = MoePlan()
@@ -62,6 +75,8 @@ def _plan_problem(plan: MoePlan) -> Optional[str]:
         return f"stages must be one of {STAGES}, got {plan.stages!r}"
     if type(plan.persistent) is not bool:
         return f"persistent must be a bool, got {plan.persistent!r}"
+    if plan.gemv is not None and type(plan.gemv) is not bool:
+        return f"gemv must be None or a bool, got {plan.gemv!r}"
     return None
 
 
@@ -73,13 +88,20 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     """None when the kernels compute calls with this key as the spec defines them, else why not."""
     if key.quantization != "none":
         return f"{key.quantization} experts: 16-bit experts only (the triton backend serves quantized ones)"
-    if key.apply_router_weight_on_input:
-        return ("apply_router_weight_on_input: the GEMM copies input rows as they are into shared memory "
-                "(the triton backend scales them)")
+    decode = key.num_tokens_class <= DECODE_MAX_TOKENS
+    if key.apply_router_weight_on_input and not decode:
+        return ("apply_router_weight_on_input above T = 1: the GEMM copies input rows as they are into shared "
+                "memory (the triton backend scales them)")
     if platform.capability != CAPABILITY:
-        return (f"needs sm_{CAPABILITY[0]}{CAPABILITY[1]} (Hopper: the GEMMs are built on its wgmma), "
-                f"this GPU is {platform.arch}")
-    if key.num_experts > MAX_EXPERTS:
+        return (f"needs sm_{CAPABILITY[0]}{CAPABILITY[1]} (Hopper: the GEMMs are built on its wgmma, and the "
+                f"decode GEMVs were measured there), this GPU is {platform.arch}")
+    if decode and key.topk > MAX_DECODE_TOPK:
+        return f"top-k = {key.topk} > {MAX_DECODE_TOPK}: the down GEMV holds a slot a lane of a warp"
+    routed_bytes = key.topk * 3 * key.hidden_size * key.intermediate_size * key.weight_dtype.itemsize
+    if decode and routed_bytes > DECODE_MAX_ROUTED_BYTES:
+        return (f"T = 1 over {routed_bytes / 2**20:.0f} MiB of routed weights > {DECODE_MAX_ROUTED_BYTES >> 20} MiB: "
+                "the triton backend's grouped kernels stream large experts faster than the decode GEMVs")
+    if not decode and key.num_experts > MAX_EXPERTS:
         return f"E = {key.num_experts} local experts > {MAX_EXPERTS}: the routing CTA holds one a thread"
     for name, size in (("H", key.hidden_size), ("I", key.intermediate_size)):
         if size % VECTOR:
@@ -90,7 +112,7 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
             return (f"{name} needs a unit stride along its last dim and 16-byte aligned data and strides "
                     f"(the kernels' 16-byte copies), got {tensor_layout}")
     pairs_per_expert = key.num_tokens_class * key.topk / key.num_global_experts
-    if pairs_per_expert < MIN_PAIRS_PER_EXPERT:
+    if not decode and pairs_per_expert < MIN_PAIRS_PER_EXPERT:
         return (f"up to {pairs_per_expert:g} pairs per expert (T class {key.num_tokens_class}) < "
                 f"{MIN_PAIRS_PER_EXPERT}: its 128-row blocks would be mostly padding (the triton backend's "
                 "smaller blocks serve decode sizes)")
@@ -98,8 +120,11 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
 
 
 def describe(key: spec.Key, platform: Platform) -> str:
-    """What a call runs (for explain): the GEMMs' tiles and the plan in force."""
+    """What a call runs (for explain): the decode GEMVs, or the GEMMs' tiles and the plan in force."""
     plan = _plans.current
+    if plan.gemv if plan.gemv is not None else key.num_tokens_class <= DECODE_MAX_TOKENS:
+        return ("decode GEMVs: gate-up a warp a (pair, column), down a warp a (token, column) summing the top-k, "
+                "16-byte weight loads 4-8 deep per lane, every SM's warps loading (perf/decisions/fused_moe.md)")
     grid = "one CTA an SM walking the tiles" if plan.persistent else "a CTA a tile"
     return (f"GEMMs of {ROWS}-row blocks x 2 x {COLUMNS} columns, {plan.stages} stages of 48 KiB, {grid} "
             "(perf/decisions/fused_moe.md)")
@@ -110,6 +135,20 @@ def kernel_names(bf16: bool, gelu: bool, stages: int) -> dict[str, str]:
     dtype, act = str(bf16).lower(), str(gelu).lower()
     return {"route": "moe_route_sm90", "gate_up": f"moe_gemm_sm90<{dtype}, true, {act}, {stages}>",
             "down": f"moe_gemm_sm90<{dtype}, false, false, {stages}>", "sum": f"moe_sum_sm90<{dtype}>"}
+
+
+def decode_kernel_names(bf16: bool, gelu: bool) -> dict[str, str]:
+    """The C++ names of the decode GEMVs for a hidden dtype and an activation."""
+    dtype, act = str(bf16).lower(), str(gelu).lower()
+    return {"gate_up": f"moe_decode_gate_up<{dtype}, {act}>", "down": f"moe_decode_down<{dtype}>"}
+
+
+def decode_source(names: dict[str, str]) -> str:
+    """kernels/fused_moe_decode.cu with the named ABI's checks for ``names`` (decode_kernel_names')."""
+    return _params.checked_source(DECODE_SOURCE_NAME, [
+        (_params.MoeDecodeGateUpParams, [names["gate_up"]]),
+        (_params.MoeDecodeDownParams, [names["down"]]),
+    ])
 
 
 def source(names: dict[str, str]) -> str:
@@ -131,7 +170,17 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, gelu:
     return module, names
 
 
+@functools.cache
+def _compiled_decode(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool,
+                     gelu: bool) -> tuple[_compile.CompiledModule, dict[str, str]]:
+    names = decode_kernel_names(bf16, gelu)
+    module = _compile.compile_module_cached(decode_source(names), list(names.values()), arch,
+                                            filename=DECODE_SOURCE_NAME, defines=defines)
+    return module, names
+
+
 _LOADED = _driver.LoadedKernels()
+_LOADED_DECODE = _driver.LoadedKernels()
 
 
 def _kernels(device: torch.device, bf16: bool, gelu: bool, stages: int) -> tuple[_driver.Kernel, ...]:
@@ -147,6 +196,49 @@ def _kernels(device: torch.device, bf16: bool, gelu: bool, stages: int) -> tuple
                         _driver.KernelSpec(names["sum"], _params.MoeSumParams, SUM_COLUMNS // VECTOR)]
 
     return _LOADED.get(device, (defines, bf16, gelu, stages), build)
+
+
+def _decode_kernels(device: torch.device, bf16: bool, gelu: bool) -> tuple[_driver.Kernel, ...]:
+    """(gate-up, down) GEMVs, loaded on ``device``."""
+    defines = _compile.diagnostics_in_force()
+
+    def build():
+        module, names = _compiled_decode(_capability(device), defines, bf16, gelu)
+        return module, [_driver.KernelSpec(names["gate_up"], _params.MoeDecodeGateUpParams, GEMV_THREADS),
+                        _driver.KernelSpec(names["down"], _params.MoeDecodeDownParams, GEMV_THREADS)]
+
+    return _LOADED_DECODE.get(device, (defines, bf16, gelu), build)
+
+
+def _resident_grid(kernel: _driver.Kernel, device: torch.device, tasks: int) -> tuple[int, int, int]:
+    """As many CTAs as the GPU holds at once, or fewer where the tasks (one a warp at a time) run out."""
+    return (max(1, min(kernel.blocks_per_sm * _sm_count(device), -(-tasks // (GEMV_THREADS // 32)))), 1, 1)
+
+
+def _fused_moe_decode(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map,
+                      apply_router_weight_on_input) -> torch.Tensor:
+    """The decode GEMVs: gate-up into a [T * k, I] intermediate, then down summing each token's slots."""
+    num_tokens, hidden_size = hidden.shape
+    inter_size, topk = w1.shape[1] // 2, topk_ids.shape[1]
+    device = hidden.device
+    inter = torch.empty((num_tokens * topk, inter_size), dtype=hidden.dtype, device=device)
+    out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=device)
+    has_map = expert_map is not None
+    routing = dict(topk_ids=topk_ids, expert_map=expert_map, topk_weights=topk_weights, topk=topk,
+                   on_input=int(apply_router_weight_on_input), ids_stride_t=topk_ids.stride(0),
+                   ids_stride_k=topk_ids.stride(1), map_stride=expert_map.stride(0) if has_map else 0,
+                   weights_stride_t=topk_weights.stride(0))
+    with torch.cuda.device(device):
+        gate_up, down = _decode_kernels(device, hidden.dtype == torch.bfloat16, activation == "gelu")
+        gate_up(_resident_grid(gate_up, device, num_tokens * topk * inter_size), overlap_previous=True,
+                hidden=hidden, w1=w1, inter=inter, num_pairs=num_tokens * topk, inter_size=inter_size,
+                hidden_size=hidden_size, hidden_stride=hidden.stride(0), w1_stride_e=w1.stride(0),
+                w1_stride_n=w1.stride(1), inter_stride=inter.stride(0), **routing)
+        down(_resident_grid(down, device, num_tokens * hidden_size), overlap_previous=True,
+             inter=inter, w2=w2, out=out, num_tokens=num_tokens, hidden_size=hidden_size, inter_size=inter_size,
+             inter_stride=inter.stride(0), w2_stride_e=w2.stride(0), w2_stride_n=w2.stride(1),
+             out_stride=out.stride(0), weights_stride_k=topk_weights.stride(1), **routing)
+    return out
 
 
 def fused_moe(
@@ -166,11 +258,16 @@ def fused_moe(
 ) -> torch.Tensor:
     """The spec's fused_moe for 16-bit experts: routing, gate-up with the activation, down with the
     router weight (top-1: into the output), and for top-k > 1 the sum of each token's pair rows in
-    fp32, rounded once. Arguments are validated by the caller and accepted by ``supports``."""
+    fp32, rounded once; at T <= DECODE_MAX_TOKENS (or as the plan says) the decode GEMVs instead.
+    Arguments are validated by the caller and accepted by ``supports``."""
     num_tokens, hidden_size = hidden.shape
     dtype, device = hidden.dtype, hidden.device
     if num_tokens == 0:
         return hidden.new_empty((0, hidden_size))
+    plan = _plans.current
+    if plan.gemv if plan.gemv is not None else num_tokens <= DECODE_MAX_TOKENS:
+        return _fused_moe_decode(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map,
+                                 apply_router_weight_on_input)
     experts, inter_size = w1.shape[0], w1.shape[1] // 2
     topk = topk_ids.shape[1]
     pairs = num_tokens * topk
@@ -194,7 +291,6 @@ def fused_moe(
     layout = dict(sorted_pairs=sorted_pairs, block_expert=block_expert, starts=starts, counts=counts,
                   topk_weights=topk_weights, topk=topk, max_blocks=max_blocks,
                   weights_stride_t=topk_weights.stride(0), weights_stride_k=topk_weights.stride(1))
-    plan = _plans.current
 
     def grid(column_tiles: int) -> tuple[int, int, int]:  # a CTA a tile, or one a multiprocessor walking them
         tiles = max_blocks * column_tiles

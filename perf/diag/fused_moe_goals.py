@@ -184,12 +184,16 @@ KERNELS = ("gemv_gate_up", "gemv_down", "route", "count", "layout", "scatter", "
 
 
 def _kernel_name(key: str) -> str:
-    """A profiler key's kernel: the triton kernels' names, the cuda backend's by template (gate-up: GATED true)."""
+    """A profiler key's kernel: the triton kernels' names, the cuda backend's by template (gate-up: GATED true) and
+    its decode GEMVs'."""
     if "moe_gemm_sm90" in key:  # mangled (ILb<BF16>ELb<GATED>E) or demangled (<bf16, gated, ...>)
         return "gate_up" if re.search(r"moe_gemm_sm90(ILb[01]ELb1E|<\w+, true)", key) else "down"
     for kernel in ("route", "sum"):
         if f"moe_{kernel}_sm90" in key:
             return kernel
+    for kernel in ("gate_up", "down"):  # the cuda decode GEMVs
+        if f"moe_decode_{kernel}" in key:
+            return f"gemv_{kernel}"
     return next((k for k in KERNELS if f"moe_{k}_kernel" in key), key[:40])
 
 

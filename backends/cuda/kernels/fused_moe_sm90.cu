@@ -28,6 +28,7 @@
 // land (each producer thread's cp.async.mbarrier.arrive, and the TMA's bytes), empty when every
 // consumer warp is done with it. Compiled at runtime by NVRTC for sm_90a; see fused_moe.py.
 
+#include "moe_common.cuh"
 #include "sm90_common.cuh"
 
 namespace {
@@ -47,28 +48,6 @@ constexpr int kSumThreads = 256, kSumVector = 8;  // moe_sum_sm90: 8 columns (16
 // (A, B half 0, B half 1).
 template <int STAGES>
 __device__ constexpr int shared_bytes() { return STAGES * 3 * kTile + 1024; }
-
-// The local expert of pair p (-1: routed to another rank).
-__device__ __forceinline__ int local_expert(const int* ids, const int* expert_map, int pair, int topk,
-                                            i64 ids_stride_t, i64 ids_stride_k, i64 map_stride) {
-    const int id = ids[(i64)(pair / topk) * ids_stride_t + (i64)(pair % topk) * ids_stride_k];
-    return expert_map != nullptr ? expert_map[(i64)id * map_stride] : id;
-}
-
-// x and y rounded to the 16-bit dtype and back.
-template <bool BF16>
-__device__ __forceinline__ void round2(float& x, float& y) { unpack2<BF16>(pack2<BF16>(x, y), x, y); }
-
-// act(gate) * up as the spec's dataflow: gate and up already rounded to the hidden dtype, the
-// activation and product in fp32 (rounded by the caller's store).
-template <bool GELU>
-__device__ __forceinline__ float gated(float gate, float up) {
-    if constexpr (GELU) {
-        return 0.5f * gate * (1.0f + erff(gate * 0.7071067811865476f)) * up;
-    } else {
-        return gate / (1.0f + __expf(-gate)) * up;
-    }
-}
 
 // 128 rows x 128 bytes of K (from byte `k_byte` of each row) into a swizzled tile, by the producer's
 // 128 threads: thread t copies chunks t % 4 and t % 4 + 4 of rows t / 4 + 32 p. rows[p] is that

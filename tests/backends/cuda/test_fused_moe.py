@@ -1,9 +1,11 @@
-"""The cuda backend's Hopper fused_moe: what it accepts and why not, its compilation for sm_90a (NVRTC runs on
-CPU-only machines) without spills, and on an sm_90 GPU against the spec's reference: every 16-bit case the
-kernels compute (called directly: supports' floor on pairs per expert is a selection policy, not a limit of the
-kernels), runs of several 128-row blocks, H and I off the 64-wide K steps and 128-wide column tiles, experts on
-other ranks, top-1, fp16 and gelu, every plan, padded row strides, NaN-poisoned memory, and a CUDA-graph replay
-on new routing."""
+"""The cuda backend's Hopper fused_moe: what it accepts and why not, its compilation (the GEMMs for sm_90a, the
+decode GEMVs for sm_80 and sm_90; NVRTC runs on CPU-only machines) without spills, and on an sm_90 GPU against
+the spec's reference: every 16-bit case each route computes (called directly, the route forced by the plan:
+supports' floor on pairs per expert and the GEMVs' T = 1 are selection policies, not limits of the kernels),
+runs of several 128-row blocks, H and I off the 64-wide K steps and 128-wide column tiles, the GEMVs' whole
+batches of loads and their tails, rows of fewer pieces than a warp's lanes, experts on other ranks, top-1, the
+router weight on the input (GEMVs), fp16 and gelu, every plan, padded row strides, NaN-poisoned memory, and
+CUDA-graph replays on new routing."""
 
 from __future__ import annotations
 
@@ -39,10 +41,22 @@ LARGE = {
     "one_expert_takes_all": (513, 8, 3, 64, 32, {"one_expert": True}),
     "many_pairs": (6000, 8, 3, 64, 32, {}),  # 18000 pairs: 18 to each thread of the routing CTA
 }
+# The decode GEMVs' sizes: gate-up's whole 1024-element batches of K and a tail, down's (slot, piece) walk over
+# rows of 96 pieces and of fewer than a warp's 32 (several slots a step), top-k up to a warp's 32 lanes.
+DECODE = {
+    "qwen3_rows": (1, 16, 8, 2048, 768, {}),
+    "split_k": (1, 6, 2, 4616, 4360, {}),
+    "ragged_gelu": (1, 12, 6, 1160, 200, {"activation": "gelu"}),
+    "map_holes_fp16": (1, 40, 8, 520, 96, {"unmapped": 12, "dtype": torch.float16}),
+    "top1_on_input": (1, 8, 1, 1032, 64, {"on_input": True}),
+    "top32_short_rows": (1, 40, 32, 256, 8, {}),
+    "three_tokens": (3, 8, 4, 1160, 136, {}),  # T > 1 under the plan: pairs that share an expert
+    "many_tokens_on_input": (200, 8, 1, 72, 40, {"on_input": True, "local_experts": 4}),
+}
 
 
-def _large(name: str, seed: int) -> dict:
-    tokens, experts, topk, hidden_size, inter_size, options = LARGE[name]
+def _large(name: str, seed: int, sizes: dict = LARGE) -> dict:
+    tokens, experts, topk, hidden_size, inter_size, options = sizes[name]
     make = spec_module._maker(tokens, experts, topk, hidden_size, inter_size, **options)
     return make(torch.device(DEVICE), torch.Generator().manual_seed(seed))
 
@@ -76,8 +90,8 @@ def _prefill_call(**options) -> dict:
 @pytest.mark.parametrize("call, platform, reason", [
     (dict(quantization="fp8_block", hidden=128), SM90, "fp8_block experts: 16-bit experts only"),
     (dict(quantization="mxfp4"), SM90, "mxfp4 experts: 16-bit experts only"),
-    (dict(on_input=True), SM90, "apply_router_weight_on_input"),
-    ({}, SM89, "needs sm_90 (Hopper: the GEMMs are built on its wgmma), this GPU is sm_89"),
+    (dict(on_input=True), SM90, "apply_router_weight_on_input above T = 1"),
+    ({}, SM89, "needs sm_90 (Hopper: the GEMMs are built on its wgmma"),
     (dict(hidden=60), SM90, "H = 60: a multiple of 8 only"),
 ])
 def test_declines_with_reasons(call, platform, reason):
@@ -89,11 +103,42 @@ def test_declines_with_reasons(call, platform, reason):
     assert reason in ask(cuda_moe.supports, SPEC, kwargs, platform)
 
 
-def test_takes_prefill_calls_and_leaves_decode_to_triton():
+def test_takes_prefill_calls_and_t1_and_leaves_decode_batches_to_triton():
     assert ask(cuda_moe.supports, SPEC, _prefill_call(), SM90) is None
     assert ask(cuda_moe.supports, SPEC, _prefill_call(dtype=torch.float16, activation="gelu"), SM90) is None
     small = SPEC.case("qwen3_30b_a3b_t16_ep16").build("cpu", 0)  # 16 tokens x 8 over 128 experts
     assert "pairs per expert (T class 31) < 64" in ask(cuda_moe.supports, SPEC, small, SM90)
+    for name in ("qwen3_rows", "top1_on_input", "top32_short_rows"):  # T = 1: the decode GEMVs
+        assert ask(cuda_moe.supports, SPEC, _decode_call(name), SM90) is None, name
+
+
+def _decode_call(name: str, **options) -> dict:
+    tokens, experts, topk, hidden_size, inter_size, base = DECODE[name]
+    make = spec_module._maker(tokens, experts, topk, hidden_size, inter_size, **{**base, **options})
+    return make(torch.device("cpu"), torch.Generator().manual_seed(0))
+
+
+def test_decode_declines_what_its_warps_cannot_hold():
+    make = spec_module._maker(1, 40, 33, 64, 32)
+    kwargs = make(torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert "top-k = 33 > 32: the down GEMV holds a slot a lane" in ask(cuda_moe.supports, SPEC, kwargs, SM90)
+    assert "16-bit experts only" in ask(cuda_moe.supports, SPEC, _decode_call("qwen3_rows", quantization="mxfp4"),
+                                        SM90)
+    assert "needs sm_90" in ask(cuda_moe.supports, SPEC, _decode_call("qwen3_rows"), SM89)
+
+
+def test_decode_leaves_large_experts_to_triton():
+    def t1(experts: int, topk: int, hidden_size: int, inter_size: int) -> dict:  # shapes only: a key, no data
+        meta = dict(dtype=torch.bfloat16, device="meta")
+        return dict(hidden=torch.empty(1, hidden_size, **meta),
+                    w1=torch.empty(experts, 2 * inter_size, hidden_size, **meta),
+                    w2=torch.empty(experts, hidden_size, inter_size, **meta),
+                    topk_weights=torch.empty(1, topk, device="meta"),
+                    topk_ids=torch.empty(1, topk, dtype=torch.int32, device="meta"))
+
+    assert ask(cuda_moe.supports, SPEC, t1(128, 8, 2048, 768), SM90) is None  # Qwen3-30B-A3B: 72 MiB
+    assert "T = 1 over 672 MiB of routed weights > 256 MiB" in ask(cuda_moe.supports, SPEC, t1(8, 2, 4096, 14336),
+                                                                    SM90)  # Mixtral-8x7B
 
 
 def test_declines_rows_it_cannot_copy_in_16_bytes():
@@ -128,6 +173,12 @@ def test_describe_names_the_plan_in_force():
                                                    "a CTA a tile")
     with cuda_moe.override_plan(stages=2, persistent=True):
         assert "2 stages of 48 KiB, one CTA an SM walking the tiles" in cuda_moe.describe(key, SM90)
+    decode = SPEC.validate(**_decode_call("qwen3_rows"))
+    assert cuda_moe.describe(decode, SM90).startswith("decode GEMVs: gate-up a warp a (pair, column)")
+    with cuda_moe.override_plan(gemv=False):
+        assert cuda_moe.describe(decode, SM90).startswith("GEMMs of 128-row blocks")
+    with cuda_moe.override_plan(gemv=True):
+        assert cuda_moe.describe(key, SM90).startswith("decode GEMVs")
 
 
 def test_override_plan_checks_its_argument():
@@ -136,6 +187,9 @@ def test_override_plan_checks_its_argument():
             pass
     with pytest.raises(ValueError, match="persistent must be a bool"):
         with cuda_moe.override_plan(persistent=1):
+            pass
+    with pytest.raises(ValueError, match="gemv must be None or a bool, got 1"):
+        with cuda_moe.override_plan(gemv=1):
             pass
 
 
@@ -163,15 +217,49 @@ def test_kernels_compile_for_sm90a_without_spills(sm90a_modules):
         assert "setmaxnreg" not in module.log, module.log  # ptxas says when it ignores it (C7508)
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("arch", [(8, 0), (9, 0)])
+def test_decode_gemvs_compile_without_spills(arch):
+    # 256 threads: at most 128 registers keeps two CTAs (16 warps of loads in flight) on an SM.
+    for bf16, gelu in itertools.product((True, False), (False, True)):
+        names = cuda_moe.decode_kernel_names(bf16, gelu)
+        module = _compile.compile_module(cuda_moe.decode_source(names), list(names.values()), arch, verbose=True)
+        for name in names.values():
+            assert module.spill_bytes(name) == 0, name
+            assert 0 < module.registers(name) <= 128, name
+
+
 # ---------------------------------------------------------------------------------------------
 # On an sm_90 GPU
 
 
 @needs_hopper
+@pytest.mark.parametrize("gemv", (False, True), ids=("gemms", "gemvs"))
 @pytest.mark.parametrize("seed", (0, 7))
 @pytest.mark.parametrize("name", SERVED)
-def test_spec_cases_match_the_reference(name, seed):
-    _check(SPEC.case(name).build(DEVICE, seed), f"{name} seed {seed}")
+def test_spec_cases_match_the_reference(name, seed, gemv):
+    with cuda_moe.override_plan(gemv=gemv):
+        _check(SPEC.case(name).build(DEVICE, seed), f"{name} seed {seed}{', GEMVs' * gemv}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("name", list(DECODE))
+def test_decode_sizes_match_the_reference(name):
+    with cuda_moe.override_plan(gemv=True):
+        _check(_large(name, 3, DECODE), name)
+
+
+@needs_hopper
+def test_t1_takes_the_gemvs_unless_the_plan_says_otherwise(monkeypatch):
+    kwargs = _large("qwen3_rows", 1, DECODE)
+    routes = []
+    monkeypatch.setattr(cuda_moe, "_fused_moe_decode",
+                        lambda *args, real=cuda_moe._fused_moe_decode: routes.append("gemv") or real(*args))
+    _check(kwargs, "T = 1")
+    assert routes == ["gemv"]
+    with cuda_moe.override_plan(gemv=False):
+        _check(kwargs, "T = 1 by the GEMMs")
+    assert routes == ["gemv"]
 
 
 @needs_hopper
@@ -183,7 +271,8 @@ def test_prefill_sizes_match_the_reference(name, plan):
 
 
 @needs_hopper
-def test_padded_row_strides_and_strided_routing():
+@pytest.mark.parametrize("gemv", (False, True))
+def test_padded_row_strides_and_strided_routing(gemv):
     kwargs = _large("ragged_h_and_i", 5)
 
     def padded(t: torch.Tensor, extra: int) -> torch.Tensor:  # rows 16-byte aligned, `extra` elements apart
@@ -196,20 +285,23 @@ def test_padded_row_strides_and_strided_routing():
     ids = torch.zeros(kwargs["topk_ids"].shape[0], 2 * kwargs["topk_ids"].shape[1], dtype=torch.int32, device=DEVICE)
     ids[:, ::2] = kwargs["topk_ids"]
     kwargs["topk_ids"] = ids[:, ::2]
-    _check(kwargs, "padded rows")
+    with cuda_moe.override_plan(gemv=gemv):
+        _check(kwargs, "padded rows")
 
 
 @needs_hopper
-def test_a_captured_call_replays_on_new_routing():
+@pytest.mark.parametrize("name, sizes", [("map_holes_fp16", LARGE), ("map_holes_fp16", DECODE)],
+                         ids=("gemms", "gemvs"))
+def test_a_captured_call_replays_on_new_routing(name, sizes):
     # No launch reads a device value on the host: a graph captured once serves new routing.
-    kwargs = _large("map_holes_fp16", 0)
+    kwargs = _large(name, 0, sizes)
     static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     cuda_moe.fused_moe(**static)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = cuda_moe.fused_moe(**static)
-    fresh = _large("map_holes_fp16", 11)
+    fresh = _large(name, 11, sizes)
     for k in ("hidden", "topk_weights", "topk_ids"):
         static[k].copy_(fresh[k])
     graph.replay()

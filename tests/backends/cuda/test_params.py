@@ -82,6 +82,12 @@ def _kernel_params(cubin: bytes, lowered: str) -> list[tuple[int, int]]:
     (_params.MoeGemmParams,
      lambda names: _params.checked_source(fused_moe.SOURCE_NAME, [(_params.MoeGemmParams, names)]),
      "moe_gemm_sm90<true, true, false, 4>", True),
+    (_params.MoeDecodeGateUpParams,
+     lambda names: _params.checked_source(fused_moe.DECODE_SOURCE_NAME, [(_params.MoeDecodeGateUpParams, names)]),
+     "moe_decode_gate_up<true, false>", False),
+    (_params.MoeDecodeDownParams,
+     lambda names: _params.checked_source(fused_moe.DECODE_SOURCE_NAME, [(_params.MoeDecodeDownParams, names)]),
+     "moe_decode_down<false>", False),
 ])
 def test_the_kernels_parameters_are_the_mirrors_fields(mirror, source, name, arch_specific):
     # The launch points the driver at each field of the mirror, which copies as many bytes as the

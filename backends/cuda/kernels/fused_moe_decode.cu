@@ -1,0 +1,202 @@
+// kernelmux cuda backend: fused_moe's decode GEMVs for 16-bit experts (written for any arch from sm_80; the
+// registration takes them where they were measured, on Hopper).
+//
+// At T = 1 every (token, slot) pair has an expert of its own and the call is a stream of the routed experts'
+// weights (Qwen3-30B-A3B: 75 MB, 18 us at the copy rate). The triton backend's grouped kernels take four
+// launches there (routing, gate-up, down, the top-k sum) and gate-up runs 96 programs on 132 SMs. Here two
+// launches, no routing layout, no per-pair buffer, every SM's warps loading:
+//   - moe_decode_gate_up: a warp a task, task = (pair, column j): rows j (gate) and I + j (up) of the pair's
+//     expert against its token's input, kGateUpSteps 16-byte loads of each row in flight per lane before
+//     their products, then the spec's epilogue into the intermediate [T * k, I]. A pair routed to another
+//     rank is skipped (down adds nothing for it).
+//   - moe_decode_down: a warp a task, task = (token, column h): row h of each of the token's k experts' w2
+//     against that pair's intermediate, the (slot, 16-byte piece) walk flattened so a lane has kDownSteps
+//     loads in flight however short I is; each slot's product times its router weight, summed in fp32 and
+//     rounded once into the output.
+// Warps stride over the tasks, and each grid is as many CTAs as the GPU holds at once. Both launch as
+// programmatic dependents (PDL): gate-up waits for the kernel before it, then lets down launch, whose CTAs take
+// SMs as gate-up's retire. Compiled at runtime by NVRTC; see fused_moe.py.
+
+#include "moe_common.cuh"
+
+namespace {
+
+constexpr int kGemvThreads = 256;
+constexpr int kGemvWarps = kGemvThreads / 32;
+constexpr int kChunk = 8;        // 16-bit elements per 16-byte load
+constexpr int kGateUpSteps = 4;  // 16-byte loads of each of a task's two rows in flight per lane
+constexpr int kBatch = 32 * kChunk * kGateUpSteps;  // a gate-up warp's elements of K per batch of loads
+constexpr int kDownSteps = 8;    // 16-byte loads of w2 in flight per lane
+
+// 16 bytes of a weight row, read once: not kept in L1, 256-byte L2 fills.
+__device__ __forceinline__ uint4 stream_load(const unsigned char* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// acc + the dot product of 8 16-bit weights and 8 16-bit activations, in fp32.
+template <bool BF16>
+__device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
+    const u32 ws[4] = {w.x, w.y, w.z, w.w}, xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float w0, w1, x0, x1;
+        unpack2<BF16>(ws[i], w0, w1);
+        unpack2<BF16>(xs[i], x0, x1);
+        acc = fmaf(w0, x0, acc);
+        acc = fmaf(w1, x1, acc);
+    }
+    return acc;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void store_rounded(unsigned char* p, float v) {
+    *reinterpret_cast<u16*>(p) = (u16)pack2<BF16>(v, 0.0f);
+}
+
+}  // namespace
+
+// The kernels' parameter lists are these structs' fields, in order (named ABI: _params.py).
+struct MoeDecodeGateUpParams {
+    const unsigned char* hidden;  // [T, H]
+    const unsigned char* w1;      // [E, 2I, H]
+    unsigned char* inter;         // [T * k, I]
+    const int* topk_ids;
+    const int* expert_map;        // null: the ids are local
+    const float* topk_weights;    // read only under on_input (top-1)
+    int num_pairs, topk, inter_size, hidden_size, on_input;
+    i64 hidden_stride, w1_stride_e, w1_stride_n, inter_stride, ids_stride_t, ids_stride_k, map_stride,
+        weights_stride_t;
+};
+
+struct MoeDecodeDownParams {
+    const unsigned char* inter;   // [T * k, I]
+    const unsigned char* w2;      // [E, H, I]
+    unsigned char* out;           // [T, H]
+    const int* topk_ids;
+    const int* expert_map;
+    const float* topk_weights;
+    int num_tokens, topk, hidden_size, inter_size, on_input;
+    i64 inter_stride, w2_stride_e, w2_stride_n, out_stride, ids_stride_t, ids_stride_k, map_stride,
+        weights_stride_t, weights_stride_k;
+};
+
+// inter[pair, j] = act(round(x . gate_j)) * round(x . up_j), rounded; x the pair's token's input, times its
+// router weight under on_input (applied to the fp32 sums: the same up to fp32 rounding).
+template <bool BF16, bool GELU>
+__global__ void __launch_bounds__(kGemvThreads) moe_decode_gate_up(
+    const unsigned char* __restrict__ hidden, const unsigned char* __restrict__ w1, unsigned char* __restrict__ inter,
+    const int* __restrict__ topk_ids, const int* __restrict__ expert_map, const float* __restrict__ topk_weights,
+    int num_pairs, int topk, int inter_size, int hidden_size, int on_input, i64 hidden_stride, i64 w1_stride_e,
+    i64 w1_stride_n, i64 inter_stride, i64 ids_stride_t, i64 ids_stride_k, i64 map_stride, i64 weights_stride_t) {
+    wait_for_previous_grid();
+    allow_next_grid();
+    const int lane = threadIdx.x & 31, warps = gridDim.x * kGemvWarps;
+    const int tasks = num_pairs * inter_size;
+    for (int task = blockIdx.x * kGemvWarps + (threadIdx.x >> 5); task < tasks; task += warps) {
+        const int pair = task / inter_size, column = task - pair * inter_size;
+        const int expert = local_expert(topk_ids, expert_map, pair, topk, ids_stride_t, ids_stride_k, map_stride);
+        if (expert < 0) continue;
+        const unsigned char* gate_row = w1 + ((i64)expert * w1_stride_e + (i64)column * w1_stride_n) * 2;
+        const unsigned char* up_row = gate_row + (i64)inter_size * w1_stride_n * 2;
+        const unsigned char* x = hidden + (i64)(pair / topk) * hidden_stride * 2;
+        float gate = 0.0f, up = 0.0f;
+        int base = 0;  // warp-uniform: whole batches of kGateUpSteps pieces, their loads unpredicated, then the rest
+        for (; base + kBatch <= hidden_size; base += kBatch) {
+            uint4 g[kGateUpSteps], u[kGateUpSteps], a[kGateUpSteps];
+#pragma unroll
+            for (int s = 0; s < kGateUpSteps; ++s) {
+                const int k = base + (s * 32 + lane) * kChunk;
+                g[s] = stream_load(gate_row + 2 * k);
+                u[s] = stream_load(up_row + 2 * k);
+                a[s] = *reinterpret_cast<const uint4*>(x + 2 * k);
+            }
+#pragma unroll
+            for (int s = 0; s < kGateUpSteps; ++s) {
+                gate = dot8<BF16>(g[s], a[s], gate);
+                up = dot8<BF16>(u[s], a[s], up);
+            }
+        }
+        for (int k = base + lane * kChunk; k < hidden_size; k += 32 * kChunk) {  // H is a multiple of 8
+            const uint4 a = *reinterpret_cast<const uint4*>(x + 2 * k);
+            gate = dot8<BF16>(stream_load(gate_row + 2 * k), a, gate);
+            up = dot8<BF16>(stream_load(up_row + 2 * k), a, up);
+        }
+        gate = warp_sum(gate);
+        up = warp_sum(up);
+        if (lane == 0) {
+            if (on_input) {
+                const float weight = topk_weights[(i64)(pair / topk) * weights_stride_t];
+                gate *= weight;
+                up *= weight;
+            }
+            round2<BF16>(gate, up);
+            store_rounded<BF16>(inter + ((i64)pair * inter_stride + column) * 2, gated<GELU>(gate, up));
+        }
+    }
+}
+
+// out[t, h] = sum over the token's slots s with a local expert e_s of weight_s * (w2[e_s, h] . inter[t k + s]),
+// in fp32, rounded once (weight_s = 1 under on_input).
+template <bool BF16>
+__global__ void __launch_bounds__(kGemvThreads) moe_decode_down(
+    const unsigned char* __restrict__ inter, const unsigned char* __restrict__ w2, unsigned char* __restrict__ out,
+    const int* __restrict__ topk_ids, const int* __restrict__ expert_map, const float* __restrict__ topk_weights,
+    int num_tokens, int topk, int hidden_size, int inter_size, int on_input, i64 inter_stride, i64 w2_stride_e,
+    i64 w2_stride_n, i64 out_stride, i64 ids_stride_t, i64 ids_stride_k, i64 map_stride, i64 weights_stride_t,
+    i64 weights_stride_k) {
+    wait_for_previous_grid();
+    const int lane = threadIdx.x & 31, warps = gridDim.x * kGemvWarps;
+    const int tasks = num_tokens * hidden_size;
+    const int row_pieces = inter_size / kChunk, pieces = topk * row_pieces;
+    const int step_slots = 32 / row_pieces, step_pieces = 32 - step_slots * row_pieces;  // 32 pieces, as a move
+    for (int task = blockIdx.x * kGemvWarps + (threadIdx.x >> 5); task < tasks; task += warps) {
+        const int token = task / hidden_size, column = task - token * hidden_size;
+        int expert = -1;  // lane s: slot s (topk <= 32)
+        float weight = 0.0f;
+        if (lane < topk) {
+            expert = local_expert(topk_ids, expert_map, token * topk + lane, topk, ids_stride_t, ids_stride_k,
+                                  map_stride);
+            weight = on_input ? 1.0f : topk_weights[(i64)token * weights_stride_t + (i64)lane * weights_stride_k];
+        }
+        const unsigned char* w_rows = w2 + (i64)column * w2_stride_n * 2;
+        const unsigned char* a_rows = inter + (i64)token * topk * inter_stride * 2;
+        // The lane's place in the (slot, piece) walk, moved 32 pieces a step without a division.
+        int slot = lane / row_pieces, piece = lane - slot * row_pieces;
+        float acc = 0.0f;
+        for (int c0 = 0; c0 < pieces; c0 += 32 * kDownSteps) {  // warp-uniform bound: every lane shuffles
+            uint4 w[kDownSteps], a[kDownSteps];
+            float r[kDownSteps];
+#pragma unroll
+            for (int s = 0; s < kDownSteps; ++s) {
+                const int source = min(slot, topk - 1);
+                const int e = __shfl_sync(0xffffffffu, expert, source);
+                r[s] = __shfl_sync(0xffffffffu, weight, source);
+                if (slot < topk && e >= 0) {
+                    w[s] = stream_load(w_rows + ((i64)e * w2_stride_e + piece * kChunk) * 2);
+                    a[s] = *reinterpret_cast<const uint4*>(a_rows + ((i64)slot * inter_stride + piece * kChunk) * 2);
+                } else {
+                    w[s] = a[s] = make_uint4(0, 0, 0, 0);
+                }
+                slot += step_slots;
+                piece += step_pieces;
+                if (piece >= row_pieces) {
+                    piece -= row_pieces;
+                    ++slot;
+                }
+            }
+#pragma unroll
+            for (int s = 0; s < kDownSteps; ++s) acc = fmaf(r[s], dot8<BF16>(w[s], a[s], 0.0f), acc);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) store_rounded<BF16>(out + ((i64)token * out_stride + column) * 2, acc);
+    }
+}
