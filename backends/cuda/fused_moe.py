@@ -38,8 +38,8 @@ SOURCE_NAME = "fused_moe_sm90.cu"
 # The decode GEMVs: at T = 1 each pair has its own expert, whose weights one pass streams.
 DECODE_MAX_TOKENS = 1
 # Above this many bytes of routed weights a T = 1 call stays with triton's grouped kernels, which stream
-# large experts faster: H200, Qwen3-30B-A3B's 75 MB 25.8 us against triton's 30.2, Mixtral's 705 MB 179.9
-# against 176.7 (perf/decisions/fused_moe.md).
+# large experts faster: H200, Qwen3-30B-A3B's 75 MB 24.2 us against triton's 30.1, Mixtral's 705 MB 178.0
+# against 176.4 (perf/decisions/fused_moe.md).
 DECODE_MAX_ROUTED_BYTES = 256 << 20
 GEMV_THREADS = 256
 MAX_DECODE_TOPK = 32  # down keeps slot s's expert and router weight in lane s of a warp
@@ -210,9 +210,13 @@ def _decode_kernels(device: torch.device, bf16: bool, gelu: bool) -> tuple[_driv
     return _LOADED_DECODE.get(device, (defines, bf16, gelu), build)
 
 
-def _resident_grid(kernel: _driver.Kernel, device: torch.device, tasks: int) -> tuple[int, int, int]:
-    """As many CTAs as the GPU holds at once, or fewer where the tasks (one a warp at a time) run out."""
-    return (max(1, min(kernel.blocks_per_sm * _sm_count(device), -(-tasks // (GEMV_THREADS // 32)))), 1, 1)
+def _gemv_grid(kernel: _driver.Kernel, device: torch.device, tasks: int) -> tuple[int, int, int]:
+    """CTAs for ``tasks`` warp tasks: each warp takes as many tasks as the GPU's resident warps need to cover
+    them all in one pass, and the grid is as small as gives every warp that many (the last fewer), so no
+    warp runs a task more than the others while they idle."""
+    warps = GEMV_THREADS // 32
+    per_warp = -(-tasks // (kernel.blocks_per_sm * _sm_count(device) * warps))
+    return (max(1, -(-tasks // (per_warp * warps))), 1, 1)
 
 
 def _fused_moe_decode(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map,
@@ -230,11 +234,11 @@ def _fused_moe_decode(hidden, w1, w2, topk_weights, topk_ids, activation, expert
                    weights_stride_t=topk_weights.stride(0))
     with torch.cuda.device(device):
         gate_up, down = _decode_kernels(device, hidden.dtype == torch.bfloat16, activation == "gelu")
-        gate_up(_resident_grid(gate_up, device, num_tokens * topk * inter_size), overlap_previous=True,
+        gate_up(_gemv_grid(gate_up, device, num_tokens * topk * inter_size), overlap_previous=True,
                 hidden=hidden, w1=w1, inter=inter, num_pairs=num_tokens * topk, inter_size=inter_size,
                 hidden_size=hidden_size, hidden_stride=hidden.stride(0), w1_stride_e=w1.stride(0),
                 w1_stride_n=w1.stride(1), inter_stride=inter.stride(0), **routing)
-        down(_resident_grid(down, device, num_tokens * hidden_size), overlap_previous=True,
+        down(_gemv_grid(down, device, num_tokens * hidden_size), overlap_previous=True,
              inter=inter, w2=w2, out=out, num_tokens=num_tokens, hidden_size=hidden_size, inter_size=inter_size,
              inter_stride=inter.stride(0), w2_stride_e=w2.stride(0), w2_stride_n=w2.stride(1),
              out_stride=out.stride(0), weights_stride_k=topk_weights.stride(1), **routing)

@@ -13,7 +13,8 @@
 //     against that pair's intermediate, the (slot, 16-byte piece) walk flattened so a lane has kDownSteps
 //     loads in flight however short I is; each slot's product times its router weight, summed in fp32 and
 //     rounded once into the output.
-// Warps stride over the tasks, and each grid is as many CTAs as the GPU holds at once. Both launch as
+// Warps stride over the tasks, each taking as many as the GPU's resident warps need to cover them in one
+// pass, and the grid is as small as gives every warp that many (fused_moe.py's _gemv_grid). Both launch as
 // programmatic dependents (PDL): gate-up waits for the kernel before it, then lets down launch, whose CTAs take
 // SMs as gate-up's retire. Compiled at runtime by NVRTC; see fused_moe.py.
 

@@ -127,6 +127,20 @@ def test_decode_declines_what_its_warps_cannot_hold():
     assert "needs sm_90" in ask(cuda_moe.supports, SPEC, _decode_call("qwen3_rows"), SM89)
 
 
+def test_gemv_grids_give_every_warp_the_same_tasks(monkeypatch):
+    class Resident:  # a kernel of which `blocks_per_sm` 8-warp CTAs fit an SM
+        def __init__(self, blocks_per_sm: int) -> None:
+            self.blocks_per_sm = blocks_per_sm
+
+    monkeypatch.setattr(cuda_moe, "_sm_count", lambda device: 132)
+    # Qwen3 T 1 gate-up: 6144 tasks over 5 x 132 x 8 resident warps -> 2 a warp, 384 CTAs (not 660 CTAs of
+    # which 864 warps would run a second task while the rest idle).
+    assert cuda_moe._gemv_grid(Resident(5), None, 6144) == (384, 1, 1)
+    assert cuda_moe._gemv_grid(Resident(2), None, 2048) == (256, 1, 1)  # down: one task a warp
+    assert cuda_moe._gemv_grid(Resident(2), None, 2113) == (133, 1, 1)  # one past the resident warps: 2 a warp
+    assert cuda_moe._gemv_grid(Resident(2), None, 3) == (1, 1, 1)
+
+
 def test_decode_leaves_large_experts_to_triton():
     def t1(experts: int, topk: int, hidden_size: int, inter_size: int) -> dict:  # shapes only: a key, no data
         meta = dict(dtype=torch.bfloat16, device="meta")
