@@ -84,6 +84,11 @@ _plans = PlanSetting("override_plan", DEFAULT_PLAN, _plan_problem)
 override_plan = _plans.override_fields
 
 
+def _by_gemvs(plan: MoePlan, num_tokens: int) -> bool:
+    """Whether the decode GEMVs serve a call of ``num_tokens`` (or its class) under ``plan``."""
+    return plan.gemv if plan.gemv is not None else num_tokens <= DECODE_MAX_TOKENS
+
+
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     """None when the kernels compute calls with this key as the spec defines them, else why not."""
     if key.quantization != "none":
@@ -122,7 +127,7 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
 def describe(key: spec.Key, platform: Platform) -> str:
     """What a call runs (for explain): the decode GEMVs, or the GEMMs' tiles and the plan in force."""
     plan = _plans.current
-    if plan.gemv if plan.gemv is not None else key.num_tokens_class <= DECODE_MAX_TOKENS:
+    if _by_gemvs(plan, key.num_tokens_class):
         return ("decode GEMVs: gate-up a warp a (pair, column), down a warp a (token, column) summing the top-k, "
                 "16-byte weight loads 4-8 deep per lane, every SM's warps loading (perf/decisions/fused_moe.md)")
     grid = "one CTA an SM walking the tiles" if plan.persistent else "a CTA a tile"
@@ -224,6 +229,8 @@ def _fused_moe_decode(hidden, w1, w2, topk_weights, topk_ids, activation, expert
     """The decode GEMVs: gate-up into a [T * k, I] intermediate, then down summing each token's slots."""
     num_tokens, hidden_size = hidden.shape
     inter_size, topk = w1.shape[1] // 2, topk_ids.shape[1]
+    if topk > MAX_DECODE_TOPK:  # supports declines these at T = 1; a plan may force the GEMVs at any T
+        raise ValueError(f"topk_ids: the decode GEMVs take top-k <= {MAX_DECODE_TOPK}, got {topk}")
     device = hidden.device
     inter = torch.empty((num_tokens * topk, inter_size), dtype=hidden.dtype, device=device)
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=device)
@@ -269,7 +276,7 @@ def fused_moe(
     if num_tokens == 0:
         return hidden.new_empty((0, hidden_size))
     plan = _plans.current
-    if plan.gemv if plan.gemv is not None else num_tokens <= DECODE_MAX_TOKENS:
+    if _by_gemvs(plan, num_tokens):
         return _fused_moe_decode(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map,
                                  apply_router_weight_on_input)
     experts, inter_size = w1.shape[0], w1.shape[1] // 2

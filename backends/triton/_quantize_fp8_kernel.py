@@ -64,8 +64,7 @@ def _codes(x, factor, scaled, reciprocal, NATIVE_FP8: tl.constexpr, FNUZ: tl.con
     x = x * tl.broadcast_to(factor, x.shape)
     scaled, reciprocal = tl.broadcast_to(scaled, x.shape), tl.broadcast_to(reciprocal, x.shape)
     quotient = x * reciprocal
-    # The residual x - quotient * scale as -(quotient * scale - x): the same value, and -0 where it is a zero,
-    # so a zero x keeps its sign (+0 + -0 would give +0 to -0 / scale).
+    # The residual x - quotient * scale, exact (an FMA), as -(quotient * scale - x).
     quotient = tl.math.fma(-tl.math.fma(quotient, scaled, -x), reciprocal, quotient)
     # x's sign bit on the quotient: where the correction cancels the product exactly (a quotient below fp32's
     # smallest subnormal), the sum is +0, while the IEEE quotient of a negative x is -0 (and so is its code).

@@ -41,11 +41,12 @@ LARGE = {
     "one_expert_takes_all": (513, 8, 3, 64, 32, {"one_expert": True}),
     "many_pairs": (6000, 8, 3, 64, 32, {}),  # 18000 pairs: 18 to each thread of the routing CTA
 }
-# The decode GEMVs' sizes: gate-up's whole 1024-element batches of K and a tail, down's (slot, piece) walk over
-# rows of 96 pieces and of fewer than a warp's 32 (several slots a step), top-k up to a warp's 32 lanes.
+# The decode GEMVs' sizes: gate-up's whole 1024-element batches of K and a tail (H 4616: four and 520), down's
+# (slot, piece) walk over rows of 96 and 545 pieces and of fewer than a warp's 32 (several slots a step), top-k up
+# to a warp's 32 lanes.
 DECODE = {
     "qwen3_rows": (1, 16, 8, 2048, 768, {}),
-    "split_k": (1, 6, 2, 4616, 4360, {}),
+    "long_rows": (1, 6, 2, 4616, 4360, {}),
     "ragged_gelu": (1, 12, 6, 1160, 200, {"activation": "gelu"}),
     "map_holes_fp16": (1, 40, 8, 520, 96, {"unmapped": 12, "dtype": torch.float16}),
     "top1_on_input": (1, 8, 1, 1032, 64, {"on_input": True}),
@@ -125,6 +126,13 @@ def test_decode_declines_what_its_warps_cannot_hold():
     assert "16-bit experts only" in ask(cuda_moe.supports, SPEC, _decode_call("qwen3_rows", quantization="mxfp4"),
                                         SM90)
     assert "needs sm_90" in ask(cuda_moe.supports, SPEC, _decode_call("qwen3_rows"), SM89)
+
+
+@needs_hopper
+def test_forced_gemvs_refuse_a_topk_past_a_warp():
+    kwargs = spec_module._maker(2, 40, 33, 64, 32)(torch.device(DEVICE), torch.Generator().manual_seed(0))
+    with cuda_moe.override_plan(gemv=True), pytest.raises(ValueError, match="top-k <= 32, got 33"):
+        cuda_moe.fused_moe(**kwargs)
 
 
 def test_gemv_grids_give_every_warp_the_same_tasks(monkeypatch):
