@@ -102,10 +102,11 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
                 f"decode GEMVs were measured there), this GPU is {platform.arch}")
     if decode and key.topk > MAX_DECODE_TOPK:
         return f"top-k = {key.topk} > {MAX_DECODE_TOPK}: the down GEMV holds a slot a lane of a warp"
-    routed_bytes = key.topk * 3 * key.hidden_size * key.intermediate_size * key.weight_dtype.itemsize
-    if decode and routed_bytes > DECODE_MAX_ROUTED_BYTES:
-        return (f"T = 1 over {routed_bytes / 2**20:.0f} MiB of routed weights > {DECODE_MAX_ROUTED_BYTES >> 20} MiB: "
-                "the triton backend's grouped kernels stream large experts faster than the decode GEMVs")
+    if decode:
+        routed_bytes = key.topk * 3 * key.hidden_size * key.intermediate_size * key.weight_dtype.itemsize
+        if routed_bytes > DECODE_MAX_ROUTED_BYTES:
+            return (f"T = 1 over {routed_bytes / 2**20:.0f} MiB of routed weights > {DECODE_MAX_ROUTED_BYTES >> 20} "
+                    "MiB: the triton backend's grouped kernels stream large experts faster than the decode GEMVs")
     if not decode and key.num_experts > MAX_EXPERTS:
         return f"E = {key.num_experts} local experts > {MAX_EXPERTS}: the routing CTA holds one a thread"
     for name, size in (("H", key.hidden_size), ("I", key.intermediate_size)):
@@ -224,6 +225,12 @@ def _gemv_grid(kernel: _driver.Kernel, device: torch.device, tasks: int) -> tupl
     return (max(1, -(-tasks // (per_warp * warps))), 1, 1)
 
 
+def _routing_fields(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]) -> dict:
+    """The params fields every kernel that reads the routing takes (local_expert's arguments)."""
+    return dict(topk_ids=topk_ids, expert_map=expert_map, ids_stride_t=topk_ids.stride(0),
+                ids_stride_k=topk_ids.stride(1), map_stride=expert_map.stride(0) if expert_map is not None else 0)
+
+
 def _fused_moe_decode(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map,
                       apply_router_weight_on_input) -> torch.Tensor:
     """The decode GEMVs: gate-up into a [T * k, I] intermediate, then down summing each token's slots."""
@@ -234,11 +241,8 @@ def _fused_moe_decode(hidden, w1, w2, topk_weights, topk_ids, activation, expert
     device = hidden.device
     inter = torch.empty((num_tokens * topk, inter_size), dtype=hidden.dtype, device=device)
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=device)
-    has_map = expert_map is not None
-    routing = dict(topk_ids=topk_ids, expert_map=expert_map, topk_weights=topk_weights, topk=topk,
-                   on_input=int(apply_router_weight_on_input), ids_stride_t=topk_ids.stride(0),
-                   ids_stride_k=topk_ids.stride(1), map_stride=expert_map.stride(0) if has_map else 0,
-                   weights_stride_t=topk_weights.stride(0))
+    routing = dict(_routing_fields(topk_ids, expert_map), topk_weights=topk_weights, topk=topk,
+                   on_input=int(apply_router_weight_on_input), weights_stride_t=topk_weights.stride(0))
     with torch.cuda.device(device):
         gate_up, down = _decode_kernels(device, hidden.dtype == torch.bfloat16, activation == "gelu")
         gate_up(_gemv_grid(gate_up, device, num_tokens * topk * inter_size), overlap_previous=True,
@@ -297,8 +301,7 @@ def fused_moe(
         down_out = torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
     else:
         down_out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
-    routing = dict(topk_ids=topk_ids, expert_map=expert_map, ids_stride_t=topk_ids.stride(0),
-                   ids_stride_k=topk_ids.stride(1), map_stride=expert_map.stride(0) if has_map else 0)
+    routing = _routing_fields(topk_ids, expert_map)
     layout = dict(sorted_pairs=sorted_pairs, block_expert=block_expert, starts=starts, counts=counts,
                   topk_weights=topk_weights, topk=topk, max_blocks=max_blocks,
                   weights_stride_t=topk_weights.stride(0), weights_stride_k=topk_weights.stride(1))
