@@ -11,8 +11,9 @@ from typing import Sequence
 from kernelmux.backends.cuda._driver import TensorMap
 from kernelmux.backends.cuda._toolchain import KERNELS
 
-__all__ = ["MergeSplitsParams", "MlaDecodeParams", "MoeDecodeDownParams", "MoeDecodeGateUpParams", "MoeGemmParams",
-           "MoeRouteParams", "MoeSumParams", "PagedDecodeParams", "PagedPrefillParams", "abi_checks", "checked_source"]
+__all__ = ["MergeSplitsParams", "MlaDecodeParams", "MoeDecodeDownParams", "MoeDecodeFp4DownParams",
+           "MoeDecodeFp4GateUpParams", "MoeDecodeGateUpParams", "MoeGemmParams", "MoeRouteParams", "MoeSumParams",
+           "PagedDecodeParams", "PagedPrefillParams", "abi_checks", "checked_source"]
 
 # Why the kernels keep positional parameters (launched with a pointer to each field of the mirror)
 # instead of taking the struct by value: by value, the pointers lose __restrict__, and ptxas emitted
@@ -119,6 +120,25 @@ class MoeDecodeDownParams(ctypes.Structure):
                        "num_tokens topk hidden_size inter_size on_input", "",
                        "inter_stride w2_stride_e w2_stride_n out_stride ids_stride_t ids_stride_k map_stride "
                        "weights_stride_t weights_stride_k")
+
+
+class MoeDecodeFp4GateUpParams(ctypes.Structure):
+    """kernels/fused_moe_decode.cu's MoeDecodeFp4GateUpParams (the gate-up GEMV of fp4 experts)."""
+
+    _fields_ = _fields("hidden w1 w1_scale w1_global inter topk_ids expert_map topk_weights",
+                       "num_pairs topk inter_size hidden_size on_input", "",
+                       "hidden_stride w1_stride_e w1_stride_n scale_stride_e scale_stride_n scale_stride_k "
+                       "global_stride inter_stride ids_stride_t ids_stride_k map_stride weights_stride_t")
+
+
+class MoeDecodeFp4DownParams(ctypes.Structure):
+    """kernels/fused_moe_decode.cu's MoeDecodeFp4DownParams (the down GEMV of fp4 experts)."""
+
+    _fields_ = _fields("inter w2 w2_scale w2_global out topk_ids expert_map topk_weights",
+                       "num_tokens topk hidden_size inter_size on_input", "",
+                       "inter_stride w2_stride_e w2_stride_n scale_stride_e scale_stride_n scale_stride_k "
+                       "global_stride out_stride ids_stride_t ids_stride_k map_stride weights_stride_t "
+                       "weights_stride_k")
 
 
 def abi_checks(mirror: type[ctypes.Structure], kernels: Sequence[str]) -> str:

@@ -1,7 +1,8 @@
-"""The cuda backend's fused_moe on Hopper: 16-bit experts at prefill sizes (kernels/fused_moe_sm90.cu) and at
-T = 1 (kernels/fused_moe_decode.cu). Which calls it takes (``supports``), its launch plan, and the launches
+"""The cuda backend's fused_moe on Hopper: 16-bit experts at prefill sizes (kernels/fused_moe_sm90.cu), and
+16-bit and fp4 (MXFP4, NVFP4: W4A16) experts at T = 1 (kernels/fused_moe_decode.cu). Which calls it takes (``supports``), its launch plan, and the launches
 of one call: at prefill sizes the routing in one CTA, gate-up and down as warp-specialized wgmma grouped GEMMs
-(B by TMA), and for top-k > 1 the sum; at T = 1 two GEMVs (no routing, down sums the top-k itself). No launch
+(B by TMA), and for top-k > 1 the sum; at T = 1 two GEMVs (no routing, down sums the top-k itself), for fp4
+experts on the tensor cores with the weights decoded in registers. No launch
 reads a device value on the host: every size is a bound from host ints (CUDA-graph safe; the weights' TMA maps
 travel in the launches' parameters)."""
 
@@ -44,6 +45,13 @@ DECODE_MAX_ROUTED_BYTES = 256 << 20
 GEMV_THREADS = 256
 MAX_DECODE_TOPK = 32  # down keeps slot s's expert and router weight in lane s of a warp
 DECODE_SOURCE_NAME = "fused_moe_decode.cu"
+# fp4 experts: what the GEMVs decode (the GEMMs take 16-bit experts only), a CTA per tile of outputs whose
+# warps split K (the .cu file's kFp4*Warps), and K a multiple of FP4_ROW_CODES (a lane loads 16 bytes of codes).
+FP4_QUANTIZATIONS = ("mxfp4", "nvfp4")
+FP4_GATE_UP_THREADS = 4 * 32  # a CTA: 8 columns of gate and of up
+FP4_DOWN_THREADS = 8 * 32  # a CTA: 16 columns of H
+FP4_GATE_UP_COLUMNS, FP4_DOWN_COLUMNS = 8, 16
+FP4_ROW_CODES = 32
 
 _capability = probes.device_capability
 _sm_count = probes.compute_units
@@ -91,9 +99,14 @@ def _by_gemvs(plan: MoePlan, num_tokens: int) -> bool:
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     """None when the kernels compute calls with this key as the spec defines them, else why not."""
-    if key.quantization != "none":
-        return f"{key.quantization} experts: 16-bit experts only (the triton backend serves quantized ones)"
+    fp4 = key.quantization in FP4_QUANTIZATIONS
+    if key.quantization != "none" and not fp4:
+        return f"{key.quantization} experts: 16-bit and fp4 experts only (the triton backend serves fp8 ones)"
     decode = key.num_tokens_class <= DECODE_MAX_TOKENS
+    if fp4:
+        problem = _fp4_problem(key, decode)
+        if problem:
+            return problem
     if key.apply_router_weight_on_input and not decode:
         return ("apply_router_weight_on_input above T = 1: the GEMM copies input rows as they are into shared "
                 "memory (the triton backend scales them)")
@@ -103,7 +116,8 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     if decode and key.topk > MAX_DECODE_TOPK:
         return f"top-k = {key.topk} > {MAX_DECODE_TOPK}: the down GEMV holds a slot a lane of a warp"
     if decode:
-        routed_bytes = key.topk * 3 * key.hidden_size * key.intermediate_size * key.weight_dtype.itemsize
+        weight_bytes = 0.5 if fp4 else key.weight_dtype.itemsize
+        routed_bytes = key.topk * 3 * key.hidden_size * key.intermediate_size * weight_bytes
         if routed_bytes > DECODE_MAX_ROUTED_BYTES:
             return (f"T = 1 over {routed_bytes / 2**20:.0f} MiB of routed weights > {DECODE_MAX_ROUTED_BYTES >> 20} "
                     "MiB: the triton backend's grouped kernels stream large experts faster than the decode GEMVs")
@@ -125,9 +139,28 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     return None
 
 
+def _fp4_problem(key: spec.Key, decode: bool) -> Optional[str]:
+    """Why the decode GEMVs cannot take a call with fp4 experts, or None."""
+    if not decode:
+        return (f"{key.quantization} experts above T = {DECODE_MAX_TOKENS}: only the decode GEMVs decode fp4 "
+                "weights here (the triton backend serves larger T)")
+    if key.quantization == "mxfp4" and key.hidden_dtype == torch.float16:
+        return ("MXFP4 experts with fp16 activations: the tensor cores would take the weights as fp16, whose range "
+                "e8m0 scales leave (the triton backend decodes those to fp32)")
+    for name, size in (("H", key.hidden_size), ("I", key.intermediate_size)):
+        if size % FP4_ROW_CODES:
+            return (f"{name} = {size}: fp4 experts need a multiple of {FP4_ROW_CODES} (a lane loads 16 bytes of "
+                    "packed codes)")
+    return None
+
+
 def describe(key: spec.Key, platform: Platform) -> str:
     """What a call runs (for explain): the decode GEMVs, or the GEMMs' tiles and the plan in force."""
     plan = _plans.current
+    if key.quantization in FP4_QUANTIZATIONS:
+        return (f"decode GEMVs of {key.quantization} experts on the tensor cores: weights decoded in registers, "
+                f"a CTA a tile ({FP4_GATE_UP_COLUMNS} columns of gate and up; {FP4_DOWN_COLUMNS} of H) whose warps "
+                "split K (perf/decisions/fused_moe.md)")
     if _by_gemvs(plan, key.num_tokens_class):
         return ("decode GEMVs: gate-up a warp a (pair, column), down a warp a (token, column) summing the top-k, "
                 "16-byte weight loads 4-8 deep per lane, every SM's warps loading (perf/decisions/fused_moe.md)")
@@ -143,18 +176,28 @@ def kernel_names(bf16: bool, gelu: bool, stages: int) -> dict[str, str]:
             "down": f"moe_gemm_sm90<{dtype}, false, false, {stages}>", "sum": f"moe_sum_sm90<{dtype}>"}
 
 
-def decode_kernel_names(bf16: bool, gelu: bool) -> dict[str, str]:
-    """The C++ names of the decode GEMVs for a hidden dtype and an activation."""
+def decode_kernel_names(bf16: bool, gelu: bool, quantization: str = "none") -> dict[str, str]:
+    """The C++ names of the decode GEMVs for a hidden dtype, an activation and the experts' quantization
+    ("none" or one of FP4_QUANTIZATIONS)."""
     dtype, act = str(bf16).lower(), str(gelu).lower()
-    return {"gate_up": f"moe_decode_gate_up<{dtype}, {act}>", "down": f"moe_decode_down<{dtype}>"}
+    if quantization == "none":
+        return {"gate_up": f"moe_decode_gate_up<{dtype}, {act}>", "down": f"moe_decode_down<{dtype}>"}
+    nvfp4 = str(quantization == "nvfp4").lower()
+    return {"gate_up": f"moe_decode_fp4_gate_up<{dtype}, {act}, {nvfp4}>",
+            "down": f"moe_decode_fp4_down<{dtype}, {nvfp4}>"}
 
 
-def decode_source(names: dict[str, str]) -> str:
+def _decode_params(quantization: str) -> tuple[type, type]:
+    """The (gate-up, down) params mirrors of the decode GEMVs for the experts' quantization."""
+    if quantization == "none":
+        return _params.MoeDecodeGateUpParams, _params.MoeDecodeDownParams
+    return _params.MoeDecodeFp4GateUpParams, _params.MoeDecodeFp4DownParams
+
+
+def decode_source(names: dict[str, str], quantization: str = "none") -> str:
     """kernels/fused_moe_decode.cu with the named ABI's checks for ``names`` (decode_kernel_names')."""
-    return _params.checked_source(DECODE_SOURCE_NAME, [
-        (_params.MoeDecodeGateUpParams, [names["gate_up"]]),
-        (_params.MoeDecodeDownParams, [names["down"]]),
-    ])
+    gate_up, down = _decode_params(quantization)
+    return _params.checked_source(DECODE_SOURCE_NAME, [(gate_up, [names["gate_up"]]), (down, [names["down"]])])
 
 
 def source(names: dict[str, str]) -> str:
@@ -177,10 +220,10 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, gelu:
 
 
 @functools.cache
-def _compiled_decode(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool,
-                     gelu: bool) -> tuple[_compile.CompiledModule, dict[str, str]]:
-    names = decode_kernel_names(bf16, gelu)
-    module = _compile.compile_module_cached(decode_source(names), list(names.values()), arch,
+def _compiled_decode(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, gelu: bool,
+                     quantization: str) -> tuple[_compile.CompiledModule, dict[str, str]]:
+    names = decode_kernel_names(bf16, gelu, quantization)
+    module = _compile.compile_module_cached(decode_source(names, quantization), list(names.values()), arch,
                                             filename=DECODE_SOURCE_NAME, defines=defines)
     return module, names
 
@@ -204,16 +247,19 @@ def _kernels(device: torch.device, bf16: bool, gelu: bool, stages: int) -> tuple
     return _LOADED.get(device, (defines, bf16, gelu, stages), build)
 
 
-def _decode_kernels(device: torch.device, bf16: bool, gelu: bool) -> tuple[_driver.Kernel, ...]:
-    """(gate-up, down) GEMVs, loaded on ``device``."""
+def _decode_kernels(device: torch.device, bf16: bool, gelu: bool,
+                    quantization: str = "none") -> tuple[_driver.Kernel, ...]:
+    """(gate-up, down) GEMVs for the experts' quantization, loaded on ``device``."""
     defines = _compile.diagnostics_in_force()
+    gate_up, down = _decode_params(quantization)
+    threads = (GEMV_THREADS, GEMV_THREADS) if quantization == "none" else (FP4_GATE_UP_THREADS, FP4_DOWN_THREADS)
 
     def build():
-        module, names = _compiled_decode(_capability(device), defines, bf16, gelu)
-        return module, [_driver.KernelSpec(names["gate_up"], _params.MoeDecodeGateUpParams, GEMV_THREADS),
-                        _driver.KernelSpec(names["down"], _params.MoeDecodeDownParams, GEMV_THREADS)]
+        module, names = _compiled_decode(_capability(device), defines, bf16, gelu, quantization)
+        return module, [_driver.KernelSpec(names["gate_up"], gate_up, threads[0]),
+                        _driver.KernelSpec(names["down"], down, threads[1])]
 
-    return _LOADED_DECODE.get(device, (defines, bf16, gelu), build)
+    return _LOADED_DECODE.get(device, (defines, bf16, gelu, quantization), build)
 
 
 def _gemv_grid(kernel: _driver.Kernel, device: torch.device, tasks: int) -> tuple[int, int, int]:
@@ -256,6 +302,42 @@ def _fused_moe_decode(hidden, w1, w2, topk_weights, topk_ids, activation, expert
     return out
 
 
+def _fused_moe_decode_fp4(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map,
+                          apply_router_weight_on_input, quantization, w1_scale, w2_scale, w1_global_scale,
+                          w2_global_scale) -> torch.Tensor:
+    """The decode GEMVs of fp4 experts: a CTA per 8 columns of a pair's gate-up, then one per 16 columns of a
+    token's output."""
+    num_tokens, hidden_size = hidden.shape
+    inter_size, topk = w1.shape[1] // 2, topk_ids.shape[1]
+    if topk > MAX_DECODE_TOPK:
+        raise ValueError(f"topk_ids: the decode GEMVs take top-k <= {MAX_DECODE_TOPK}, got {topk}")
+    device = hidden.device
+    inter = torch.empty((num_tokens * topk, inter_size), dtype=hidden.dtype, device=device)
+    out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=device)
+    if quantization == "nvfp4":  # the kernels read e4m3 codes as bytes
+        w1_scale, w2_scale = w1_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+    routing = dict(_routing_fields(topk_ids, expert_map), topk_weights=topk_weights, topk=topk,
+                   on_input=int(apply_router_weight_on_input), weights_stride_t=topk_weights.stride(0))
+
+    def scales(scale, global_scale):  # a weight's scale fields; MXFP4 has no global scale (a null pointer)
+        return dict(scale_stride_e=scale.stride(0), scale_stride_n=scale.stride(1), scale_stride_k=scale.stride(2),
+                    global_stride=global_scale.stride(0) if global_scale is not None else 0)
+
+    with torch.cuda.device(device):
+        gate_up, down = _decode_kernels(device, hidden.dtype == torch.bfloat16, activation == "gelu", quantization)
+        gate_up((num_tokens * topk * (inter_size // FP4_GATE_UP_COLUMNS), 1, 1), overlap_previous=True,
+                hidden=hidden, w1=w1, w1_scale=w1_scale, w1_global=w1_global_scale, inter=inter,
+                num_pairs=num_tokens * topk, inter_size=inter_size, hidden_size=hidden_size,
+                hidden_stride=hidden.stride(0), w1_stride_e=w1.stride(0), w1_stride_n=w1.stride(1),
+                inter_stride=inter.stride(0), **scales(w1_scale, w1_global_scale), **routing)
+        down((num_tokens * (hidden_size // FP4_DOWN_COLUMNS), 1, 1), overlap_previous=True,
+             inter=inter, w2=w2, w2_scale=w2_scale, w2_global=w2_global_scale, out=out, num_tokens=num_tokens,
+             hidden_size=hidden_size, inter_size=inter_size, inter_stride=inter.stride(0),
+             w2_stride_e=w2.stride(0), w2_stride_n=w2.stride(1), out_stride=out.stride(0),
+             weights_stride_k=topk_weights.stride(1), **scales(w2_scale, w2_global_scale), **routing)
+    return out
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w1: torch.Tensor,
@@ -273,13 +355,20 @@ def fused_moe(
 ) -> torch.Tensor:
     """The spec's fused_moe for 16-bit experts: routing, gate-up with the activation, down with the
     router weight (top-1: into the output), and for top-k > 1 the sum of each token's pair rows in
-    fp32, rounded once; at T <= DECODE_MAX_TOKENS (or as the plan says) the decode GEMVs instead.
-    Arguments are validated by the caller and accepted by ``supports``."""
+    fp32, rounded once; at T <= DECODE_MAX_TOKENS (or as the plan says) the decode GEMVs instead, the
+    only route for fp4 experts. Arguments are validated by the caller and accepted by ``supports``."""
     num_tokens, hidden_size = hidden.shape
     dtype, device = hidden.dtype, hidden.device
     if num_tokens == 0:
         return hidden.new_empty((0, hidden_size))
     plan = _plans.current
+    if quantization in FP4_QUANTIZATIONS:
+        if plan.gemv is False:  # supports declines fp4 above T = 1; a plan may force the GEMMs at any T
+            raise ValueError(f"quantization: {quantization} experts run the decode GEMVs only, and the plan "
+                             "forces the GEMMs")
+        return _fused_moe_decode_fp4(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map,
+                                     apply_router_weight_on_input, quantization, w1_scale, w2_scale,
+                                     w1_global_scale, w2_global_scale)
     if _by_gemvs(plan, num_tokens):
         return _fused_moe_decode(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map,
                                  apply_router_weight_on_input)

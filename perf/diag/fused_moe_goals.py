@@ -168,6 +168,9 @@ def _peers(quantization: str) -> dict:
         impls["torch"] = torch_moe.fused_moe
         if torch.cuda.get_device_capability() == cuda_moe.CAPABILITY:
             impls["cuda"] = cuda_moe.fused_moe
+    elif quantization in cuda_moe.FP4_QUANTIZATIONS:  # the cuda decode GEMVs (at any T here: T > 1 rereads)
+        if torch.cuda.get_device_capability() == cuda_moe.CAPABILITY:
+            impls["cuda"] = cuda_moe.fused_moe
     elif quantization == "fp8_block":
         try:
             import deep_gemm  # noqa: F401
@@ -192,7 +195,7 @@ def _kernel_name(key: str) -> str:
         if f"moe_{kernel}_sm90" in key:
             return kernel
     for kernel in ("gate_up", "down"):  # the cuda decode GEMVs
-        if f"moe_decode_{kernel}" in key:
+        if f"moe_decode_{kernel}" in key or f"moe_decode_fp4_{kernel}" in key:
             return f"gemv_{kernel}"
     return next((k for k in KERNELS if f"moe_{k}_kernel" in key), key[:40])
 

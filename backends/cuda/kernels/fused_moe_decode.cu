@@ -18,6 +18,7 @@
 // programmatic dependents (PDL): gate-up waits for the kernel before it, then lets down launch, whose CTAs take
 // SMs as gate-up's retire. Compiled at runtime by NVRTC; see fused_moe.py.
 
+#include "fp4_mma.cuh"
 #include "moe_common.cuh"
 
 namespace {
@@ -199,5 +200,221 @@ __global__ void __launch_bounds__(kGemvThreads) moe_decode_down(
         }
         acc = warp_sum(acc);
         if (lane == 0) store_rounded<BF16>(out + ((i64)token * out_stride + column) * 2, acc);
+    }
+}
+
+// ---- fp4 experts (MXFP4 / NVFP4 weights, W4A16): the same two launches on the tensor cores (fp4_mma.cuh) ----
+// A warp's unit is 16 weight rows x 128 of K (fp4_gemv_step); a CTA's warps split one tile's K steps and add
+// their sums through shared memory, so no partial sum leaves the CTA:
+//   - moe_decode_fp4_gate_up: a CTA a (pair, 8 columns j): rows j..j+7 of gate and I+j..I+j+7 of up, so each
+//     lane ends with a column's gate and up and the epilogue needs no exchange.
+//   - moe_decode_fp4_down: a CTA a (token, 16 columns of H), its warps over the (slot, step) items of the
+//     token's k experts, each item's sum times its slot's router weight.
+
+struct MoeDecodeFp4GateUpParams {
+    const unsigned char* hidden;    // [T, H]
+    const unsigned char* w1;        // [E, 2I, H / 2] packed e2m1
+    const unsigned char* w1_scale;  // [E, 2I, H / block]: e8m0 (MXFP4) or e4m3 (NVFP4) codes
+    const float* w1_global;         // [E] (NVFP4; null for MXFP4)
+    unsigned char* inter;           // [T * k, I]
+    const int* topk_ids;
+    const int* expert_map;
+    const float* topk_weights;
+    int num_pairs, topk, inter_size, hidden_size, on_input;
+    i64 hidden_stride, w1_stride_e, w1_stride_n, scale_stride_e, scale_stride_n, scale_stride_k, global_stride,
+        inter_stride, ids_stride_t, ids_stride_k, map_stride, weights_stride_t;
+};
+
+struct MoeDecodeFp4DownParams {
+    const unsigned char* inter;     // [T * k, I]
+    const unsigned char* w2;        // [E, H, I / 2]
+    const unsigned char* w2_scale;  // [E, H, I / block]
+    const float* w2_global;         // [E] (NVFP4)
+    unsigned char* out;             // [T, H]
+    const int* topk_ids;
+    const int* expert_map;
+    const float* topk_weights;
+    int num_tokens, topk, hidden_size, inter_size, on_input;
+    i64 inter_stride, w2_stride_e, w2_stride_n, scale_stride_e, scale_stride_n, scale_stride_k, global_stride,
+        out_stride, ids_stride_t, ids_stride_k, map_stride, weights_stride_t, weights_stride_k;
+};
+
+namespace {
+
+constexpr int kFp4GateUpWarps = 4;
+constexpr int kFp4DownWarps = 8;
+constexpr int kFp4Unroll = 2;  // steps a warp has in flight: 2 x 16 bytes of weights each per lane
+
+// The scale code(s) of a lane's 32 codes at element k of a row whose scales start at `row`: one e8m0 byte, or
+// NVFP4's two e4m3 bytes (the first block low).
+template <bool NVFP4>
+__device__ __forceinline__ u32 load_scales(const unsigned char* row, int k, i64 stride_k) {
+    if constexpr (NVFP4) {
+        const i64 block = k / 16;
+        return (u32)row[block * stride_k] | (u32)row[(block + 1) * stride_k] << 8;
+    } else {
+        return row[(i64)(k / 32) * stride_k];
+    }
+}
+
+// A lane's 32 activations at element k of row x (16-bit), as fp4_gemv_step takes them.
+__device__ __forceinline__ void load_x(const unsigned char* x, int k, uint4 (&v)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = *reinterpret_cast<const uint4*>(x + 2 * (k + 8 * i));
+}
+
+}  // namespace
+
+// inter[pair, j] for the CTA's 8 columns: the spec's epilogue on the fp32 sums of the dequantized weights
+// (NVFP4: the sums divided by the expert's global scale).
+template <bool BF16, bool GELU, bool NVFP4>
+__global__ void __launch_bounds__(kFp4GateUpWarps * 32) moe_decode_fp4_gate_up(
+    const unsigned char* __restrict__ hidden, const unsigned char* __restrict__ w1,
+    const unsigned char* __restrict__ w1_scale, const float* __restrict__ w1_global, unsigned char* __restrict__ inter,
+    const int* __restrict__ topk_ids, const int* __restrict__ expert_map, const float* __restrict__ topk_weights,
+    int num_pairs, int topk, int inter_size, int hidden_size, int on_input, i64 hidden_stride, i64 w1_stride_e,
+    i64 w1_stride_n, i64 scale_stride_e, i64 scale_stride_n, i64 scale_stride_k, i64 global_stride,
+    i64 inter_stride, i64 ids_stride_t, i64 ids_stride_k, i64 map_stride, i64 weights_stride_t) {
+    __shared__ float partial[kFp4GateUpWarps][16];
+    wait_for_previous_grid();
+    allow_next_grid();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int tiles = inter_size / 8, pair = blockIdx.x / tiles, column = (blockIdx.x - pair * tiles) * 8;
+    const int expert = local_expert(topk_ids, expert_map, pair, topk, ids_stride_t, ids_stride_k, map_stride);
+    if (expert < 0) return;  // a pair routed to another rank: down adds nothing for it
+    const unsigned char* gate_row = w1 + (i64)expert * w1_stride_e + (i64)(column + g) * w1_stride_n;
+    const unsigned char* up_row = gate_row + (i64)inter_size * w1_stride_n;
+    const unsigned char* gate_scales = w1_scale + (i64)expert * scale_stride_e + (i64)(column + g) * scale_stride_n;
+    const unsigned char* up_scales = gate_scales + (i64)inter_size * scale_stride_n;
+    const unsigned char* x = hidden + (i64)(pair / topk) * hidden_stride * 2;
+    const int steps = (hidden_size + kFp4StepK - 1) / kFp4StepK;
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int first = warp; first < steps; first += kFp4GateUpWarps * kFp4Unroll) {
+        uint4 gw[kFp4Unroll], uw[kFp4Unroll];
+        u32 gs[kFp4Unroll], us[kFp4Unroll];
+#pragma unroll
+        for (int u = 0; u < kFp4Unroll; ++u) {
+            const int k = (first + u * kFp4GateUpWarps) * kFp4StepK + 32 * t;  // H is a multiple of 32
+            gw[u] = uw[u] = make_uint4(0, 0, 0, 0);
+            gs[u] = us[u] = 0;
+            if (k < hidden_size) {
+                gw[u] = stream_load(gate_row + k / 2);
+                uw[u] = stream_load(up_row + k / 2);
+                gs[u] = load_scales<NVFP4>(gate_scales, k, scale_stride_k);
+                us[u] = load_scales<NVFP4>(up_scales, k, scale_stride_k);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kFp4Unroll; ++u) {
+            const int k = (first + u * kFp4GateUpWarps) * kFp4StepK + 32 * t;
+            uint4 a[4] = {};
+            if (k < hidden_size) load_x(x, k, a);
+            fp4_gemv_step<BF16, NVFP4>(gw[u], uw[u], gs[u], us[u], a, d);
+        }
+    }
+    if (t == 0) {
+        partial[warp][g] = d[0];
+        partial[warp][g + 8] = d[2];
+    }
+    __syncthreads();
+    if (warp == 0 && t == 0) {
+        float gate = 0.0f, up = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kFp4GateUpWarps; ++w) {
+            gate += partial[w][g];
+            up += partial[w][g + 8];
+        }
+        if constexpr (NVFP4) {
+            const float global = w1_global[(i64)expert * global_stride];
+            gate = gate * kNvfp4Unbias<BF16> / global;
+            up = up * kNvfp4Unbias<BF16> / global;
+        }
+        if (on_input) {
+            const float weight = topk_weights[(i64)(pair / topk) * weights_stride_t];
+            gate *= weight;
+            up *= weight;
+        }
+        round2<BF16>(gate, up);
+        store_rounded<BF16>(inter + ((i64)pair * inter_stride + column + g) * 2, gated<GELU>(gate, up));
+    }
+}
+
+// out[t, h] for the CTA's 16 columns: the sum over the token's slots with a local expert of the slot's router
+// weight (1 under on_input) times its row's sum (NVFP4: divided by the expert's global scale), in fp32,
+// rounded once.
+template <bool BF16, bool NVFP4>
+__global__ void __launch_bounds__(kFp4DownWarps * 32) moe_decode_fp4_down(
+    const unsigned char* __restrict__ inter, const unsigned char* __restrict__ w2,
+    const unsigned char* __restrict__ w2_scale, const float* __restrict__ w2_global, unsigned char* __restrict__ out,
+    const int* __restrict__ topk_ids, const int* __restrict__ expert_map, const float* __restrict__ topk_weights,
+    int num_tokens, int topk, int hidden_size, int inter_size, int on_input, i64 inter_stride, i64 w2_stride_e,
+    i64 w2_stride_n, i64 scale_stride_e, i64 scale_stride_n, i64 scale_stride_k, i64 global_stride,
+    i64 out_stride, i64 ids_stride_t, i64 ids_stride_k, i64 map_stride, i64 weights_stride_t,
+    i64 weights_stride_k) {
+    __shared__ float partial[kFp4DownWarps][16];
+    wait_for_previous_grid();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int tiles = hidden_size / 16, token = blockIdx.x / tiles, column = (blockIdx.x - token * tiles) * 16;
+    int expert = -1;  // lane s: slot s's local expert and the factor its sums take (topk <= 32)
+    float factor = 0.0f;
+    if (lane < topk) {
+        expert = local_expert(topk_ids, expert_map, token * topk + lane, topk, ids_stride_t, ids_stride_k,
+                              map_stride);
+        factor = on_input ? 1.0f : topk_weights[(i64)token * weights_stride_t + (i64)lane * weights_stride_k];
+        if constexpr (NVFP4) {
+            if (expert >= 0) factor = factor * kNvfp4Unbias<BF16> / w2_global[(i64)expert * global_stride];
+        }
+    }
+    const int steps = (inter_size + kFp4StepK - 1) / kFp4StepK, items = topk * steps;
+    float acc[2] = {0.0f, 0.0f};
+    for (int first = warp; first < items; first += kFp4DownWarps * kFp4Unroll) {
+        uint4 w_g[kFp4Unroll], w_g8[kFp4Unroll];
+        u32 s_g[kFp4Unroll], s_g8[kFp4Unroll];
+        int slot[kFp4Unroll], e[kFp4Unroll];
+#pragma unroll
+        for (int u = 0; u < kFp4Unroll; ++u) {
+            const int item = first + u * kFp4DownWarps;  // warp-uniform, as slot and e
+            slot[u] = item / steps;
+            const int k = (item - slot[u] * steps) * kFp4StepK + 32 * t;
+            e[u] = __shfl_sync(0xffffffffu, expert, min(slot[u], topk - 1));
+            if (item >= items) e[u] = -1;
+            w_g[u] = w_g8[u] = make_uint4(0, 0, 0, 0);
+            s_g[u] = s_g8[u] = 0;
+            if (e[u] >= 0 && k < inter_size) {
+                const i64 row = (i64)e[u] * w2_stride_e + (i64)(column + g) * w2_stride_n;
+                const unsigned char* scales = w2_scale + (i64)e[u] * scale_stride_e + (i64)(column + g) * scale_stride_n;
+                w_g[u] = stream_load(w2 + row + k / 2);
+                w_g8[u] = stream_load(w2 + row + 8 * w2_stride_n + k / 2);
+                s_g[u] = load_scales<NVFP4>(scales, k, scale_stride_k);
+                s_g8[u] = load_scales<NVFP4>(scales + 8 * scale_stride_n, k, scale_stride_k);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kFp4Unroll; ++u) {
+            const float f = __shfl_sync(0xffffffffu, factor, min(slot[u], topk - 1));
+            if (e[u] < 0) continue;  // warp-uniform: past the items, or a slot routed to another rank
+            const int k = (first + u * kFp4DownWarps - slot[u] * steps) * kFp4StepK + 32 * t;
+            uint4 a[4] = {};
+            if (k < inter_size) load_x(inter + ((i64)(token * topk + slot[u]) * inter_stride) * 2, k, a);
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            fp4_gemv_step<BF16, NVFP4>(w_g[u], w_g8[u], s_g[u], s_g8[u], a, d);
+            acc[0] = fmaf(f, d[0], acc[0]);
+            acc[1] = fmaf(f, d[2], acc[1]);
+        }
+    }
+    if (t == 0) {
+        partial[warp][g] = acc[0];
+        partial[warp][g + 8] = acc[1];
+    }
+    __syncthreads();
+    if (warp == 0 && t == 0) {
+        float lo = 0.0f, hi = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kFp4DownWarps; ++w) {
+            lo += partial[w][g];
+            hi += partial[w][g + 8];
+        }
+        store_rounded<BF16>(out + ((i64)token * out_stride + column + g) * 2, lo);
+        store_rounded<BF16>(out + ((i64)token * out_stride + column + g + 8) * 2, hi);
     }
 }

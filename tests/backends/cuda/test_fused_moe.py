@@ -5,7 +5,9 @@ supports' floor on pairs per expert and the GEMVs' T = 1 are selection policies,
 runs of several 128-row blocks, H and I off the 64-wide K steps and 128-wide column tiles, the GEMVs' whole
 batches of loads and their tails, rows of fewer pieces than a warp's lanes, experts on other ranks, top-1, the
 router weight on the input (GEMVs), fp16 and gelu, every plan, padded row strides, NaN-poisoned memory, and
-CUDA-graph replays on new routing."""
+CUDA-graph replays on new routing; and the fp4 (MXFP4, NVFP4) experts' decode GEMVs on the same terms, with
+every code at the bit placement's subnormal (+-0.5) and the scales' extremes (e8m0 codes past the one-multiply
+range and NaN; e4m3 subnormal, maximum and NaN)."""
 
 from __future__ import annotations
 
@@ -54,6 +56,20 @@ DECODE = {
     "three_tokens": (3, 8, 4, 1160, 136, {}),  # T > 1 under the plan: pairs that share an expert
     "many_tokens_on_input": (200, 8, 1, 72, 40, {"on_input": True, "local_experts": 4}),
 }
+# fp4 experts (the decode GEMVs): the spec's fp4 cases they take (the two NVFP4 ones have I = 48 and 16, not a
+# multiple of the 32 codes a lane loads), and sizes beyond them: gpt-oss's rows (2880: 22 whole 128-wide steps and half of
+# one), whole steps only, NVFP4 with bf16 and fp16, a map with holes, the router weight on the input, top-32,
+# several tokens.
+FP4_SERVED = ["gpt_oss_120b_t8_mxfp4_ep32", "small_mxfp4", "mxfp4_expert_map_holes"]
+FP4_DECODE = {
+    "gpt_oss_rows": (1, 16, 4, 2880, 2880, {"quantization": "mxfp4"}),
+    "nvfp4_whole_steps": (1, 8, 2, 1024, 256, {"quantization": "nvfp4"}),
+    "nvfp4_fp16_gelu": (1, 12, 6, 608, 96, {"quantization": "nvfp4", "dtype": torch.float16, "activation": "gelu"}),
+    "mxfp4_map_holes": (1, 40, 8, 544, 160, {"quantization": "mxfp4", "unmapped": 12}),
+    "nvfp4_top1_on_input": (1, 8, 1, 1056, 64, {"quantization": "nvfp4", "on_input": True}),
+    "mxfp4_top32": (1, 40, 32, 256, 32, {"quantization": "mxfp4"}),
+    "three_tokens_nvfp4": (3, 8, 4, 1184, 160, {"quantization": "nvfp4"}),
+}
 
 
 def _large(name: str, seed: int, sizes: dict = LARGE) -> dict:
@@ -89,8 +105,8 @@ def _prefill_call(**options) -> dict:
 
 
 @pytest.mark.parametrize("call, platform, reason", [
-    (dict(quantization="fp8_block", hidden=128), SM90, "fp8_block experts: 16-bit experts only"),
-    (dict(quantization="mxfp4"), SM90, "mxfp4 experts: 16-bit experts only"),
+    (dict(quantization="fp8_block", hidden=128), SM90, "fp8_block experts: 16-bit and fp4 experts only"),
+    (dict(quantization="mxfp4"), SM90, "mxfp4 experts above T = 1: only the decode GEMVs decode fp4 weights"),
     (dict(on_input=True), SM90, "apply_router_weight_on_input above T = 1"),
     ({}, SM89, "needs sm_90 (Hopper: the GEMMs are built on its wgmma"),
     (dict(hidden=60), SM90, "H = 60: a multiple of 8 only"),
@@ -123,9 +139,25 @@ def test_decode_declines_what_its_warps_cannot_hold():
     make = spec_module._maker(1, 40, 33, 64, 32)
     kwargs = make(torch.device("cpu"), torch.Generator().manual_seed(0))
     assert "top-k = 33 > 32: the down GEMV holds a slot a lane" in ask(cuda_moe.supports, SPEC, kwargs, SM90)
-    assert "16-bit experts only" in ask(cuda_moe.supports, SPEC, _decode_call("qwen3_rows", quantization="mxfp4"),
-                                        SM90)
+    assert "fp8_per_tensor experts: 16-bit and fp4 experts only" in ask(
+        cuda_moe.supports, SPEC, _decode_call("qwen3_rows", quantization="fp8_per_tensor"), SM90)
     assert "needs sm_90" in ask(cuda_moe.supports, SPEC, _decode_call("qwen3_rows"), SM89)
+
+
+def test_decode_takes_fp4_experts_it_can_load():
+    for name in ("gpt_oss_rows", "nvfp4_fp16_gelu", "mxfp4_top32"):
+        tokens, experts, topk, hidden_size, inter_size, options = FP4_DECODE[name]
+        kwargs = spec_module._maker(tokens, experts, topk, hidden_size, inter_size, **options)(
+            torch.device("cpu"), torch.Generator().manual_seed(0))
+        assert ask(cuda_moe.supports, SPEC, kwargs, SM90) is None, name
+    for hidden_size, inter_size, name in ((64, 48, "I = 48"), (80, 64, "H = 80")):
+        kwargs = spec_module._maker(1, 6, 3, hidden_size, inter_size, quantization="nvfp4")(
+            torch.device("cpu"), torch.Generator().manual_seed(0))
+        assert f"{name}: fp4 experts need a multiple of 32" in ask(cuda_moe.supports, SPEC, kwargs, SM90)
+    mxfp4_fp16 = _decode_call("qwen3_rows", quantization="mxfp4", dtype=torch.float16)
+    assert "MXFP4 experts with fp16 activations" in ask(cuda_moe.supports, SPEC, mxfp4_fp16, SM90)
+    assert cuda_moe.describe(SPEC.validate(**mxfp4_fp16), SM90).startswith("decode GEMVs of mxfp4 experts on the "
+                                                                            "tensor cores")
 
 
 @needs_hopper
@@ -213,6 +245,21 @@ def test_override_plan_checks_its_argument():
     with pytest.raises(ValueError, match="gemv must be None or a bool, got 1"):
         with cuda_moe.override_plan(gemv=1):
             pass
+
+
+@needs_nvrtc
+def test_fp4_decode_gemvs_compile_without_spills():
+    # Hopper only (cvt from e4m3 needs sm_89; the registration is sm_90). Gate-up's 128 threads and down's 256
+    # at most 128 registers: four and two CTAs on an SM.
+    for quantization, bf16, gelu in itertools.product(cuda_moe.FP4_QUANTIZATIONS, (True, False), (False, True)):
+        if quantization == "mxfp4" and not bf16:
+            continue  # declined: e8m0 scales leave fp16's range
+        names = cuda_moe.decode_kernel_names(bf16, gelu, quantization)
+        module = _compile.compile_module(cuda_moe.decode_source(names, quantization), list(names.values()), (9, 0),
+                                         verbose=True)
+        for name in names.values():
+            assert module.spill_bytes(name) == 0, name
+            assert 0 < module.registers(name) <= 128, name
 
 
 @pytest.fixture(scope="module")
@@ -329,3 +376,36 @@ def test_a_captured_call_replays_on_new_routing(name, sizes):
     graph.replay()
     torch.cuda.synchronize()
     SPEC.check_close(out, SPEC.reference(**static), static)
+
+
+@needs_hopper
+@pytest.mark.parametrize("seed", (0, 7))
+@pytest.mark.parametrize("name", FP4_SERVED)
+def test_fp4_spec_cases_match_the_reference(name, seed):
+    kwargs = SPEC.case(name).build(DEVICE, seed)
+    with cuda_moe.override_plan(gemv=True):  # T above 1: supports' policy, not the kernels' limit
+        _check(kwargs, f"{name} seed {seed}")
+    with cuda_moe.override_plan(gemv=False), pytest.raises(ValueError, match="run the decode GEMVs only"):
+        cuda_moe.fused_moe(**kwargs)
+
+
+@needs_hopper
+@pytest.mark.parametrize("name", list(FP4_DECODE))
+def test_fp4_decode_sizes_match_the_reference(name):
+    _check(_large(name, 3, FP4_DECODE), name)
+
+
+@needs_hopper
+@pytest.mark.parametrize("quantization", cuda_moe.FP4_QUANTIZATIONS)
+def test_fp4_subnormal_codes_and_extreme_scales(quantization):
+    # Every code of w1 is +-0.5, which the bit placement makes a 16-bit subnormal: flushed, gate and up would be 0.
+    # w2's scales take the extremes: MXFP4 codes 0, 128 (the last of one multiply), 200 (two) and 0xFF (NaN: those
+    # columns of the output NaN); NVFP4 e4m3 0x01 (subnormal 2^-9), 0x7E (448) and 0x7F (NaN).
+    kwargs = _large("gpt_oss_rows" if quantization == "mxfp4" else "nvfp4_whole_steps", 5, FP4_DECODE)
+    kwargs["w1"].fill_(0x91)
+    scale = kwargs["w2_scale"].view(torch.uint8)
+    extremes = (0, 128, 200, 0xFF) if quantization == "mxfp4" else (0x01, 0x7E, 0x01, 0x7F)
+    for row, code in zip((0, 9, 18, 27), extremes):
+        scale[:, row, 1] = code
+    out = _check(kwargs, f"{quantization} extremes")
+    assert out[:, 27].isnan().all() and not out[:, :27].isnan().any()

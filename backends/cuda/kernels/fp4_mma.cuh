@@ -1,0 +1,142 @@
+// kernelmux cuda backend: W4A16 on the tensor cores (sm_80 on; mma.sync): packed e2m1 weights decoded in
+// registers into exactly scaled 16-bit pairs, and m16n8k16 MMAs against 16-bit activations.
+//
+// A warp's step is 16 weight rows x 128 of K (kFp4StepK). Lane (g, t) = (lane / 4, lane % 4) holds 16 bytes
+// of rows g and g + 8: codes [32 t, 32 t + 32) of the step, one MXFP4 block or two NVFP4 blocks. Each 32-bit
+// word of 8 codes becomes four pairs, codes (q, q + 4) for q = 0..3: one shift and two masks place a code's
+// magnitude bits as the exponent and top mantissa bits of a 16-bit float (a subnormal for 0.5) and its sign
+// as the sign, so the pair is e2m1 * 2^-126 (bf16) or e2m1 * 2^-14 (fp16) exactly; one packed multiply by the
+// block's scale (times the bias) makes it the weight. The MMA's K order is the pairs': the activations are
+// permuted to match (x_pairs), so each MMA's operands are the lane's own registers and nothing is exchanged.
+// The B operand's eight columns are eight activation rows; one row (a GEMV) fills all eight with it.
+// _toolchain.py hands every kernels/*.cuh to NVRTC, so a kernel includes it by name.
+
+#pragma once
+
+#include "common.cuh"
+
+namespace {
+
+constexpr int kFp4StepK = 128;  // K of a warp step: 4 lanes x 32 codes
+// NVFP4's block scale is multiplied into the weights as sf * 2^kNvfp4Bias (bf16: sf * 2^118 stays finite for
+// sf <= 448; fp16: sf * 2^7 <= 57344): the weights are then e2m1 * sf * 2^-8 (bf16) or 2^-7 (fp16), every
+// product exact and none below the format's normal range, and the sums are scaled back by 2^8 or 2^7.
+template <bool BF16> constexpr int kNvfp4Bias = BF16 ? 118 : 7;
+template <bool BF16> constexpr float kNvfp4Unbias = BF16 ? 256.0f : 128.0f;
+
+// Codes q and q + 4 of the 8 in v (code i in bits 4i..4i+3) as a 16-bit pair, code q in the low half:
+// e2m1 * 2^-126 (bf16) or e2m1 * 2^-14 (fp16), exact.
+template <bool BF16, int Q>
+__device__ __forceinline__ u32 e2m1_pair(u32 v) {
+    const u32 u = v << (4 * (3 - Q));  // codes q and q + 4 to bits 12..15 and 28..31: their signs in place
+    return (u & 0x80008000u) | ((u >> (BF16 ? 6 : 3)) & (BF16 ? 0x01c001c0u : 0x0e000e00u));
+}
+
+// a * b on 16-bit pairs (as an fma with -0, which leaves every product, -0 included, as it is).
+template <bool BF16>
+__device__ __forceinline__ u32 mul2(u32 a, u32 b) {
+    u32 d;
+    if constexpr (BF16) {
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    } else {
+        asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    }
+    return d;
+}
+
+__device__ __forceinline__ u32 both_halves(u32 h) { return h | (h << 16); }
+
+// Two e4m3 codes (the low 16 bits of v) as an f16 pair, exact.
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
+    u32 h;
+    asm("{\n\t.reg .b16 l;\n\tcvt.u16.u32 l, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(h) : "r"(v));
+    return h;
+}
+
+// One row's 16 bytes of codes (4 words) as 16 weight pairs p[4 w + q] = codes (8 w + q, 8 w + q + 4), scaled:
+// MXFP4 (`scales`: its e8m0 code; bf16 only): e2m1 * 2^(code - 127), exact, NaN for code 0xFF; NVFP4 (`scales`:
+// two e4m3 codes, words 0-1's block in the low byte): e2m1 * sf * 2^(kNvfp4Bias - 126 or - 14), exact.
+template <bool BF16, bool NVFP4>
+__device__ __forceinline__ void decode_row(uint4 codes, u32 scales, u32 (&p)[16]) {
+    const u32 words[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        p[4 * w + 0] = e2m1_pair<BF16, 0>(words[w]);
+        p[4 * w + 1] = e2m1_pair<BF16, 1>(words[w]);
+        p[4 * w + 2] = e2m1_pair<BF16, 2>(words[w]);
+        p[4 * w + 3] = e2m1_pair<BF16, 3>(words[w]);
+    }
+    if constexpr (NVFP4) {
+        u32 s[2];
+        const u32 sf = e4m3x2_to_f16x2(scales);
+        if constexpr (BF16) {
+            float lo, hi;
+            unpack2<false>(sf, lo, hi);
+            constexpr float bias = (float)(1ull << 59) * (float)(1ull << 59);  // 2^118
+            s[0] = both_halves(pack2<true>(lo * bias, 0.0f));
+            s[1] = both_halves(pack2<true>(hi * bias, 0.0f));
+        } else {
+            const u32 scaled = mul2<false>(sf, 0x58005800u);  // times 2^7 (f16 0x5800)
+            s[0] = both_halves(scaled & 0xffffu);
+            s[1] = scaled & 0xffff0000u | (scaled >> 16);
+        }
+#pragma unroll
+        for (int i = 0; i < 16; ++i) p[i] = mul2<BF16>(p[i], s[i / 8]);
+    } else {
+        static_assert(BF16, "MXFP4 with fp16 activations: e8m0 scales leave fp16's range");
+        const u32 code = scales & 0xffu;
+        if (code <= 128) {  // 2^(code - 1) is a bf16 (real checkpoints' scales are all here)
+#pragma unroll
+            for (int i = 0; i < 16; ++i) p[i] = mul2<true>(p[i], both_halves((code + 126) << 7));
+        } else {  // two steps: 2^126, then 2^(code - 127) (0xFF: NaN, as the reference's block)
+            const u32 second = both_halves(code == 0xffu ? 0x7fc0u : code << 7);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) p[i] = mul2<true>(mul2<true>(p[i], 0x7e807e80u), second);
+        }
+    }
+}
+
+// The lane's 32 activations of a step (x[0..3]: its 64 bytes in K order) as the pairs decode_row's weights
+// pair with: xp[4 w + q] = (x[8 w + q], x[8 w + q + 4]).
+__device__ __forceinline__ void x_pairs(const uint4 (&x)[4], u32 (&xp)[16]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 v[4] = {x[i].x, x[i].y, x[i].z, x[i].w};  // (x0, x1), (x2, x3), (x4, x5), (x6, x7)
+        xp[4 * i + 0] = __byte_perm(v[0], v[2], 0x5410);
+        xp[4 * i + 1] = __byte_perm(v[0], v[2], 0x7632);
+        xp[4 * i + 2] = __byte_perm(v[1], v[3], 0x5410);
+        xp[4 * i + 3] = __byte_perm(v[1], v[3], 0x7632);
+    }
+}
+
+// d += A (16 x 16, row-major fragment a0..a3) . B (16 x 8, b0, b1), fp32 accumulation.
+template <bool BF16>
+__device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    if constexpr (BF16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+            "{%0, %1, %2, %3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+}
+
+// One step of a warp's GEMV: d += rows (g, g + 8) of the step's weights . the activations, where `rows` are the
+// lane's 16 bytes of each row with their scales (decode_row's), and x its 32 activations in K order. With one
+// activation row in every B column, every lane's d[0] (= d[1]) is row g's sum and d[2] (= d[3]) row g + 8's.
+template <bool BF16, bool NVFP4>
+__device__ __forceinline__ void fp4_gemv_step(uint4 row_g, uint4 row_g8, u32 scale_g, u32 scale_g8,
+                                              const uint4 (&x)[4], float (&d)[4]) {
+    u32 a[16], b[16], xp[16];
+    decode_row<BF16, NVFP4>(row_g, scale_g, a);
+    decode_row<BF16, NVFP4>(row_g8, scale_g8, b);
+    x_pairs(x, xp);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) mma_16816<BF16>(d, a[2 * j], b[2 * j], a[2 * j + 1], b[2 * j + 1], xp[2 * j], xp[2 * j + 1]);
+}
+
+}  // namespace
