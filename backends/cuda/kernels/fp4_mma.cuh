@@ -28,8 +28,16 @@ template <bool BF16> constexpr float kNvfp4Unbias = BF16 ? 256.0f : 128.0f;
 // e2m1 * 2^-126 (bf16) or e2m1 * 2^-14 (fp16), exact.
 template <bool BF16, int Q>
 __device__ __forceinline__ u32 e2m1_pair(u32 v) {
-    const u32 u = v << (4 * (3 - Q));  // codes q and q + 4 to bits 12..15 and 28..31: their signs in place
-    return (u & 0x80008000u) | ((u >> (BF16 ? 6 : 3)) & (BF16 ? 0x01c001c0u : 0x0e000e00u));
+    if constexpr (BF16) {
+        // The two codes masked at bits 0..3 (q even) or 4..7 (odd) of each half, then one multiply adds two
+        // copies that do not overlap: shifted by 6 or 2 (the magnitude to bits 6..8) and by 12 or 8 (the sign to
+        // bit 15). 13 instructions a word against 15 for a shift and two masks a pair (H200: 35.4 against 36.3 us).
+        const u32 codes = (Q < 2 ? v : v >> 8) & (Q & 1 ? 0x00f000f0u : 0x000f000fu);
+        return (codes * (Q & 1 ? 0x104u : 0x1040u)) & 0x81c081c0u;
+    } else {  // fp16's magnitude bits (9..11) sit too near the sign for two copies
+        const u32 u = v << (4 * (3 - Q));  // codes q and q + 4 to bits 12..15 and 28..31: their signs in place
+        return (u & 0x80008000u) | ((u >> 3) & 0x0e000e00u);
+    }
 }
 
 // a * b on 16-bit pairs (as an fma with -0, which leaves every product, -0 included, as it is).
