@@ -263,6 +263,26 @@ __device__ __forceinline__ void load_x(const unsigned char* x, int k, uint4 (&v)
     for (int i = 0; i < 4; ++i) v[i] = *reinterpret_cast<const uint4*>(x + 2 * (k + 8 * i));
 }
 
+// The CTA's sums of rows g and g + 8 (each warp's lo and hi: its lanes t = 0 hold them) added through shared
+// memory; true in the lanes that then hold them (warp 0, t = 0), in lo and hi.
+template <int WARPS>
+__device__ __forceinline__ bool cta_row_sums(float (&partial)[WARPS][16], float& lo, float& hi) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
+    if ((lane & 3) == 0) {
+        partial[warp][g] = lo;
+        partial[warp][g + 8] = hi;
+    }
+    __syncthreads();
+    if (warp != 0 || (lane & 3) != 0) return false;
+    lo = hi = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        lo += partial[w][g];
+        hi += partial[w][g + 8];
+    }
+    return true;
+}
+
 }  // namespace
 
 // inter[pair, j] for the CTA's 8 columns: the spec's epilogue on the fp32 sums of the dequantized weights
@@ -312,18 +332,8 @@ __global__ void __launch_bounds__(kFp4GateUpWarps * 32) moe_decode_fp4_gate_up(
             fp4_gemv_step<BF16, NVFP4>(gw[u], uw[u], gs[u], us[u], a, d);
         }
     }
-    if (t == 0) {
-        partial[warp][g] = d[0];
-        partial[warp][g + 8] = d[2];
-    }
-    __syncthreads();
-    if (warp == 0 && t == 0) {
-        float gate = 0.0f, up = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kFp4GateUpWarps; ++w) {
-            gate += partial[w][g];
-            up += partial[w][g + 8];
-        }
+    float gate = d[0], up = d[2];
+    if (cta_row_sums(partial, gate, up)) {
         if constexpr (NVFP4) {
             const float global = w1_global[(i64)expert * global_stride];
             gate = gate * kNvfp4Unbias<BF16> / global;
@@ -402,19 +412,8 @@ __global__ void __launch_bounds__(kFp4DownWarps * 32) moe_decode_fp4_down(
             acc[1] = fmaf(f, d[2], acc[1]);
         }
     }
-    if (t == 0) {
-        partial[warp][g] = acc[0];
-        partial[warp][g + 8] = acc[1];
-    }
-    __syncthreads();
-    if (warp == 0 && t == 0) {
-        float lo = 0.0f, hi = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kFp4DownWarps; ++w) {
-            lo += partial[w][g];
-            hi += partial[w][g + 8];
-        }
-        store_rounded<BF16>(out + ((i64)token * out_stride + column + g) * 2, lo);
-        store_rounded<BF16>(out + ((i64)token * out_stride + column + g + 8) * 2, hi);
+    if (cta_row_sums(partial, acc[0], acc[1])) {
+        store_rounded<BF16>(out + ((i64)token * out_stride + column + g) * 2, acc[0]);
+        store_rounded<BF16>(out + ((i64)token * out_stride + column + g + 8) * 2, acc[1]);
     }
 }
