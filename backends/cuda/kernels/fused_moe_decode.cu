@@ -1,5 +1,6 @@
-// kernelmux cuda backend: fused_moe's decode GEMVs for 16-bit experts (written for any arch from sm_80; the
-// registration takes them where they were measured, on Hopper).
+// kernelmux cuda backend: fused_moe's decode GEMVs, for 16-bit experts (written for any arch from sm_80) and for
+// fp4 experts (MXFP4, NVFP4: W4A16 on the tensor cores, at the end of the file; NVFP4's e4m3 scales need sm_89).
+// The registration takes them where they were measured, on Hopper.
 //
 // At T = 1 every (token, slot) pair has an expert of its own and the call is a stream of the routed experts'
 // weights (Qwen3-30B-A3B: 75 MB, 18 us at the copy rate). The triton backend's grouped kernels take four
@@ -204,8 +205,10 @@ __global__ void __launch_bounds__(kGemvThreads) moe_decode_down(
 }
 
 // ---- fp4 experts (MXFP4 / NVFP4 weights, W4A16): the same two launches on the tensor cores (fp4_mma.cuh) ----
-// A warp's unit is 16 weight rows x 128 of K (fp4_gemv_step); a CTA's warps split one tile's K steps and add
-// their sums through shared memory, so no partial sum leaves the CTA:
+// A warp's step is 16 weight rows x 128 of K (fp4_gemv_step), kFp4Unroll steps' loads in flight before their
+// decoding; a CTA's warps split one tile's steps and add their sums through shared memory (cta_row_sums), so no
+// partial sum leaves the CTA. The activations come from global memory (L1), permuted in registers (x_pairs):
+// staging them in shared memory made the replayed call slower (perf/decisions/fused_moe.md).
 //   - moe_decode_fp4_gate_up: a CTA a (pair, 8 columns j): rows j..j+7 of gate and I+j..I+j+7 of up, so each
 //     lane ends with a column's gate and up and the epilogue needs no exchange.
 //   - moe_decode_fp4_down: a CTA a (token, 16 columns of H), its warps over the (slot, step) items of the
