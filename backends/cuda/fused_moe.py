@@ -1,10 +1,10 @@
 """The cuda backend's fused_moe on Hopper: 16-bit experts at prefill sizes (kernels/fused_moe_sm90.cu), and
-16-bit and fp4 (MXFP4, NVFP4: W4A16) experts at T = 1 (kernels/fused_moe_decode.cu). Which calls it takes (``supports``), its launch plan, and the launches
-of one call: at prefill sizes the routing in one CTA, gate-up and down as warp-specialized wgmma grouped GEMMs
-(B by TMA), and for top-k > 1 the sum; at T = 1 two GEMVs (no routing, down sums the top-k itself), for fp4
-experts on the tensor cores with the weights decoded in registers. No launch
-reads a device value on the host: every size is a bound from host ints (CUDA-graph safe; the weights' TMA maps
-travel in the launches' parameters)."""
+16-bit and fp4 (MXFP4, NVFP4: W4A16) experts at T = 1 (kernels/fused_moe_decode.cu). Which calls it takes
+(``supports``), its launch plan, and the launches of one call: at prefill sizes the routing in one CTA, gate-up
+and down as warp-specialized wgmma grouped GEMMs (B by TMA), and for top-k > 1 the sum; at T = 1 two GEMVs (no
+routing, down sums the top-k itself), for fp4 experts on the tensor cores with the weights decoded in
+registers. No launch reads a device value on the host: every size is a bound from host ints (CUDA-graph safe;
+the weights' TMA maps travel in the launches' parameters)."""
 
 import functools
 from dataclasses import dataclass
@@ -103,8 +103,11 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     if key.quantization != "none" and not fp4:
         return f"{key.quantization} experts: 16-bit and fp4 experts only (the triton backend serves fp8 ones)"
     decode = key.num_tokens_class <= DECODE_MAX_TOKENS
+    if fp4 and not decode:
+        return (f"{key.quantization} experts above T = {DECODE_MAX_TOKENS}: only the decode GEMVs decode fp4 "
+                "weights here (the triton backend serves larger T)")
     if fp4:
-        problem = _fp4_problem(key, decode)
+        problem = _fp4_problem(key.quantization, key.hidden_dtype, key.hidden_size, key.intermediate_size)
         if problem:
             return problem
     if key.apply_router_weight_on_input and not decode:
@@ -139,15 +142,12 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     return None
 
 
-def _fp4_problem(key: spec.Key, decode: bool) -> Optional[str]:
-    """Why the decode GEMVs cannot take a call with fp4 experts, or None."""
-    if not decode:
-        return (f"{key.quantization} experts above T = {DECODE_MAX_TOKENS}: only the decode GEMVs decode fp4 "
-                "weights here (the triton backend serves larger T)")
-    if key.quantization == "mxfp4" and key.hidden_dtype == torch.float16:
+def _fp4_problem(quantization: str, hidden_dtype: torch.dtype, hidden_size: int, inter_size: int) -> Optional[str]:
+    """Why the fp4 decode GEMVs cannot compute a call with these experts and activations, or None."""
+    if quantization == "mxfp4" and hidden_dtype == torch.float16:
         return ("MXFP4 experts with fp16 activations: the tensor cores would take the weights as fp16, whose range "
                 "e8m0 scales leave (the triton backend decodes those to fp32)")
-    for name, size in (("H", key.hidden_size), ("I", key.intermediate_size)):
+    for name, size in (("H", hidden_size), ("I", inter_size)):
         if size % FP4_ROW_CODES:
             return (f"{name} = {size}: fp4 experts need a multiple of {FP4_ROW_CODES} (a lane loads 16 bytes of "
                     "packed codes)")
@@ -311,6 +311,9 @@ def _fused_moe_decode_fp4(hidden, w1, w2, topk_weights, topk_ids, activation, ex
     inter_size, topk = w1.shape[1] // 2, topk_ids.shape[1]
     if topk > MAX_DECODE_TOPK:
         raise ValueError(f"topk_ids: the decode GEMVs take top-k <= {MAX_DECODE_TOPK}, got {topk}")
+    problem = _fp4_problem(quantization, hidden.dtype, hidden_size, inter_size)  # supports declines these
+    if problem:
+        raise ValueError(f"w1: {problem}")
     device = hidden.device
     inter = torch.empty((num_tokens * topk, inter_size), dtype=hidden.dtype, device=device)
     out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=device)

@@ -1,12 +1,13 @@
-// kernelmux cuda backend: W4A16 on the tensor cores (sm_80 on; mma.sync): packed e2m1 weights decoded in
-// registers into exactly scaled 16-bit pairs, and m16n8k16 MMAs against 16-bit activations.
+// kernelmux cuda backend: W4A16 on the tensor cores (mma.sync; sm_80 on, sm_89 for NVFP4's e4m3 scales): packed
+// e2m1 weights decoded in registers into exactly scaled 16-bit pairs, and m16n8k16 MMAs against 16-bit
+// activations.
 //
 // A warp's step is 16 weight rows x 128 of K (kFp4StepK). Lane (g, t) = (lane / 4, lane % 4) holds 16 bytes
 // of rows g and g + 8: codes [32 t, 32 t + 32) of the step, one MXFP4 block or two NVFP4 blocks. Each 32-bit
-// word of 8 codes becomes four pairs, codes (q, q + 4) for q = 0..3: one shift and two masks place a code's
-// magnitude bits as the exponent and top mantissa bits of a 16-bit float (a subnormal for 0.5) and its sign
-// as the sign, so the pair is e2m1 * 2^-126 (bf16) or e2m1 * 2^-14 (fp16) exactly; one packed multiply by the
-// block's scale (times the bias) makes it the weight. The MMA's K order is the pairs': the activations are
+// word of 8 codes becomes four pairs, codes (q, q + 4) for q = 0..3, each code's magnitude bits placed as the
+// exponent and top mantissa bits of a 16-bit float (a subnormal for 0.5) and its sign as the sign, so the pair
+// is e2m1 * 2^-126 (bf16) or e2m1 * 2^-14 (fp16) exactly (e2m1_pair); one packed multiply by the block's scale
+// (times the bias) makes it the weight. The MMA's K order is the pairs': the activations are
 // permuted to match (x_pairs), so each MMA's operands are the lane's own registers and nothing is exchanged.
 // The B operand's eight columns are eight activation rows; one row (a GEMV) fills all eight with it.
 // _toolchain.py hands every kernels/*.cuh to NVRTC, so a kernel includes it by name.
@@ -18,10 +19,9 @@
 namespace {
 
 constexpr int kFp4StepK = 128;  // K of a warp step: 4 lanes x 32 codes
-// NVFP4's block scale is multiplied into the weights as sf * 2^kNvfp4Bias (bf16: sf * 2^118 stays finite for
-// sf <= 448; fp16: sf * 2^7 <= 57344): the weights are then e2m1 * sf * 2^-8 (bf16) or 2^-7 (fp16), every
-// product exact and none below the format's normal range, and the sums are scaled back by 2^8 or 2^7.
-template <bool BF16> constexpr int kNvfp4Bias = BF16 ? 118 : 7;
+// NVFP4's block scale is multiplied into the weights as sf * 2^118 (bf16: finite for sf <= 448) or sf * 2^7
+// (fp16: at most 57344): the weights are then e2m1 * sf * 2^-8 or 2^-7, every product exact and none below the
+// format's normal range, and the fp32 sums are scaled back by kNvfp4Unbias.
 template <bool BF16> constexpr float kNvfp4Unbias = BF16 ? 256.0f : 128.0f;
 
 // Codes q and q + 4 of the 8 in v (code i in bits 4i..4i+3) as a 16-bit pair, code q in the low half:
@@ -63,7 +63,7 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
 
 // One row's 16 bytes of codes (4 words) as 16 weight pairs p[4 w + q] = codes (8 w + q, 8 w + q + 4), scaled:
 // MXFP4 (`scales`: its e8m0 code; bf16 only): e2m1 * 2^(code - 127), exact, NaN for code 0xFF; NVFP4 (`scales`:
-// two e4m3 codes, words 0-1's block in the low byte): e2m1 * sf * 2^(kNvfp4Bias - 126 or - 14), exact.
+// two e4m3 codes, words 0-1's block in the low byte): e2m1 * sf / kNvfp4Unbias, exact.
 template <bool BF16, bool NVFP4>
 __device__ __forceinline__ void decode_row(uint4 codes, u32 scales, u32 (&p)[16]) {
     const u32 words[4] = {codes.x, codes.y, codes.z, codes.w};

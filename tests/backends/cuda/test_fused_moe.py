@@ -167,6 +167,19 @@ def test_forced_gemvs_refuse_a_topk_past_a_warp():
         cuda_moe.fused_moe(**kwargs)
 
 
+@pytest.mark.parametrize("inter_size, options, reason", [
+    (64, {"quantization": "mxfp4", "dtype": torch.float16}, "MXFP4 experts with fp16 activations"),
+    (48, {"quantization": "nvfp4"}, "I = 48: fp4 experts need a multiple of 32"),
+])
+def test_fp4_gemvs_refuse_what_they_cannot_compute(inter_size, options, reason):
+    # supports declines these; a direct call is refused before anything launches (so on any machine).
+    kwargs = spec_module._maker(1, 6, 3, 64, inter_size, **options)(torch.device("cpu"),
+                                                                     torch.Generator().manual_seed(0))
+    assert reason in ask(cuda_moe.supports, SPEC, kwargs, SM90)
+    with pytest.raises(ValueError, match=reason):
+        cuda_moe.fused_moe(**kwargs)
+
+
 def test_gemv_grids_give_every_warp_the_same_tasks(monkeypatch):
     class Resident:  # a kernel of which `blocks_per_sm` 8-warp CTAs fit an SM
         def __init__(self, blocks_per_sm: int) -> None:
