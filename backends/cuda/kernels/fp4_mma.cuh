@@ -144,7 +144,9 @@ __device__ __forceinline__ void fp4_gemv_step(uint4 row_g, uint4 row_g8, u32 sca
     decode_row<BF16, NVFP4>(row_g8, scale_g8, b);
     x_pairs(x, xp);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) mma_16816<BF16>(d, a[2 * j], b[2 * j], a[2 * j + 1], b[2 * j + 1], xp[2 * j], xp[2 * j + 1]);
+    for (int j = 0; j < 8; ++j) {
+        mma_16816<BF16>(d, a[2 * j], b[2 * j], a[2 * j + 1], b[2 * j + 1], xp[2 * j], xp[2 * j + 1]);
+    }
 }
 
 }  // namespace

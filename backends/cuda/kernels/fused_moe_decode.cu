@@ -395,7 +395,8 @@ __global__ void __launch_bounds__(kFp4DownWarps * 32) moe_decode_fp4_down(
             s_g[u] = s_g8[u] = 0;
             if (e[u] >= 0 && k < inter_size) {
                 const i64 row = (i64)e[u] * w2_stride_e + (i64)(column + g) * w2_stride_n;
-                const unsigned char* scales = w2_scale + (i64)e[u] * scale_stride_e + (i64)(column + g) * scale_stride_n;
+                const unsigned char* scales =
+                    w2_scale + (i64)e[u] * scale_stride_e + (i64)(column + g) * scale_stride_n;
                 w_g[u] = stream_load(w2 + row + k / 2);
                 w_g8[u] = stream_load(w2 + row + 8 * w2_stride_n + k / 2);
                 s_g[u] = load_scales<NVFP4>(scales, k, scale_stride_k);

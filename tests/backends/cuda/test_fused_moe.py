@@ -57,9 +57,9 @@ DECODE = {
     "many_tokens_on_input": (200, 8, 1, 72, 40, {"on_input": True, "local_experts": 4}),
 }
 # fp4 experts (the decode GEMVs): the spec's fp4 cases they take (the two NVFP4 ones have I = 48 and 16, not a
-# multiple of the 32 codes a lane loads), and sizes beyond them: gpt-oss's rows (2880: 22 whole 128-wide steps and half of
-# one), whole steps only, NVFP4 with bf16 and fp16, a map with holes, the router weight on the input, top-32,
-# several tokens.
+# multiple of the 32 codes a lane loads), and sizes beyond them: gpt-oss's rows (2880: 22 whole 128-wide steps
+# and half of one), whole steps only, NVFP4 with bf16 and fp16, a map with holes, the router weight on the
+# input, top-32, several tokens.
 FP4_SERVED = ["gpt_oss_120b_t8_mxfp4_ep32", "small_mxfp4", "mxfp4_expert_map_holes"]
 FP4_DECODE = {
     "gpt_oss_rows": (1, 16, 4, 2880, 2880, {"quantization": "mxfp4"}),
