@@ -277,18 +277,28 @@ def _routing_fields(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor]) 
                 ids_stride_k=topk_ids.stride(1), map_stride=expert_map.stride(0) if expert_map is not None else 0)
 
 
+def _decode_call(hidden, w1, topk_weights, topk_ids, expert_map,
+                 apply_router_weight_on_input) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """What both kinds of decode GEMVs start from: the [T * k, I] intermediate, the output, and the params fields
+    of the routing both launches read."""
+    num_tokens, hidden_size = hidden.shape
+    inter_size, topk = w1.shape[1] // 2, topk_ids.shape[1]
+    if topk > MAX_DECODE_TOPK:  # supports declines these at T = 1; a plan may force the GEMVs at any T
+        raise ValueError(f"topk_ids: the decode GEMVs take top-k <= {MAX_DECODE_TOPK}, got {topk}")
+    inter = torch.empty((num_tokens * topk, inter_size), dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=hidden.device)
+    routing = dict(_routing_fields(topk_ids, expert_map), topk_weights=topk_weights, topk=topk,
+                   on_input=int(apply_router_weight_on_input), weights_stride_t=topk_weights.stride(0))
+    return inter, out, routing
+
+
 def _fused_moe_decode(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map,
                       apply_router_weight_on_input) -> torch.Tensor:
     """The decode GEMVs: gate-up into a [T * k, I] intermediate, then down summing each token's slots."""
     num_tokens, hidden_size = hidden.shape
     inter_size, topk = w1.shape[1] // 2, topk_ids.shape[1]
-    if topk > MAX_DECODE_TOPK:  # supports declines these at T = 1; a plan may force the GEMVs at any T
-        raise ValueError(f"topk_ids: the decode GEMVs take top-k <= {MAX_DECODE_TOPK}, got {topk}")
+    inter, out, routing = _decode_call(hidden, w1, topk_weights, topk_ids, expert_map, apply_router_weight_on_input)
     device = hidden.device
-    inter = torch.empty((num_tokens * topk, inter_size), dtype=hidden.dtype, device=device)
-    out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=device)
-    routing = dict(_routing_fields(topk_ids, expert_map), topk_weights=topk_weights, topk=topk,
-                   on_input=int(apply_router_weight_on_input), weights_stride_t=topk_weights.stride(0))
     with torch.cuda.device(device):
         gate_up, down = _decode_kernels(device, hidden.dtype == torch.bfloat16, activation == "gelu")
         gate_up(_gemv_grid(gate_up, device, num_tokens * topk * inter_size), overlap_previous=True,
@@ -309,18 +319,13 @@ def _fused_moe_decode_fp4(hidden, w1, w2, topk_weights, topk_ids, activation, ex
     token's output."""
     num_tokens, hidden_size = hidden.shape
     inter_size, topk = w1.shape[1] // 2, topk_ids.shape[1]
-    if topk > MAX_DECODE_TOPK:
-        raise ValueError(f"topk_ids: the decode GEMVs take top-k <= {MAX_DECODE_TOPK}, got {topk}")
     problem = _fp4_problem(quantization, hidden.dtype, hidden_size, inter_size)  # supports declines these
     if problem:
         raise ValueError(f"w1: {problem}")
+    inter, out, routing = _decode_call(hidden, w1, topk_weights, topk_ids, expert_map, apply_router_weight_on_input)
     device = hidden.device
-    inter = torch.empty((num_tokens * topk, inter_size), dtype=hidden.dtype, device=device)
-    out = torch.empty((num_tokens, hidden_size), dtype=hidden.dtype, device=device)
     if quantization == "nvfp4":  # the kernels read e4m3 codes as bytes
         w1_scale, w2_scale = w1_scale.view(torch.uint8), w2_scale.view(torch.uint8)
-    routing = dict(_routing_fields(topk_ids, expert_map), topk_weights=topk_weights, topk=topk,
-                   on_input=int(apply_router_weight_on_input), weights_stride_t=topk_weights.stride(0))
 
     def scales(scale, global_scale):  # a weight's scale fields; MXFP4 has no global scale (a null pointer)
         return dict(scale_stride_e=scale.stride(0), scale_stride_n=scale.stride(1), scale_stride_k=scale.stride(2),

@@ -1,7 +1,7 @@
 // kernelmux cuda backend: device helpers every kernel of the backend shares, whatever its target
 // arch (paged_decode_fp8.cu runs from sm_89; sm90_common.cuh adds the Hopper-only ones): the
-// integer types, -inf, log2(e) and ln(2), the base-2 exponential and logarithm, and fp32 pairs
-// packed into 16-bit pairs and back.
+// integer types, -inf, log2(e) and ln(2), the base-2 exponential and logarithm, fp32 pairs
+// packed into 16-bit pairs and back, and e4m3 pairs into f16 pairs.
 // _toolchain.py hands every kernels/*.cuh to NVRTC, so a kernel includes it by name.
 
 #pragma once
@@ -52,6 +52,13 @@ __device__ __forceinline__ void unpack2(u32 v, float& lo, float& hi) {
         asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
             : "=f"(lo), "=f"(hi) : "r"(v));
     }
+}
+
+// Two e4m3 values (the low 16 bits of v, the first low) as an f16 pair, exact (sm_89 on).
+__device__ __forceinline__ u32 cvt_e4m3x2_f16x2(u32 v) {
+    u32 h;
+    asm("{\n\t.reg .b16 l;\n\tcvt.u16.u32 l, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(h) : "r"(v));
+    return h;
 }
 
 // Programmatic dependent launch (sm_90 and newer; a no-op before, and for a grid launched without

@@ -54,13 +54,6 @@ __device__ __forceinline__ u32 mul2(u32 a, u32 b) {
 
 __device__ __forceinline__ u32 both_halves(u32 h) { return h | (h << 16); }
 
-// Two e4m3 codes (the low 16 bits of v) as an f16 pair, exact.
-__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
-    u32 h;
-    asm("{\n\t.reg .b16 l;\n\tcvt.u16.u32 l, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(h) : "r"(v));
-    return h;
-}
-
 // One row's 16 bytes of codes (4 words) as 16 weight pairs p[4 w + q] = codes (8 w + q, 8 w + q + 4), scaled:
 // MXFP4 (`scales`: its e8m0 code; bf16 only): e2m1 * 2^(code - 127), exact, NaN for code 0xFF; NVFP4 (`scales`:
 // two e4m3 codes, words 0-1's block in the low byte): e2m1 * sf / kNvfp4Unbias, exact.
@@ -76,7 +69,7 @@ __device__ __forceinline__ void decode_row(uint4 codes, u32 scales, u32 (&p)[16]
     }
     if constexpr (NVFP4) {
         u32 s[2];
-        const u32 sf = e4m3x2_to_f16x2(scales);
+        const u32 sf = cvt_e4m3x2_f16x2(scales);
         if constexpr (BF16) {
             float lo, hi;
             unpack2<false>(sf, lo, hi);

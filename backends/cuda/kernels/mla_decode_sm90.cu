@@ -64,9 +64,7 @@ __device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 two) {
 #ifdef KERNELMUX_DIAG_SKIP_CONVERT
     return two;
 #else
-    u32 h;
-    asm("{\n\t.reg .b16 l;\n\tcvt.u16.u32 l, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(h) : "r"(two));
-    return h;
+    return cvt_e4m3x2_f16x2(two);
 #endif
 }
 
