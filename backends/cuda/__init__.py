@@ -1,7 +1,7 @@
 """The cuda backend: hand-written CUDA C++ kernels (kernels/) for NVIDIA GPUs, compiled at runtime
 by NVRTC and launched through the driver API, for the calls where a Triton kernel leaves bandwidth
 or FLOPs on the table. One table: paged_attention (paged_attention.py), mla_decode (mla_decode.py), fused_moe
-(fused_moe.py)."""
+(fused_moe.py), fp4_mm (fp4_mm.py)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,10 @@ TABLE = (
           "producer warpgroup gathers A rows by cp.async and loads B tiles by TMA, and two consumers run wgmma "
           "(gate-up's activation and down's router weight in their epilogues); at T = 1 with small experts, two "
           "GEMVs (a warp a column, no routing launch, down summing the top-k)",
+          {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
+    Entry("fp4_mm",
+          "Hopper, W4A16 up to 32 rows of a: a CTA a 16 weight rows, its warps splitting K; the codes decoded in "
+          "registers into exactly scaled 16-bit pairs once for all rows of a, m16n8k16 MMAs with a's rows as B columns",
           {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
 )
 

@@ -11,7 +11,7 @@ from typing import Sequence
 from kernelmux.backends.cuda._driver import TensorMap
 from kernelmux.backends.cuda._toolchain import KERNELS
 
-__all__ = ["MergeSplitsParams", "MlaDecodeParams", "MoeDecodeDownParams", "MoeDecodeFp4DownParams",
+__all__ = ["Fp4MmParams", "MergeSplitsParams", "MlaDecodeParams", "MoeDecodeDownParams", "MoeDecodeFp4DownParams",
            "MoeDecodeFp4GateUpParams", "MoeDecodeGateUpParams", "MoeGemmParams", "MoeRouteParams", "MoeSumParams",
            "PagedDecodeParams", "PagedPrefillParams", "abi_checks", "checked_source"]
 
@@ -139,6 +139,13 @@ class MoeDecodeFp4DownParams(ctypes.Structure):
                        "inter_stride w2_stride_e w2_stride_n scale_stride_e scale_stride_n scale_stride_k "
                        "global_stride out_stride ids_stride_t ids_stride_k map_stride weights_stride_t "
                        "weights_stride_k")
+
+
+class Fp4MmParams(ctypes.Structure):
+    """kernels/fp4_mm.cu's Fp4MmParams (the W4A16 GEMV of up to 32 rows)."""
+
+    _fields_ = _fields("a b b_scale b_global out", "m n k", "",
+                       "a_stride b_stride scale_stride_n scale_stride_k out_stride")
 
 
 def abi_checks(mirror: type[ctypes.Structure], kernels: Sequence[str]) -> str:

@@ -1,7 +1,8 @@
 """Issue 32's W4A16 goal shapes for fp4_mm on the GPU: N x K in {8192 x 8192, 2880 x 2880, 7168 x 2048,
 2048 x 7168}, M in {1, 4, 16, 256, 4096}, NVFP4 and MXFP4 weights (random codes, scales in a trained layer's
 range), bf16 activations. The triton backend's call as served, and under other launch configurations
-(--gemv-tiles for the GEMVs, --tiles for the tensor-core GEMM, each at every M), is checked against the spec's
+(--gemv-tiles for the GEMVs, --tiles for the tensor-core GEMM, each at every M), and on Hopper the cuda
+backend's GEMV (M <= its MAX_ROWS), is checked against the spec's
 reference, then timed by CUDA-graph replay over four inputs; times are set against the copy bandwidth (the
 weight and scale bytes, M <= 16) and the bf16 matmul rate (M >= 256) measured in the same run, and beside
 torch's bf16 GEMM on the dequantized weights.
@@ -20,6 +21,7 @@ from unittest import mock
 
 import torch
 
+from kernelmux.backends.cuda import fp4_mm as cuda_fp4
 from kernelmux.backends.triton import fp4_mm as triton_fp4
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf.timing import sized_replay_time
@@ -88,6 +90,8 @@ def main() -> None:
                 timed = [("torch bf16 (dequantized)", torch_bf16, [])]
                 timed += [(f"triton {name}", triton_fp4.fp4_mm, patches)
                           for name, patches in _variants(rows, args.gemv_tiles, args.tiles)]
+                if rows <= cuda_fp4.MAX_ROWS and torch.cuda.get_device_capability() == cuda_fp4.CAPABILITY:
+                    timed.append(("cuda", cuda_fp4.fp4_mm, []))
                 for name, fn, patches in timed:
                     row = dict(fmt=fmt, shape=shape, rows=rows, impl=name)
                     try:

@@ -1,7 +1,7 @@
 // kernelmux cuda backend: device helpers every kernel of the backend shares, whatever its target
 // arch (paged_decode_fp8.cu runs from sm_89; sm90_common.cuh adds the Hopper-only ones): the
 // integer types, -inf, log2(e) and ln(2), the base-2 exponential and logarithm, fp32 pairs
-// packed into 16-bit pairs and back, and e4m3 pairs into f16 pairs.
+// packed into 16-bit pairs and back, e4m3 pairs into f16 pairs, and a streaming 16-byte load.
 // _toolchain.py hands every kernels/*.cuh to NVRTC, so a kernel includes it by name.
 
 #pragma once
@@ -59,6 +59,14 @@ __device__ __forceinline__ u32 cvt_e4m3x2_f16x2(u32 v) {
     u32 h;
     asm("{\n\t.reg .b16 l;\n\tcvt.u16.u32 l, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(h) : "r"(v));
     return h;
+}
+
+// 16 bytes of a weight stream, read once: not kept in L1, 256-byte L2 fills.
+__device__ __forceinline__ uint4 stream_load(const unsigned char* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
 }
 
 // Programmatic dependent launch (sm_90 and newer; a no-op before, and for a grid launched without

@@ -54,6 +54,18 @@ __device__ __forceinline__ u32 mul2(u32 a, u32 b) {
 
 __device__ __forceinline__ u32 both_halves(u32 h) { return h | (h << 16); }
 
+// The scale code(s) of a lane's 32 codes at element k of a row whose scales start at `row`: one e8m0 byte, or
+// NVFP4's two e4m3 bytes (the first block low).
+template <bool NVFP4>
+__device__ __forceinline__ u32 load_scales(const unsigned char* row, int k, i64 stride_k) {
+    if constexpr (NVFP4) {
+        const i64 block = k / 16;
+        return (u32)row[block * stride_k] | (u32)row[(block + 1) * stride_k] << 8;
+    } else {
+        return row[(i64)(k / 32) * stride_k];
+    }
+}
+
 // One row's 16 bytes of codes (4 words) as 16 weight pairs p[4 w + q] = codes (8 w + q, 8 w + q + 4), scaled:
 // MXFP4 (`scales`: its e8m0 code; bf16 only): e2m1 * 2^(code - 127), exact, NaN for code 0xFF; NVFP4 (`scales`:
 // two e4m3 codes, words 0-1's block in the low byte): e2m1 * sf / kNvfp4Unbias, exact.
@@ -126,20 +138,29 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], u32 a0, u32 a1, u32 a2,
     }
 }
 
+// d += the decoded rows (a: row g's pairs, b: row g + 8's; decode_row's) . 8 activation rows, lane (g, t)
+// giving row g's 32 activations of its codes in K order (x): d[0], d[1] are row g's sums against activation
+// rows 2 t and 2 t + 1, d[2], d[3] row g + 8's.
+template <bool BF16>
+__device__ __forceinline__ void fp4_mmas(const u32 (&a)[16], const u32 (&b)[16], const uint4 (&x)[4], float (&d)[4]) {
+    u32 xp[16];
+    x_pairs(x, xp);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        mma_16816<BF16>(d, a[2 * j], b[2 * j], a[2 * j + 1], b[2 * j + 1], xp[2 * j], xp[2 * j + 1]);
+    }
+}
+
 // One step of a warp's GEMV: d += rows (g, g + 8) of the step's weights . the activations, where `rows` are the
 // lane's 16 bytes of each row with their scales (decode_row's), and x its 32 activations in K order. With one
 // activation row in every B column, every lane's d[0] (= d[1]) is row g's sum and d[2] (= d[3]) row g + 8's.
 template <bool BF16, bool NVFP4>
 __device__ __forceinline__ void fp4_gemv_step(uint4 row_g, uint4 row_g8, u32 scale_g, u32 scale_g8,
                                               const uint4 (&x)[4], float (&d)[4]) {
-    u32 a[16], b[16], xp[16];
+    u32 a[16], b[16];
     decode_row<BF16, NVFP4>(row_g, scale_g, a);
     decode_row<BF16, NVFP4>(row_g8, scale_g8, b);
-    x_pairs(x, xp);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        mma_16816<BF16>(d, a[2 * j], b[2 * j], a[2 * j + 1], b[2 * j + 1], xp[2 * j], xp[2 * j + 1]);
-    }
+    fp4_mmas<BF16>(a, b, x, d);
 }
 
 }  // namespace

@@ -31,14 +31,6 @@ constexpr int kGateUpSteps = 4;  // 16-byte loads of each of a task's two rows i
 constexpr int kBatch = 32 * kChunk * kGateUpSteps;  // a gate-up warp's elements of K per batch of loads
 constexpr int kDownSteps = 8;    // 16-byte loads of w2 in flight per lane
 
-// 16 bytes of a weight row, read once: not kept in L1, 256-byte L2 fills.
-__device__ __forceinline__ uint4 stream_load(const unsigned char* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-}
-
 // acc + the dot product of 8 16-bit weights and 8 16-bit activations, in fp32.
 template <bool BF16>
 __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
@@ -247,18 +239,6 @@ namespace {
 constexpr int kFp4GateUpWarps = 4;
 constexpr int kFp4DownWarps = 8;
 constexpr int kFp4Unroll = 3;  // steps a warp has in flight, 2 x 16 bytes of weights each per lane (2: 4% slower)
-
-// The scale code(s) of a lane's 32 codes at element k of a row whose scales start at `row`: one e8m0 byte, or
-// NVFP4's two e4m3 bytes (the first block low).
-template <bool NVFP4>
-__device__ __forceinline__ u32 load_scales(const unsigned char* row, int k, i64 stride_k) {
-    if constexpr (NVFP4) {
-        const i64 block = k / 16;
-        return (u32)row[block * stride_k] | (u32)row[(block + 1) * stride_k] << 8;
-    } else {
-        return row[(i64)(k / 32) * stride_k];
-    }
-}
 
 // A lane's 32 activations at element k of row x (16-bit), as fp4_gemv_step takes them.
 __device__ __forceinline__ void load_x(const unsigned char* x, int k, uint4 (&v)[4]) {
