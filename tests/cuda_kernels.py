@@ -26,7 +26,7 @@ needs_gpu = pytest.mark.skipif(DEVICE != "cuda",
                                reason="runs CUDA kernels: needs an NVIDIA GPU; runs in the GPU suite")
 needs_hopper = pytest.mark.skipif(
     DEVICE != "cuda" or torch.cuda.get_device_capability() != HOPPER,
-    reason="runs the sm_90a (wgmma) kernel: needs an H100/H200; runs in the GPU suite")
+    reason="runs a kernel built for Hopper (sm_90): needs an H100/H200; runs in the GPU suite")
 def _find_cuobjdump() -> str | None:
     try:
         import triton.backends.nvidia as nvidia_backend

@@ -59,6 +59,7 @@ TABLE = (
           "(gate-up's activation and down's router weight in their epilogues); at T = 1 with small experts, two "
           "GEMVs (a warp a column, no routing launch, down summing the top-k)",
           {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
+    # 1.06-1.35x triton at M 1, 1.5-3.5x at M 4, 1.02-2.5x at M 16 on every H200 goal shape (perf/decisions/fp4_mm.md).
     Entry("fp4_mm",
           "Hopper, W4A16 up to 32 rows of a: a CTA a 16 weight rows, its warps splitting K; the codes decoded in "
           "registers into exactly scaled 16-bit pairs once for all rows of a, m16n8k16 MMAs with a's rows as B columns",

@@ -1,6 +1,7 @@
 """The cuda backend's fp4_mm: W4A16 at decode sizes (up to MAX_ROWS rows of a) on the tensor cores, the weights
 decoded in registers (kernels/fp4_mm.cu on kernels/fp4_mma.cuh, fused_moe's fp4 decoding): which calls it takes
-(``supports``) and the launch, a CTA per 16 weight rows whose warps split K. Larger M is the triton backend's
+(``supports``) and the launch, a CTA per 16 weight rows whose warps split K (more of them when N has few
+tiles). Larger M is the triton backend's
 tensor-core GEMM; W4A4 the vendors' fp4 tensor cores."""
 
 import functools
@@ -13,17 +14,23 @@ from kernelmux.backends.cuda._targets import HOPPER
 from kernelmux.platforms import Platform, probes
 from kernelmux.specs import fp4_mm as spec
 
-__all__ = ["CAPABILITY", "MAX_ROWS", "describe", "fp4_mm", "kernel_name", "source", "supports"]
+__all__ = ["CAPABILITY", "MAX_ROWS", "describe", "fp4_mm", "kernel_name", "source", "supports", "warps_for"]
 
 CAPABILITY = HOPPER  # where it was measured (the kernel needs sm_89: cvt from e4m3)
 MAX_ROWS = 32  # the .cu file's kFp4MmMaxGroups x 8: the MMA's B columns, 8 rows of a a group
 TILE_ROWS = 16  # weight rows a CTA
-THREADS = 4 * 32  # kFp4MmWarps warps, splitting K
+# Warps a CTA (splitting K): from MIN_WARPS, doubled up to MAX_WARPS while the grid holds fewer than WARPS_PER_SM
+# warps a SM and each warp keeps at least MIN_STEPS steps of K. H200, M 1, NVFP4 (us at 4 / 8 / 16 warps; the
+# decision file has every M and format): 8192 x 8192 (512 CTAs) 20.4 / 22.8 / 26.8; 7168 x 2048 (448) 7.1 / 8.1 /
+# 11.4; 2880 x 2880 (180 CTAs, 23 steps) 7.2 / 5.4 / 7.0; 2048 x 7168 (128) 16.3 / 9.8 / 7.4.
+MIN_WARPS, MAX_WARPS, WARPS_PER_SM, MIN_STEPS = 4, 16, 12, 2
+STEP_K = 128  # K of a warp step (fp4_mma.cuh's kFp4StepK)
 ROW_CODES = 32  # a lane loads 16 bytes of codes: K a multiple of 32
 OUT_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
 SOURCE_NAME = "fp4_mm.cu"
 
 _capability = probes.device_capability
+_sm_count = probes.compute_units
 
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
@@ -51,13 +58,22 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
 
 def describe(key: spec.Key, platform: Platform) -> str:
     """What a call runs (for explain)."""
-    return (f"W4A16 GEMV on the tensor cores: a CTA a {TILE_ROWS} weight rows, {THREADS // 32} warps splitting K, "
-            "the codes decoded in registers once for all of a's rows (8 a B column group)")
+    return (f"W4A16 GEMV on the tensor cores: a CTA a {TILE_ROWS} weight rows, {MIN_WARPS}-{MAX_WARPS} warps "
+            "splitting K (more where N has few tiles), the codes decoded in registers once for all of a's rows (8 a "
+            "B column group)")
 
 
-def kernel_name(bf16: bool, nvfp4: bool, out_dtype: str) -> str:
-    """The C++ name of the kernel for the activations' dtype, the format and the output dtype."""
-    return f"fp4_mm_gemv<{str(bf16).lower()}, {str(nvfp4).lower()}, {OUT_CODES[out_dtype]}>"
+def warps_for(tiles: int, k: int, sm_count: int) -> int:
+    """Warps a CTA for ``tiles`` CTAs over K = ``k``."""
+    warps, steps = MIN_WARPS, -(-k // STEP_K)
+    while warps < MAX_WARPS and tiles * warps < WARPS_PER_SM * sm_count and steps >= 2 * warps * MIN_STEPS:
+        warps *= 2
+    return warps
+
+
+def kernel_name(warps: int, bf16: bool, nvfp4: bool, out_dtype: str) -> str:
+    """The C++ name of the kernel for the CTA's warps, the activations' dtype, the format and the output dtype."""
+    return f"fp4_mm_gemv<{warps}, {str(bf16).lower()}, {str(nvfp4).lower()}, {OUT_CODES[out_dtype]}>"
 
 
 def source(names: list[str]) -> str:
@@ -73,11 +89,12 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...], name: str) -> _co
 _LOADED = _driver.LoadedKernels()
 
 
-def _kernel(device: torch.device, name: str) -> _driver.Kernel:
+def _kernel(device: torch.device, name: str, warps: int) -> _driver.Kernel:
     defines = _compile.diagnostics_in_force()
 
     def build():
-        return _compiled(_capability(device), defines, name), [_driver.KernelSpec(name, _params.Fp4MmParams, THREADS)]
+        spec_ = _driver.KernelSpec(name, _params.Fp4MmParams, warps * 32)
+        return _compiled(_capability(device), defines, name), [spec_]
 
     return _LOADED.get(device, (defines, name), build)[0]
 
@@ -104,8 +121,10 @@ def fp4_mm(
     if fmt == "nvfp4":  # the kernel reads e4m3 codes as bytes
         b_scale = b_scale.view(torch.uint8)
     with torch.cuda.device(a.device):
-        kernel = _kernel(a.device, kernel_name(a.dtype == torch.bfloat16, fmt == "nvfp4", out_dtype))
-        kernel((-(-size_n // TILE_ROWS), 1, 1), a=a, b=b, b_scale=b_scale, b_global=b_global_scale, out=out, m=rows,
+        tiles = -(-size_n // TILE_ROWS)
+        warps = warps_for(tiles, size_k, _sm_count(a.device))
+        kernel = _kernel(a.device, kernel_name(warps, a.dtype == torch.bfloat16, fmt == "nvfp4", out_dtype), warps)
+        kernel((tiles, 1, 1), a=a, b=b, b_scale=b_scale, b_global=b_global_scale, out=out, m=rows,
                n=size_n, k=size_k, a_stride=a.stride(0), b_stride=b.stride(0), scale_stride_n=b_scale.stride(0),
                scale_stride_k=b_scale.stride(1), out_stride=out.stride(0))
     return out

@@ -2,13 +2,14 @@
 2048 x 7168}, M in {1, 4, 16, 256, 4096}, NVFP4 and MXFP4 weights (random codes, scales in a trained layer's
 range), bf16 activations. The triton backend's call as served, and under other launch configurations
 (--gemv-tiles for the GEMVs, --tiles for the tensor-core GEMM, each at every M), and on Hopper the cuda
-backend's GEMV (M <= its MAX_ROWS), is checked against the spec's
+backend's GEMV (M <= its MAX_ROWS; as served, and at each of --cuda-warps warps a CTA), is checked against the spec's
 reference, then timed by CUDA-graph replay over four inputs; times are set against the copy bandwidth (the
 weight and scale bytes, M <= 16) and the bf16 matmul rate (M >= 256) measured in the same run, and beside
 torch's bf16 GEMM on the dequantized weights.
 
     python perf/diag/fp4_mm_goals.py --out DIR [--formats nvfp4 mxfp4] [--rows 1 4 16 256 4096]
         [--shapes 8192x8192 ...] [--gemv-tiles BNxBKxWARPSxSTAGES ...] [--tiles BMxBNxBKxWARPSxSTAGES ...]
+        [--cuda-warps 4 8 16]
 """
 
 from __future__ import annotations
@@ -42,18 +43,21 @@ def _weights(fmt: str, n: int, k: int, gen: torch.Generator) -> dict:
 
 
 def _variants(rows: int, gemv_tiles: list[str], tiles: list[str]) -> list[tuple[str, list]]:
-    """(name, patches of the host module) for the call as served and each configuration asked for that fits
-    the size: GEMVs up to 16 rows, 16-row tiles up to 16 rows and wider ones from 64."""
+    """(name, patches (module, attribute, value) of the triton host module) for the call as served and each
+    configuration asked for that fits the size: GEMVs up to 16 rows, 16-row tiles up to 16 rows and wider ones
+    from 64."""
     out = [("default", [])]
     for text in gemv_tiles if rows <= 16 else ():
         n, k, w, s = (int(v) for v in text.split("x"))
-        out.append((f"gemv {text}", [("GEMV_MAX_ROWS", 1 << 30), ("gemv_tile", lambda _n, _k, t=(n, k, w, s): t)]))
+        out.append((f"gemv {text}", [(triton_fp4, "GEMV_MAX_ROWS", 1 << 30),
+                                      (triton_fp4, "gemv_tile", lambda _n, _k, t=(n, k, w, s): t)]))
     for text in tiles:
         m, n, k, w, s = (int(v) for v in text.split("x"))
         if (m <= 16) != (rows <= 16):
             continue
         config = triton_fp4.Tiles(m, n, k, 8 if m > 16 else 1, w, s)
-        out.append((f"tiles {text}", [("GEMV_MAX_ROWS", 0), ("tiles_for", lambda _rows, c=config: c)]))
+        out.append((f"tiles {text}", [(triton_fp4, "GEMV_MAX_ROWS", 0),
+                                        (triton_fp4, "tiles_for", lambda _rows, c=config: c)]))
     return out
 
 
@@ -65,6 +69,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--gemv-tiles", nargs="*", default=[])
     parser.add_argument("--tiles", nargs="*", default=[])
+    parser.add_argument("--cuda-warps", nargs="*", type=int, default=[])
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     ceilings = ceilings_module.measure("cuda", quick=True, only=("memory_gbps", "bf16_tflops"))
@@ -92,12 +97,14 @@ def main() -> None:
                           for name, patches in _variants(rows, args.gemv_tiles, args.tiles)]
                 if rows <= cuda_fp4.MAX_ROWS and torch.cuda.get_device_capability() == cuda_fp4.CAPABILITY:
                     timed.append(("cuda", cuda_fp4.fp4_mm, []))
+                    timed += [(f"cuda {w} warps", cuda_fp4.fp4_mm, [(cuda_fp4, "warps_for", lambda *_, w=w: w)])
+                              for w in args.cuda_warps]
                 for name, fn, patches in timed:
                     row = dict(fmt=fmt, shape=shape, rows=rows, impl=name)
                     try:
                         with contextlib.ExitStack() as stack:
-                            for attr, value in patches:
-                                stack.enter_context(mock.patch.object(triton_fp4, attr, value))
+                            for module, attr, value in patches:
+                                stack.enter_context(mock.patch.object(module, attr, value))
                             if fn is not torch_bf16:
                                 spec.check_close(fn(**inputs[0]), expected, inputs[0])
                             us = sized_replay_time(fn, inputs, max_calls=64)

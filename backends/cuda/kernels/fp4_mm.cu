@@ -2,17 +2,17 @@
 // measured, on Hopper): out[m, n] = sum_k a[m, k] * W[n, k], W the packed e2m1 weights decoded in registers
 // (fp4_mma.cuh) and multiplied on the tensor cores, each weight byte read once for all M rows.
 //
-// A CTA takes 16 rows of W (a tile of N) and its kFp4MmWarps warps split K: warp w takes steps w, w + 4, ... of
-// 128, kFp4MmUnroll steps' loads in flight. A step decodes rows g and g + 8 of the tile once and multiplies them
-// by each group of 8 activation rows (the MMA's B columns; lane (g, t) gives row 8 j + g of group j); rows past
-// M repeat the last one and their sums are dropped. The warps' sums meet in shared memory, and each output is
-// rounded once (NVFP4: divided by the global scale first). Compiled at runtime by NVRTC; see fp4_mm.py.
+// A CTA takes 16 rows of W (a tile of N) and its WARPS warps split K: warp w takes steps w, w + WARPS, ... of
+// 128, kFp4MmUnroll steps' loads in flight (more warps where N has few tiles: fp4_mm.py's warps_for). A step
+// decodes rows g and g + 8 of the tile once and multiplies them by each group of 8 activation rows (the MMA's B
+// columns; lane (g, t) gives row 8 j + g of group j); rows past M repeat the last one and their sums are dropped.
+// The warps' sums meet in shared memory, and each output is rounded once (NVFP4: divided by the global scale
+// first). Compiled at runtime by NVRTC; see fp4_mm.py.
 
 #include "fp4_mma.cuh"
 
 namespace {
 
-constexpr int kFp4MmWarps = 4;
 constexpr int kFp4MmUnroll = 3;  // the fused_moe GEMVs' depth (perf/decisions/fused_moe.md)
 constexpr int kFp4MmMaxGroups = 4;  // 8 rows of a each: M <= 32 (fp4_mm.py's MAX_ROWS)
 
@@ -39,12 +39,12 @@ struct Fp4MmParams {
     i64 a_stride, b_stride, scale_stride_n, scale_stride_k, out_stride;
 };
 
-template <bool BF16, bool NVFP4, int OUT>
-__global__ void __launch_bounds__(kFp4MmWarps * 32) fp4_mm_gemv(
+template <int WARPS, bool BF16, bool NVFP4, int OUT>
+__global__ void __launch_bounds__(WARPS * 32) fp4_mm_gemv(
     const unsigned char* __restrict__ a, const unsigned char* __restrict__ b,
     const unsigned char* __restrict__ b_scale, const float* __restrict__ b_global, unsigned char* __restrict__ out,
     int m, int n, int k, i64 a_stride, i64 b_stride, i64 scale_stride_n, i64 scale_stride_k, i64 out_stride) {
-    __shared__ float partial[kFp4MmWarps][16][kFp4MmMaxGroups * 8];
+    __shared__ float partial[WARPS][16][kFp4MmMaxGroups * 8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * 16, groups = (m + 7) / 8;
     // Rows past N load nothing (zero codes) and store nothing.
@@ -58,12 +58,12 @@ __global__ void __launch_bounds__(kFp4MmWarps * 32) fp4_mm_gemv(
     for (int j = 0; j < kFp4MmMaxGroups; ++j) x_rows[j] = a + (i64)min(8 * j + g, m - 1) * a_stride * 2;
     const int steps = (k + kFp4StepK - 1) / kFp4StepK;
     float d[kFp4MmMaxGroups][4] = {};
-    for (int first = warp; first < steps; first += kFp4MmWarps * kFp4MmUnroll) {
+    for (int first = warp; first < steps; first += WARPS * kFp4MmUnroll) {
         uint4 w_g[kFp4MmUnroll], w_g8[kFp4MmUnroll];
         u32 s_g[kFp4MmUnroll], s_g8[kFp4MmUnroll];
 #pragma unroll
         for (int u = 0; u < kFp4MmUnroll; ++u) {
-            const int kk = (first + u * kFp4MmWarps) * kFp4StepK + 32 * t;  // K is a multiple of 32
+            const int kk = (first + u * WARPS) * kFp4StepK + 32 * t;  // K is a multiple of 32
             w_g[u] = w_g8[u] = make_uint4(0, 0, 0, 0);
             s_g[u] = s_g8[u] = 0;
             if (kk < k && live_g) {
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kFp4MmWarps * 32) fp4_mm_gemv(
         }
 #pragma unroll
         for (int u = 0; u < kFp4MmUnroll; ++u) {
-            const int step = first + u * kFp4MmWarps, kk = step * kFp4StepK + 32 * t;
+            const int step = first + u * WARPS, kk = step * kFp4StepK + 32 * t;
             if (step >= steps) break;  // warp-uniform
             u32 da[16], db[16];
             decode_row<BF16, NVFP4>(w_g[u], s_g[u], da);
@@ -105,12 +105,12 @@ __global__ void __launch_bounds__(kFp4MmWarps * 32) fp4_mm_gemv(
     __syncthreads();
     const float unbias = NVFP4 ? kNvfp4Unbias<BF16> : 1.0f;
     const float global = NVFP4 ? *b_global : 1.0f;
-    for (int i = threadIdx.x; i < 16 * kFp4MmMaxGroups * 8; i += kFp4MmWarps * 32) {
+    for (int i = threadIdx.x; i < 16 * kFp4MmMaxGroups * 8; i += WARPS * 32) {
         const int row = i / (kFp4MmMaxGroups * 8), col = i - row * (kFp4MmMaxGroups * 8);
         if (col >= m || row0 + row >= n) continue;
         float sum = 0.0f;
 #pragma unroll
-        for (int w = 0; w < kFp4MmWarps; ++w) sum += partial[w][row][col];
+        for (int w = 0; w < WARPS; ++w) sum += partial[w][row][col];
         if constexpr (NVFP4) sum = sum * unbias / global;
         store_out<OUT>(out + ((i64)col * out_stride + row0 + row) * (OUT == 2 ? 4 : 2), sum);
     }

@@ -103,13 +103,27 @@ def test_a_direct_call_past_32_rows_is_refused_before_any_launch():
         cuda_fp4.fp4_mm(**kwargs)
 
 
+def test_grids_of_few_tiles_take_more_warps_each_keeping_whole_steps():
+    sms = 132
+    for tiles, k in itertools.product((1, 3, 128, 180, 448, 512, 4096), (32, 320, 2048, 2880, 7168, 8192)):
+        warps = cuda_fp4.warps_for(tiles, k, sms)
+        steps = -(-k // cuda_fp4.STEP_K)
+        assert warps in (4, 8, 16), (tiles, k)
+        if warps > cuda_fp4.MIN_WARPS:  # doubled: the grid was short of warps and each warp keeps its steps
+            assert tiles * warps // 2 < cuda_fp4.WARPS_PER_SM * sms and steps >= warps * cuda_fp4.MIN_STEPS, (tiles, k)
+        if warps < cuda_fp4.MAX_WARPS:  # not doubled: the grid was full enough or the steps too few
+            assert tiles * warps >= cuda_fp4.WARPS_PER_SM * sms or steps < 2 * warps * cuda_fp4.MIN_STEPS, (tiles, k)
+    assert cuda_fp4.warps_for(128, 7168, sms) == 16 and cuda_fp4.warps_for(4096, 7168, sms) == 4
+
+
 @needs_nvrtc
 def test_kernels_compile_without_spills():
-    # 128 threads: at most 128 registers keeps four CTAs (16 warps of loads in flight) on an SM.
-    for bf16, nvfp4, out_dtype in itertools.product((True, False), (True, False), cuda_fp4.OUT_CODES):
+    # At most 128 registers: four CTAs of 4 warps (16 warps of loads in flight) on an SM, or one of 16.
+    for warps, bf16, nvfp4, out_dtype in itertools.product((4, 8, 16), (True, False), (True, False),
+                                                           cuda_fp4.OUT_CODES):
         if not bf16 and not nvfp4:
             continue  # declined: e8m0 scales leave fp16's range
-        name = cuda_fp4.kernel_name(bf16, nvfp4, out_dtype)
+        name = cuda_fp4.kernel_name(warps, bf16, nvfp4, out_dtype)
         module = _compile.compile_module(cuda_fp4.source([name]), [name], (9, 0), verbose=True)
         assert module.spill_bytes(name) == 0, name
         assert 0 < module.registers(name) <= 128, name
@@ -130,6 +144,14 @@ def test_spec_cases_match_the_reference(name, seed):
 @pytest.mark.parametrize("name", list(SIZES))
 def test_sizes_match_the_reference(name):
     _check(_call(name), name)
+
+
+@needs_hopper
+@pytest.mark.parametrize("warps", (4, 8, 16))
+@pytest.mark.parametrize("name", ("m1_tail_step", "m31_four_groups", "m5_n_tail"))
+def test_every_warp_count(name, warps, monkeypatch):
+    monkeypatch.setattr(cuda_fp4, "warps_for", lambda *_: warps)
+    _check(_call(name), f"{name} at {warps} warps")
 
 
 @needs_hopper
