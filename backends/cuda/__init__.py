@@ -1,7 +1,8 @@
 """The cuda backend: hand-written CUDA C++ kernels (kernels/) for NVIDIA GPUs, compiled at runtime
 by NVRTC and launched through the driver API, for the calls where a Triton kernel leaves bandwidth
 or FLOPs on the table. One table: paged_attention (paged_attention.py), mla_decode (mla_decode.py), fused_moe
-(fused_moe.py), fp4_mm (fp4_mm.py)."""
+(fused_moe.py), fp4_mm (fp4_mm.py), quantize_fp8
+(quantize_fp8.py)."""
 
 from __future__ import annotations
 
@@ -59,10 +60,16 @@ TABLE = (
           "(gate-up's activation and down's router weight in their epilogues); at T = 1 with small experts, two "
           "GEMVs (a warp a column, no routing launch, down summing the top-k)",
           {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
-    # 1.06-1.35x triton at M 1, 1.5-3.5x at M 4, 1.02-2.5x at M 16 on every H200 goal shape (perf/decisions/fp4_mm.md).
+    # 1.04-1.48x triton at M 1, 1.6-3.8x at M 4, 1.06-2.6x at M 16 on every H200 goal shape (perf/decisions/fp4_mm.md).
     Entry("fp4_mm",
           "Hopper, W4A16 up to 32 rows of a: a CTA a 16 weight rows, its warps splitting K; the codes decoded in "
           "registers into exactly scaled 16-bit pairs once for all rows of a, m16n8k16 MMAs with a's rows as B columns",
+          {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
+    # The kernels need sm_89's e4m3 cvt only; registered on Hopper, where they are measured.
+    Entry("quantize_fp8",
+          "e4m3fn codes from rows of 16-byte vectors, a few SASS instructions an element: per_group warp tasks of "
+          "several groups a lane in flight (maxima by shuffles), per_token a CTA a row held in registers, "
+          "per_tensor one CTA or two launches (maxima, then codes in reverse order); scales in either layout",
           {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
 )
 

@@ -13,7 +13,8 @@ from kernelmux.backends.cuda._toolchain import KERNELS
 
 __all__ = ["Fp4MmParams", "MergeSplitsParams", "MlaDecodeParams", "MoeDecodeDownParams", "MoeDecodeFp4DownParams",
            "MoeDecodeFp4GateUpParams", "MoeDecodeGateUpParams", "MoeGemmParams", "MoeRouteParams", "MoeSumParams",
-           "PagedDecodeParams", "PagedPrefillParams", "abi_checks", "checked_source"]
+           "PagedDecodeParams", "PagedPrefillParams", "QuantizeGroupsParams",
+           "QuantizeRowsParams", "abi_checks", "checked_source"]
 
 # Why the kernels keep positional parameters (launched with a pointer to each field of the mirror)
 # instead of taking the struct by value: by value, the pointers lose __restrict__, and ptxas emitted
@@ -146,6 +147,20 @@ class Fp4MmParams(ctypes.Structure):
 
     _fields_ = _fields("a b b_scale b_global out", "m n k", "",
                        "a_stride b_stride scale_stride_n scale_stride_k out_stride")
+
+
+class QuantizeGroupsParams(ctypes.Structure):
+    """kernels/quantize_fp8.cu's QuantizeGroupsParams (per_group)."""
+
+    _fields_ = _fields("x q scale", "rows cols groups tasks_per_row row_shift", "",
+                       "row_magic x_stride q_stride scale_stride_m scale_stride_g")
+
+
+class QuantizeRowsParams(ctypes.Structure):
+    """kernels/quantize_fp8.cu's QuantizeRowsParams (per_token and per_tensor)."""
+
+    _fields_ = _fields("x q scale partials", "rows cols rows_per_cta num_partials", "",
+                       "x_stride q_stride scale_stride")
 
 
 def abi_checks(mirror: type[ctypes.Structure], kernels: Sequence[str]) -> str:

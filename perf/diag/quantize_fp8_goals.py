@@ -1,6 +1,7 @@
 """Issue 29's quantize_fp8 goal shapes on the device: every granularity (per_tensor, per_token, per_group
 1 x 128, and per_group with ue8m0 scales) at T = 1, 128 and 4096 x H = 2048 and 7168, bf16 input. Each
-implementation that serves a shape (the triton backend's kernels; the spec's reference as the peer) is
+implementation that serves a shape (the triton backend's kernels, the cuda backend's where its supports takes
+the call; the spec's reference as the peer) is
 checked against the reference bit for bit (check_close), then timed by CUDA-graph replay over four
 inputs; the profiler counts its kernel launches per call. Times are set against the copy bandwidth
 measured in the same run: bytes = the input read + the codes and scales written, once each.
@@ -16,7 +17,9 @@ import os
 
 import torch
 
+from kernelmux.backends.cuda import quantize_fp8 as cuda_quantize
 from kernelmux.backends.triton import quantize_fp8 as triton_quantize
+from kernelmux.platforms import detect
 from kernelmux.perf import ceilings as ceilings_module
 from kernelmux.perf.timing import graph_replay_time
 from kernelmux.specs import quantize_fp8 as spec
@@ -59,7 +62,8 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     copy_gbps = ceilings_module.measure("cuda", only={"memory_gbps"})["memory_gbps"]
-    impls = {"triton": triton_quantize.quantize_fp8, "reference": spec.quantize_fp8}
+    impls = {"triton": triton_quantize.quantize_fp8, "cuda": cuda_quantize.quantize_fp8, "reference": spec.quantize_fp8}
+    platform = detect(torch.device("cuda"))
     rows, lines = [], [f"copy {copy_gbps:.0f} GB/s ({torch.cuda.get_device_name()})", "",
                        "| variant | T | H | impl | us | % of copy | launches | check |",
                        "|---|---|---|---|---|---|---|---|"]
@@ -71,7 +75,10 @@ def main() -> None:
                 nbytes = spec.cost(inputs[0]).bytes
                 for name, fn in impls.items():
                     row = dict(variant=variant, tokens=tokens, hidden=hidden, impl=name, bytes=nbytes)
+                    declined = name == "cuda" and cuda_quantize.supports(spec.validate(**inputs[0]), platform)
                     try:
+                        if declined:
+                            raise RuntimeError(f"declined: {declined}")
                         spec.check_close(fn(**inputs[0]), expected, inputs[0])
                         row["check"] = "ok"
                         row["us"] = graph_replay_time(fn, inputs, calls_per_graph=32, trials=10).median_us

@@ -30,6 +30,14 @@ __device__ __forceinline__ float log2_approx(float x) {
     return y;
 }
 
+// 16 bytes read once (weight rows, activations being quantized): not kept in L1, 256-byte L2 fills.
+__device__ __forceinline__ uint4 stream_load(const unsigned char* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
 // Two floats as a 16-bit pair (bf16 or f16), lo in the low half.
 template <bool BF16>
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
@@ -59,14 +67,6 @@ __device__ __forceinline__ u32 cvt_e4m3x2_f16x2(u32 v) {
     u32 h;
     asm("{\n\t.reg .b16 l;\n\tcvt.u16.u32 l, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\t}" : "=r"(h) : "r"(v));
     return h;
-}
-
-// 16 bytes of a weight stream, read once: not kept in L1, 256-byte L2 fills.
-__device__ __forceinline__ uint4 stream_load(const unsigned char* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
 }
 
 // Programmatic dependent launch (sm_90 and newer; a no-op before, and for a grid launched without

@@ -14,8 +14,8 @@ import tempfile
 import pytest
 
 from cuda_kernels import CUOBJDUMP, needs_cuobjdump, needs_nvrtc
-from kernelmux.backends.cuda import (_compile, _driver, _paged_decode, _paged_prefill, _params, _toolchain, fused_moe,
-                                    mla_decode)
+from kernelmux.backends.cuda import (_compile, _driver, _paged_decode, _paged_prefill, _params, _toolchain, fp4_mm,
+                                    fused_moe, mla_decode, quantize_fp8)
 
 pytestmark = needs_nvrtc
 
@@ -70,6 +70,11 @@ def _kernel_params(cubin: bytes, lowered: str) -> list[tuple[int, int]]:
     return [(int(offset, 16), int(size, 16)) for _, offset, size in sorted(found, key=lambda f: int(f[0], 16))]
 
 
+def _alone(filename: str, mirror):
+    """A source function: kernels/``filename`` with the named ABI's checks of ``mirror`` alone."""
+    return lambda names: _params.checked_source(filename, [(mirror, names)])
+
+
 @needs_cuobjdump
 @pytest.mark.parametrize("mirror, source, name, arch_specific", [
     (_params.PagedDecodeParams, _paged_decode.source, DECODE, False),
@@ -79,15 +84,20 @@ def _kernel_params(cubin: bytes, lowered: str) -> list[tuple[int, int]]:
     (_params.MergeSplitsParams, lambda names: mla_decode.source([], names), "merge_splits<512, 1, true>", True),
     (_params.MergeSplitsParams, lambda names: mla_decode.source([], names), "merge_splits<512, 2, true>", True),
     # A TMA map, then the rest.
-    (_params.MoeGemmParams,
-     lambda names: _params.checked_source(fused_moe.SOURCE_NAME, [(_params.MoeGemmParams, names)]),
+    (_params.MoeGemmParams, _alone(fused_moe.SOURCE_NAME, _params.MoeGemmParams),
      "moe_gemm_sm90<true, true, false, 4>", True),
-    (_params.MoeDecodeGateUpParams,
-     lambda names: _params.checked_source(fused_moe.DECODE_SOURCE_NAME, [(_params.MoeDecodeGateUpParams, names)]),
+    (_params.MoeDecodeGateUpParams, _alone(fused_moe.DECODE_SOURCE_NAME, _params.MoeDecodeGateUpParams),
      "moe_decode_gate_up<true, false>", False),
-    (_params.MoeDecodeDownParams,
-     lambda names: _params.checked_source(fused_moe.DECODE_SOURCE_NAME, [(_params.MoeDecodeDownParams, names)]),
+    (_params.MoeDecodeDownParams, _alone(fused_moe.DECODE_SOURCE_NAME, _params.MoeDecodeDownParams),
      "moe_decode_down<false>", False),
+    (_params.MoeDecodeFp4GateUpParams, _alone(fused_moe.DECODE_SOURCE_NAME, _params.MoeDecodeFp4GateUpParams),
+     "moe_decode_fp4_gate_up<true, false, false>", False),
+    (_params.MoeDecodeFp4DownParams, _alone(fused_moe.DECODE_SOURCE_NAME, _params.MoeDecodeFp4DownParams),
+     "moe_decode_fp4_down<true, true>", False),
+    (_params.Fp4MmParams, fp4_mm.source, "fp4_mm_gemv<4, true, false, 0>", False),
+    (_params.QuantizeGroupsParams, lambda names: quantize_fp8.source(names, []), "quantize_groups<0, false, 16, 4>",
+     False),
+    (_params.QuantizeRowsParams, lambda names: quantize_fp8.source([], names), "quantize_rows<0, true, 2, 4>", False),
 ])
 def test_the_kernels_parameters_are_the_mirrors_fields(mirror, source, name, arch_specific):
     # The launch points the driver at each field of the mirror, which copies as many bytes as the
