@@ -13,7 +13,7 @@
 
 namespace {
 
-constexpr int kFp4MmUnroll = 3;  // the fused_moe GEMVs' depth (perf/decisions/fused_moe.md)
+constexpr int kFp4MmUnroll = 2;  // steps a warp loads at a time (perf/decisions/fp4_mm.md)
 constexpr int kFp4MmMaxGroups = 4;  // 8 rows of a each: M <= 32 (fp4_mm.py's MAX_ROWS)
 
 // OUT: 0 bf16, 1 fp16, 2 fp32.
@@ -45,54 +45,30 @@ __global__ void __launch_bounds__(WARPS * 32) fp4_mm_gemv(
     const unsigned char* __restrict__ b_scale, const float* __restrict__ b_global, unsigned char* __restrict__ out,
     int m, int n, int k, i64 a_stride, i64 b_stride, i64 scale_stride_n, i64 scale_stride_k, i64 out_stride) {
     __shared__ float partial[WARPS][16][kFp4MmMaxGroups * 8];
+    constexpr int kStepScales = kFp4StepK / (NVFP4 ? 16 : 32);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * 16, groups = (m + 7) / 8;
-    // Rows past N load nothing (zero codes) and store nothing.
-    const bool live_g = row0 + g < n, live_g8 = row0 + g + 8 < n;
-    const unsigned char* row_g = b + (i64)(row0 + g) * b_stride;
-    const unsigned char* row_g8 = row_g + 8 * b_stride;
-    const unsigned char* scales_g = b_scale + (i64)(row0 + g) * scale_stride_n;
-    const unsigned char* scales_g8 = scales_g + 8 * scale_stride_n;
+    // The lane's first codes, scales and activations of step 0. Rows past N read row N - 1 (their sums are never
+    // stored), so no load is guarded by N.
+    const i64 r_g = min(row0 + g, n - 1), r_g8 = min(row0 + g + 8, n - 1);
+    const unsigned char* row_g = b + r_g * b_stride + 16 * t;
+    const unsigned char* row_g8 = b + r_g8 * b_stride + 16 * t;
+    const unsigned char* scales_g = b_scale + r_g * scale_stride_n + kStepScales / 4 * t * scale_stride_k;
+    const unsigned char* scales_g8 = b_scale + r_g8 * scale_stride_n + kStepScales / 4 * t * scale_stride_k;
     const unsigned char* x_rows[kFp4MmMaxGroups];  // lane g's activation row of each group (past M: the last)
 #pragma unroll
-    for (int j = 0; j < kFp4MmMaxGroups; ++j) x_rows[j] = a + (i64)min(8 * j + g, m - 1) * a_stride * 2;
-    const int steps = (k + kFp4StepK - 1) / kFp4StepK;
+    for (int j = 0; j < kFp4MmMaxGroups; ++j) x_rows[j] = a + (i64)min(8 * j + g, m - 1) * a_stride * 2 + 64 * t;
+    const int steps = (k + kFp4StepK - 1) / kFp4StepK, whole = k / kFp4StepK;
+    const i64 step_scales = kStepScales * scale_stride_k;
     float d[kFp4MmMaxGroups][4] = {};
-    for (int first = warp; first < steps; first += WARPS * kFp4MmUnroll) {
-        uint4 w_g[kFp4MmUnroll], w_g8[kFp4MmUnroll];
-        u32 s_g[kFp4MmUnroll], s_g8[kFp4MmUnroll];
-#pragma unroll
-        for (int u = 0; u < kFp4MmUnroll; ++u) {
-            const int kk = (first + u * WARPS) * kFp4StepK + 32 * t;  // K is a multiple of 32
-            w_g[u] = w_g8[u] = make_uint4(0, 0, 0, 0);
-            s_g[u] = s_g8[u] = 0;
-            if (kk < k && live_g) {
-                w_g[u] = stream_load(row_g + kk / 2);
-                s_g[u] = load_scales<NVFP4>(scales_g, kk, scale_stride_k);
-            }
-            if (kk < k && live_g8) {
-                w_g8[u] = stream_load(row_g8 + kk / 2);
-                s_g8[u] = load_scales<NVFP4>(scales_g8, kk, scale_stride_k);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < kFp4MmUnroll; ++u) {
-            const int step = first + u * WARPS, kk = step * kFp4StepK + 32 * t;
-            if (step >= steps) break;  // warp-uniform
-            u32 da[16], db[16];
-            decode_row<BF16, NVFP4>(w_g[u], s_g[u], da);
-            decode_row<BF16, NVFP4>(w_g8[u], s_g8[u], db);
-#pragma unroll
-            for (int j = 0; j < kFp4MmMaxGroups; ++j) {
-                if (j >= groups) break;  // warp-uniform
-                uint4 x[4] = {};
-                if (kk < k) {
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) x[i] = *reinterpret_cast<const uint4*>(x_rows[j] + 2 * (kk + 8 * i));
-                }
-                fp4_mmas<BF16>(da, db, x, d[j]);
-            }
-        }
+    int first = warp;
+    for (; first + (kFp4MmUnroll - 1) * WARPS < whole; first += WARPS * kFp4MmUnroll) {
+        fp4_gemv_batch<WARPS, kFp4MmUnroll, BF16, NVFP4, false>(first, steps, k, t, row_g, row_g8, scales_g, scales_g8,
+                                                                step_scales, scale_stride_k, x_rows, groups, d);
+    }
+    if (first < steps) {  // at most kFp4MmUnroll steps remain
+        fp4_gemv_batch<WARPS, kFp4MmUnroll, BF16, NVFP4, true>(first, steps, k, t, row_g, row_g8, scales_g, scales_g8,
+                                                               step_scales, scale_stride_k, x_rows, groups, d);
     }
     // Lane (g, t) holds rows (g, g + 8) x activation rows (8 j + 2 t, 8 j + 2 t + 1) of each group j.
 #pragma unroll

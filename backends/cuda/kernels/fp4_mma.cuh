@@ -66,6 +66,16 @@ __device__ __forceinline__ u32 load_scales(const unsigned char* row, int k, i64 
     }
 }
 
+// The same from a pointer to the lane's first scale (`stride_k` apart).
+template <bool NVFP4>
+__device__ __forceinline__ u32 load_lane_scales(const unsigned char* p, i64 stride_k) {
+    if constexpr (NVFP4) {
+        return (u32)p[0] | (u32)p[stride_k] << 8;
+    } else {
+        return p[0];
+    }
+}
+
 // One row's 16 bytes of codes (4 words) as 16 weight pairs p[4 w + q] = codes (8 w + q, 8 w + q + 4), scaled:
 // MXFP4 (`scales`: its e8m0 code; bf16 only): e2m1 * 2^(code - 127), exact, NaN for code 0xFF; NVFP4 (`scales`:
 // two e4m3 codes, words 0-1's block in the low byte): e2m1 * sf / kNvfp4Unbias, exact.
@@ -148,6 +158,66 @@ __device__ __forceinline__ void fp4_mmas(const u32 (&a)[16], const u32 (&b)[16],
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         mma_16816<BF16>(d, a[2 * j], b[2 * j], a[2 * j + 1], b[2 * j + 1], xp[2 * j], xp[2 * j + 1]);
+    }
+}
+
+// The lane's 32 activations of a step (at x_offset bytes into each group's row, 16-byte aligned) against the
+// step's decoded rows (g, g + 8), for each group of 8 activation rows.
+template <bool BF16, int GROUPS>
+__device__ __forceinline__ void fp4_gemv_groups(const u32 (&da)[16], const u32 (&db)[16],
+                                                const unsigned char* const (&x_rows)[GROUPS], i64 x_offset, bool in_k,
+                                                int groups, float (&d)[GROUPS][4]) {
+#pragma unroll
+    for (int j = 0; j < GROUPS; ++j) {
+        if (j >= groups) break;  // warp-uniform
+        uint4 x[4] = {};
+        if (in_k) {
+            const uint4* xs = reinterpret_cast<const uint4*>(x_rows[j] + x_offset);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) x[i] = xs[i];
+        }
+        fp4_mmas<BF16>(da, db, x, d[j]);
+    }
+}
+
+// UNROLL steps of a warp's GEMV over two weight rows (the MMA's rows g and g + 8), steps first, first + STRIDE, ...
+// of K: every step's loads, then each step's decoding and MMAs against each group of 8 activation rows. The row,
+// scale and activation pointers are the lane's at step 0 (its 16 bytes of codes, its scales `scale_stride_k`
+// apart, its 64 bytes of activations); a step moves them by 64 bytes, `step_scales` and 256 bytes. TAIL: the
+// warp's last batch, whose steps may end at `steps` or lie partly past K (codes zero there, nothing read);
+// otherwise every step lies within K and nothing is guarded.
+template <int STRIDE, int UNROLL, bool BF16, bool NVFP4, bool TAIL, int GROUPS>
+__device__ __forceinline__ void fp4_gemv_batch(int first, int steps, int k, int t, const unsigned char* row_g,
+                                               const unsigned char* row_g8, const unsigned char* scales_g,
+                                               const unsigned char* scales_g8, i64 step_scales, i64 scale_stride_k,
+                                               const unsigned char* const (&x_rows)[GROUPS], int groups,
+                                               float (&d)[GROUPS][4]) {
+    constexpr int kStepBytes = kFp4StepK / 2;
+    uint4 w_g[UNROLL], w_g8[UNROLL];
+    u32 s_g[UNROLL], s_g8[UNROLL];
+    bool in_k[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int step = first + u * STRIDE;
+        // K is a multiple of 32: a lane's 32 codes lie all within K or all past it.
+        in_k[u] = !TAIL || (step < steps && step * kFp4StepK + 32 * t < k);
+        w_g[u] = w_g8[u] = make_uint4(0, 0, 0, 0);
+        s_g[u] = s_g8[u] = 0;
+        if (in_k[u]) {
+            w_g[u] = stream_load(row_g + (i64)step * kStepBytes);
+            w_g8[u] = stream_load(row_g8 + (i64)step * kStepBytes);
+            s_g[u] = load_lane_scales<NVFP4>(scales_g + step * step_scales, scale_stride_k);
+            s_g8[u] = load_lane_scales<NVFP4>(scales_g8 + step * step_scales, scale_stride_k);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const int step = first + u * STRIDE;
+        if (TAIL && step >= steps) break;  // warp-uniform
+        u32 da[16], db[16];
+        decode_row<BF16, NVFP4>(w_g[u], s_g[u], da);
+        decode_row<BF16, NVFP4>(w_g8[u], s_g8[u], db);
+        fp4_gemv_groups<BF16, GROUPS>(da, db, x_rows, (i64)step * kFp4StepK * 2, in_k[u], groups, d);
     }
 }
 

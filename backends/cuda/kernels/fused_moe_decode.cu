@@ -197,10 +197,11 @@ __global__ void __launch_bounds__(kGemvThreads) moe_decode_down(
 }
 
 // ---- fp4 experts (MXFP4 / NVFP4 weights, W4A16): the same two launches on the tensor cores (fp4_mma.cuh) ----
-// A warp's step is 16 weight rows x 128 of K (fp4_gemv_step), kFp4Unroll steps' loads in flight before their
-// decoding; a CTA's warps split one tile's steps and add their sums through shared memory (cta_row_sums), so no
-// partial sum leaves the CTA. The activations come from global memory (L1), permuted in registers (x_pairs):
-// staging them in shared memory made the replayed call slower (perf/decisions/fused_moe.md).
+// A warp's step is 16 weight rows x 128 of K, its loads issued a batch of steps ahead of their decoding (gate-up:
+// fp4_gemv_batch's unguarded batches of kFp4GateUpUnroll; down: kFp4Unroll steps of fp4_gemv_step); a CTA's warps
+// split one tile's steps and add their sums through shared memory (cta_row_sums), so no partial sum leaves the
+// CTA. The activations come from global memory (L1), permuted in registers (x_pairs): staging them in shared
+// memory made the replayed call slower (perf/decisions/fused_moe.md).
 //   - moe_decode_fp4_gate_up: a CTA a (pair, 8 columns j): rows j..j+7 of gate and I+j..I+j+7 of up, so each
 //     lane ends with a column's gate and up and the epilogue needs no exchange.
 //   - moe_decode_fp4_down: a CTA a (token, 16 columns of H), its warps over the (slot, step) items of the
@@ -239,6 +240,9 @@ namespace {
 constexpr int kFp4GateUpWarps = 4;
 constexpr int kFp4DownWarps = 8;
 constexpr int kFp4Unroll = 3;  // steps a warp has in flight, 2 x 16 bytes of weights each per lane (2: 4% slower)
+// Gate-up's steps a batch (fp4_gemv_batch). H200, gpt-oss-120b MXFP4 T 1, gate-up kernel 17.97 us at 2, 20.06 at 3,
+// 21.26 at 4.
+constexpr int kFp4GateUpUnroll = 2;
 
 // A lane's 32 activations at element k of row x (16-bit), as fp4_gemv_step takes them.
 __device__ __forceinline__ void load_x(const unsigned char* x, int k, uint4 (&v)[4]) {
@@ -285,37 +289,29 @@ __global__ void __launch_bounds__(kFp4GateUpWarps * 32) moe_decode_fp4_gate_up(
     const int tiles = inter_size / 8, pair = blockIdx.x / tiles, column = (blockIdx.x - pair * tiles) * 8;
     const int expert = local_expert(topk_ids, expert_map, pair, topk, ids_stride_t, ids_stride_k, map_stride);
     if (expert < 0) return;  // a pair routed to another rank: down adds nothing for it
-    const unsigned char* gate_row = w1 + (i64)expert * w1_stride_e + (i64)(column + g) * w1_stride_n;
+    // The lane's first codes, scales and activations (fp4_gemv_batch's pointers at step 0).
+    const unsigned char* gate_row = w1 + (i64)expert * w1_stride_e + (i64)(column + g) * w1_stride_n + 16 * t;
     const unsigned char* up_row = gate_row + (i64)inter_size * w1_stride_n;
-    const unsigned char* gate_scales = w1_scale + (i64)expert * scale_stride_e + (i64)(column + g) * scale_stride_n;
+    constexpr int kStepScales = kFp4StepK / (NVFP4 ? 16 : 32);
+    const unsigned char* gate_scales = w1_scale + (i64)expert * scale_stride_e + (i64)(column + g) * scale_stride_n +
+                                       kStepScales / 4 * t * scale_stride_k;
     const unsigned char* up_scales = gate_scales + (i64)inter_size * scale_stride_n;
-    const unsigned char* x = hidden + (i64)(pair / topk) * hidden_stride * 2;
-    const int steps = (hidden_size + kFp4StepK - 1) / kFp4StepK;
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int first = warp; first < steps; first += kFp4GateUpWarps * kFp4Unroll) {
-        uint4 gw[kFp4Unroll], uw[kFp4Unroll];
-        u32 gs[kFp4Unroll], us[kFp4Unroll];
-#pragma unroll
-        for (int u = 0; u < kFp4Unroll; ++u) {
-            const int k = (first + u * kFp4GateUpWarps) * kFp4StepK + 32 * t;  // H is a multiple of 32
-            gw[u] = uw[u] = make_uint4(0, 0, 0, 0);
-            gs[u] = us[u] = 0;
-            if (k < hidden_size) {
-                gw[u] = stream_load(gate_row + k / 2);
-                uw[u] = stream_load(up_row + k / 2);
-                gs[u] = load_scales<NVFP4>(gate_scales, k, scale_stride_k);
-                us[u] = load_scales<NVFP4>(up_scales, k, scale_stride_k);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < kFp4Unroll; ++u) {
-            const int k = (first + u * kFp4GateUpWarps) * kFp4StepK + 32 * t;
-            uint4 a[4] = {};
-            if (k < hidden_size) load_x(x, k, a);
-            fp4_gemv_step<BF16, NVFP4>(gw[u], uw[u], gs[u], us[u], a, d);
-        }
+    const unsigned char* const x[1] = {hidden + (i64)(pair / topk) * hidden_stride * 2 + 64 * t};
+    const int steps = (hidden_size + kFp4StepK - 1) / kFp4StepK, whole = hidden_size / kFp4StepK;
+    const i64 step_scales = kStepScales * scale_stride_k;
+    float d[1][4] = {};
+    int first = warp;
+    for (; first + (kFp4GateUpUnroll - 1) * kFp4GateUpWarps < whole; first += kFp4GateUpWarps * kFp4GateUpUnroll) {
+        fp4_gemv_batch<kFp4GateUpWarps, kFp4GateUpUnroll, BF16, NVFP4, false>(
+            first, steps, hidden_size, t, gate_row, up_row, gate_scales, up_scales, step_scales, scale_stride_k, x, 1,
+            d);
     }
-    float gate = d[0], up = d[2];
+    if (first < steps) {  // at most kFp4GateUpUnroll steps remain
+        fp4_gemv_batch<kFp4GateUpWarps, kFp4GateUpUnroll, BF16, NVFP4, true>(
+            first, steps, hidden_size, t, gate_row, up_row, gate_scales, up_scales, step_scales, scale_stride_k, x, 1,
+            d);
+    }
+    float gate = d[0][0], up = d[0][2];
     if (cta_row_sums(partial, gate, up)) {
         if constexpr (NVFP4) {
             const float global = w1_global[(i64)expert * global_stride];
