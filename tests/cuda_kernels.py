@@ -86,3 +86,11 @@ def check_paged_attention(kwargs: dict, seed: int, poison: bool = False) -> None
         pa_spec.SPEC.check_close(actual, expected, kwargs)
     except AssertionError as error:
         raise AssertionError(f"seed {seed}: {error}") from None
+
+
+def finite_bf16_values(seed: int, width: int) -> torch.Tensor:
+    """Every finite bf16 value, shuffled, as rows of ``width`` (zeros pad the last)."""
+    values = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = values[torch.isfinite(values)]
+    values = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(seed))]
+    return torch.cat([values, values.new_zeros(-values.numel() % width)]).view(-1, width)

@@ -2,7 +2,8 @@
 by NVRTC and launched through the driver API, for the calls where a Triton kernel leaves bandwidth
 or FLOPs on the table. One table: paged_attention (paged_attention.py), mla_decode (mla_decode.py), fused_moe
 (fused_moe.py), fp4_mm (fp4_mm.py), quantize_fp8
-(quantize_fp8.py)."""
+(quantize_fp8.py), quantize_nvfp4 and quantize_mxfp4 (quantize_nvfp4.py, quantize_mxfp4.py; one kernel:
+_quantize_fp4.py)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,15 @@ TABLE = (
           "e4m3fn codes from rows of 16-byte vectors, a few SASS instructions an element: per_group warp tasks of "
           "several groups a lane in flight (maxima by shuffles), per_token a CTA a row held in registers, "
           "per_tensor one CTA or two launches (maxima, then codes in reverse order); scales in either layout",
+          {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
+    # quantize_fp4.cu needs sm_89's e4m3 cvt only; registered on Hopper, where it is to be measured.
+    Entry("quantize_nvfp4",
+          "e2m1 codes in blocks of 16 from rows of 16-byte vectors: warp tasks of several blocks a lane in flight "
+          "(maxima by shuffles), an FFMA-rounding integer encoder; a passed-in global scale in one launch, a dynamic "
+          "one after quantize_fp8's per-CTA maxima; scales straight to either layout",
+          {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
+    Entry("quantize_mxfp4",
+          "e2m1 codes in blocks of 32 with e8m0 scales (floor or ceil) in one launch, quantize_nvfp4's kernel",
           {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
 )
 

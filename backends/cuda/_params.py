@@ -13,8 +13,8 @@ from kernelmux.backends.cuda._toolchain import KERNELS
 
 __all__ = ["Fp4MmParams", "MergeSplitsParams", "MlaDecodeParams", "MoeDecodeDownParams", "MoeDecodeFp4DownParams",
            "MoeDecodeFp4GateUpParams", "MoeDecodeGateUpParams", "MoeGemmParams", "MoeRouteParams", "MoeSumParams",
-           "PagedDecodeParams", "PagedPrefillParams", "QuantizeGroupsParams",
-           "QuantizeRowsParams", "abi_checks", "checked_source"]
+           "PagedDecodeParams", "PagedPrefillParams", "QuantizeFp4Params",
+           "QuantizeGroupsParams", "QuantizeRowsParams", "abi_checks", "checked_source"]
 
 # Why the kernels keep positional parameters (launched with a pointer to each field of the mirror)
 # instead of taking the struct by value: by value, the pointers lose __restrict__, and ptxas emitted
@@ -161,6 +161,13 @@ class QuantizeRowsParams(ctypes.Structure):
 
     _fields_ = _fields("x q scale partials", "rows cols rows_per_cta num_partials", "",
                        "x_stride q_stride scale_stride")
+
+
+class QuantizeFp4Params(ctypes.Structure):
+    """kernels/quantize_fp4.cu's QuantizeFp4Params (quantize_nvfp4 and quantize_mxfp4)."""
+
+    _fields_ = _fields("x q scale gs_in gs_out partials", "rows blocks tasks_per_row row_shift num_partials", "",
+                       "row_magic x_stride q_stride scale_stride")
 
 
 def abi_checks(mirror: type[ctypes.Structure], kernels: Sequence[str]) -> str:

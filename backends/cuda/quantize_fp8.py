@@ -13,8 +13,8 @@ from kernelmux.backends.cuda._targets import HOPPER
 from kernelmux.platforms import Platform, probes
 from kernelmux.specs import quantize_fp8 as spec
 
-__all__ = ["CAPABILITY", "GROUP_SLOTS", "describe", "group_kernel_name", "quantize_fp8", "row_kernel_name",
-           "row_shape", "shape_reason", "token_max_warps", "source", "supports"]
+__all__ = ["CAPABILITY", "GROUP_SLOTS", "amax_partials", "check_rows", "describe", "division", "group_kernel_name", "quantize_fp8",
+           "row_kernel_name", "row_shape", "shape_reason", "token_max_warps", "source", "supports"]
 
 CAPABILITY = HOPPER  # the kernels need sm_89's cvt only; registered where they are measured
 SOURCE_NAME = "quantize_fp8.cu"
@@ -134,7 +134,7 @@ def _kernel(device: torch.device, name: str, threads: int) -> _driver.Kernel:
     return _LOADED.get(device, (defines, name, threads), build)[0]
 
 
-def _division(divisor: int) -> tuple[int, int]:
+def division(divisor: int) -> tuple[int, int]:
     """(magic, shift) with n // divisor == (n * magic) >> shift for 0 <= n < 2^31 (magic < 2^32)."""
     shift = 31 + max(divisor - 1, 0).bit_length()  # 31 + ceil(log2(divisor))
     return -(-(1 << shift) // divisor), shift
@@ -161,6 +161,16 @@ def tensor_rows_per_cta(rows: int, sm_count: int) -> int:
     return max(1, min(TENSOR_MAX_ROWS_PER_CTA, rows // (TENSOR_CTAS_PER_SM * sm_count)))
 
 
+def check_rows(x: torch.Tensor) -> None:
+    """Refuse rows that 16-byte vector loads cannot read: a stride along K, unaligned data or row stride."""
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"x: a unit stride along K expected, got strides {x.stride()}")
+    row_bytes = x.stride(0) * x.element_size() if x.shape[0] > 1 else 0  # a single row's stride is never stepped
+    if (x.data_ptr() | row_bytes) % VECTOR_BYTES:
+        raise ValueError(f"x: 16-byte aligned data and row stride expected, got address {x.data_ptr():#x} and row "
+                         f"stride {row_bytes} bytes")
+
+
 def _check_call(x: torch.Tensor, granularity: str, group_size: int, fp8_dtype: str) -> None:
     """Refuse, before any launch, a call the kernels cannot compute (a direct call that supports would decline)."""
     if fp8_dtype != "e4m3fn":
@@ -170,15 +180,24 @@ def _check_call(x: torch.Tensor, granularity: str, group_size: int, fp8_dtype: s
     vector = _vector(x.dtype)
     if x.shape[1] % vector:
         raise ValueError(f"x: K a multiple of {vector} expected for {x.dtype}, got {x.shape[1]}")
-    if x.shape[1] > 1 and x.stride(1) != 1:
-        raise ValueError(f"x: a unit stride along K expected, got strides {x.stride()}")
-    row_bytes = x.stride(0) * x.element_size() if x.shape[0] > 1 else 0  # a single row's stride is never stepped
-    if (x.data_ptr() | row_bytes) % VECTOR_BYTES:
-        raise ValueError(f"x: 16-byte aligned data and row stride expected, got address {x.data_ptr():#x} and row "
-                         f"stride {row_bytes} bytes")
+    check_rows(x)
     if granularity == "per_group" and (group_size % vector or group_size // vector not in (1, 2, 4, 8, 16, 32)):
         raise ValueError(f"group_size: {vector} x a power of two up to {32 * vector} expected for {x.dtype}, got "
                          f"{group_size}")
+
+
+def amax_partials(x: torch.Tensor) -> torch.Tensor:
+    """Launch per_tensor's first pass (kAmax) over ``x`` (rows > 0, accepted by _check_call) and return its
+    workspace: the maximum of |x| over each CTA's rows, fp32 (quantize_nvfp4's dynamic global scale reads it)."""
+    rows, cols = x.shape
+    warps, vecs = row_shape(cols // _vector(x.dtype))
+    rows_per_cta = tensor_rows_per_cta(rows, _sm_count(x.device))
+    ctas = -(-rows // rows_per_cta)
+    partials = torch.empty(ctas, dtype=torch.float32, device=x.device)
+    kernel = _kernel(x.device, row_kernel_name(KINDS[x.dtype], False, ROW_MODES["amax"], vecs), warps * 32)
+    kernel((ctas, 1, 1), overlap_previous=True, x=x, q=None, scale=None, partials=partials, rows=rows, cols=cols,
+           rows_per_cta=rows_per_cta, num_partials=ctas, x_stride=x.stride(0), q_stride=0, scale_stride=0)
+    return partials
 
 
 def quantize_fp8(
@@ -208,7 +227,7 @@ def quantize_fp8(
             tasks_per_row = -(-groups // (GROUP_SLOTS * 32 // lanes))
             if rows * tasks_per_row >= 2**31:
                 raise ValueError(f"x: at most {2**31 - 1} warp tasks, got {rows} rows x {tasks_per_row}")
-            magic, shift = _division(tasks_per_row)
+            magic, shift = division(tasks_per_row)
             kernel = _kernel(device, group_kernel_name(kind, ue8m0, lanes, GROUP_SLOTS), GROUP_THREADS)
             kernel((-(-rows * tasks_per_row // (GROUP_THREADS // 32)), 1, 1), overlap_previous=True,
                    x=x, q=codes, scale=scale, rows=rows, cols=cols, groups=groups, tasks_per_row=tasks_per_row,

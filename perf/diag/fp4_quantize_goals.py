@@ -1,6 +1,7 @@
 """Issue 32's quantize goal shapes: quantize_nvfp4 (dynamic and passed-in global scale) and quantize_mxfp4 (floor)
 at T in {1, 128, 4096} x H in {2880, 7168}, bf16 activations, on the GPU. Each implementation that serves a call
-(the reference and every backend the engine finds viable) is checked bit for bit against the reference,
+(the reference and every backend the engine finds viable: triton, and on Hopper cuda's kernel beside it) is
+checked bit for bit against the reference,
 then timed by CUDA-graph replay over four inputs; times are set against the copy bandwidth measured in the same
 run (the spec's bytes: x read once, codes and scales written). --tiles times the triton kernels with ROWS rows
 by BLOCK_K columns a program at every T.

@@ -1,5 +1,6 @@
 // kernelmux cuda backend: quantize_fp8's kernels (e4m3fn codes, sm_89+ for the hardware cast; registered for
-// Hopper, where they are measured). Host side: quantize_fp8.py.
+// Hopper, where they are measured). Host side: quantize_fp8.py; helpers shared with quantize_fp4.cu:
+// quantize_common.cuh.
 //
 // The triton backend's kernels stop at 48-80% of the copy rate on an H200, issue-bound at ~20 SASS instructions
 // an element. These keep the spec's arithmetic bit for bit and spend few instructions an element:
@@ -22,7 +23,7 @@
 //     workspace; PARTIALS: each CTA reduces those maxima, CTA 0 stores the scale, and the CTAs take their
 //     rows in the reverse order of the first pass, so the rows read last, still in L2, are read first).
 
-#include "common.cuh"
+#include "quantize_common.cuh"
 
 namespace {
 
@@ -34,58 +35,8 @@ constexpr float kRescale = 0x1p64f;
 constexpr int kGroupWarps = 8;               // quantize_groups' CTA (the host's GROUP_THREADS)
 constexpr int kPartialLoads = 8;             // per_tensor's maxima a thread loads at once in the codes' pass
 
-// Input kinds (the host's KINDS): bf16, fp16, fp32. A 16-byte vector holds kVec<KIND> elements.
-constexpr int kBf16 = 0, kFp16 = 1, kFp32 = 2;
-template <int KIND> constexpr int kVec = KIND == kFp32 ? 4 : 8;
 // quantize_rows' modes (the host's ROW_MODES).
 constexpr int kToken = 0, kTensor = 1, kPartials = 2, kAmax = 3;
-
-// The running maximum of |x| over a vector, as magnitude bits: for 16-bit inputs two 16-bit maxima in one
-// word (max.u16x2, one instruction for two elements), for fp32 one.
-__device__ __forceinline__ u32 max_u16x2(u32 a, u32 b) {
-    u32 d;
-#if __CUDA_ARCH__ >= 900
-    asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-#else
-    d = __vmaxu2(a, b);
-#endif
-    return d;
-}
-
-template <int KIND>
-__device__ __forceinline__ u32 magnitude_max(const uint4& v, u32 m) {
-    if constexpr (KIND == kFp32) {
-        m = max(m, max(v.x & 0x7fffffffu, v.y & 0x7fffffffu));
-        return max(m, max(v.z & 0x7fffffffu, v.w & 0x7fffffffu));
-    } else {
-        m = max_u16x2(m, max_u16x2(v.x & 0x7fff7fffu, v.y & 0x7fff7fffu));
-        return max_u16x2(m, max_u16x2(v.z & 0x7fff7fffu, v.w & 0x7fff7fffu));
-    }
-}
-
-// magnitude_max's word as one magnitude (the larger half for 16-bit inputs), ordered as an unsigned int.
-template <int KIND>
-__device__ __forceinline__ u32 fold(u32 m) {
-    if constexpr (KIND == kFp32) {
-        return m;
-    } else {
-        return max(m & 0xffffu, m >> 16);
-    }
-}
-
-// A folded magnitude as the fp32 value it is (exact).
-template <int KIND>
-__device__ __forceinline__ float magnitude_value(u32 m) {
-    if constexpr (KIND == kBf16) {
-        return __uint_as_float(m << 16);
-    } else if constexpr (KIND == kFp16) {
-        float lo, hi;
-        unpack2<false>(m, lo, hi);
-        return lo;
-    } else {
-        return __uint_as_float(m);
-    }
-}
 
 // The spec's scale: max(amax, 1e-4) / 448 for groups, else max(amax / 448, 2^-126), IEEE divisions; ue8m0
 // rounds it up to a power of two on the bits (a mantissa that is not zero carries into the exponent).
@@ -180,18 +131,6 @@ __device__ __forceinline__ void store_codes(unsigned char* p, const uint2& c) {
     }
 }
 
-// The maximum of every thread's u32 in the CTA, returned to every thread (one barrier; shared memory is free
-// again once it returns only after the caller's next barrier, so a CTA calls it once).
-__device__ __forceinline__ u32 cta_max(u32 m) {
-    __shared__ u32 warp_max[32];
-    m = __reduce_max_sync(0xffffffffu, m);
-    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = 0;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) m = max(m, warp_max[w]);
-    return m;
-}
-
 }  // namespace
 
 // The kernels' parameter lists are these structs' fields, in order (named ABI: _params.py).
@@ -222,7 +161,6 @@ __global__ void __launch_bounds__(kGroupWarps * 32) quantize_groups(
     int groups, int tasks_per_row, int row_shift, i64 row_magic, i64 x_stride, i64 q_stride, i64 scale_stride_m,
     i64 scale_stride_g) {
     constexpr int kElem = KIND == kFp32 ? 4 : 2, kPerSlot = 32 / LANES, kGroupSize = LANES * kVec<KIND>;
-    constexpr bool kPaired = KIND != kFp32 && SLOTS % 2 == 0;  // two slots' 16-bit maxima in one shuffled word
     static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "LANES: a power of two up to a warp");
     wait_for_previous_grid();
     allow_next_grid();
@@ -242,26 +180,7 @@ __global__ void __launch_bounds__(kGroupWarps * 32) quantize_groups(
         v[s] = in[s] ? stream_load(x_at + s * kPerSlot * kGroupSize * kElem) : make_uint4(0, 0, 0, 0);
     }
     u32 m[SLOTS];
-    if constexpr (kPaired) {
-#pragma unroll
-        for (int s = 0; s < SLOTS; s += 2) {
-            const u32 a = magnitude_max<KIND>(v[s], 0), b = magnitude_max<KIND>(v[s + 1], 0);
-            u32 both = max_u16x2(__byte_perm(a, b, 0x5410), __byte_perm(a, b, 0x7632));  // slot s low, s + 1 high
-#pragma unroll
-            for (int offset = LANES / 2; offset > 0; offset >>= 1)
-                both = max_u16x2(both, __shfl_xor_sync(0xffffffffu, both, offset));
-            m[s] = both & 0xffffu;
-            m[s + 1] = both >> 16;
-        }
-    } else {
-#pragma unroll
-        for (int s = 0; s < SLOTS; ++s) {
-            m[s] = fold<KIND>(magnitude_max<KIND>(v[s], 0));
-#pragma unroll
-            for (int offset = LANES / 2; offset > 0; offset >>= 1)
-                m[s] = max(m[s], __shfl_xor_sync(0xffffffffu, m[s], offset));
-        }
-    }
+    slot_maxima<KIND, LANES, SLOTS>(v, m);
     Divisor d[SLOTS];
     if constexpr (SLOTS <= LANES) {
         // Member s of each group computes slot s's scale: one division a thread instead of SLOTS.

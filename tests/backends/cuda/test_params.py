@@ -14,8 +14,8 @@ import tempfile
 import pytest
 
 from cuda_kernels import CUOBJDUMP, needs_cuobjdump, needs_nvrtc
-from kernelmux.backends.cuda import (_compile, _driver, _paged_decode, _paged_prefill, _params, _toolchain, fp4_mm,
-                                    fused_moe, mla_decode, quantize_fp8)
+from kernelmux.backends.cuda import (_compile, _driver, _paged_decode, _paged_prefill, _params, _quantize_fp4,
+                                    _toolchain, fp4_mm, fused_moe, mla_decode, quantize_fp8)
 
 pytestmark = needs_nvrtc
 
@@ -98,6 +98,7 @@ def _alone(filename: str, mirror):
     (_params.QuantizeGroupsParams, lambda names: quantize_fp8.source(names, []), "quantize_groups<0, false, 16, 4>",
      False),
     (_params.QuantizeRowsParams, lambda names: quantize_fp8.source([], names), "quantize_rows<0, true, 2, 4>", False),
+    (_params.QuantizeFp4Params, _quantize_fp4.source, "quantize_fp4<1, 0, true, 4>", False),
 ])
 def test_the_kernels_parameters_are_the_mirrors_fields(mirror, source, name, arch_specific):
     # The launch points the driver at each field of the mirror, which copies as many bytes as the

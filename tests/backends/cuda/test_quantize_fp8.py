@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from cuda_kernels import needs_nvrtc, poison_allocator
+from cuda_kernels import finite_bf16_values, needs_nvrtc, poison_allocator
 from fakes import ask
 from kernelmux.backends.cuda import _compile
 from kernelmux.backends.cuda import quantize_fp8 as cuda_quantize
@@ -107,7 +107,7 @@ def test_a_direct_call_it_cannot_compute_raises_before_any_launch(call, reason):
 
 def test_task_division_by_a_multiply():
     for divisor in list(range(1, 600)) + [7, 4095, 2**20 + 3, 2**31 - 1]:
-        magic, shift = cuda_quantize._division(divisor)
+        magic, shift = cuda_quantize.division(divisor)
         assert magic < 2**32
         for n in (0, 1, divisor - 1, divisor, divisor + 1, 12345677, 2**31 - 1):
             assert (n * magic) >> shift == n // divisor, (divisor, n)
@@ -180,14 +180,6 @@ def test_other_group_sizes(group_size):
            f"fp32, groups of {group_size // 2}")
 
 
-def _finite_bf16_values(seed: int, width: int) -> torch.Tensor:
-    """Every finite bf16 value, shuffled, as rows of ``width`` (zeros pad the last)."""
-    values = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    values = values[torch.isfinite(values)]
-    values = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(seed))]
-    return torch.cat([values, values.new_zeros(-values.numel() % width)]).view(-1, width)
-
-
 @needs_hopper
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("ue8m0", [False, True])
@@ -195,7 +187,7 @@ def test_every_finite_bf16_value_bit_for_bit(granularity, ue8m0):
     # Each finite bf16 value (subnormals, both zeros, up to 3.4e38) meets the scale of the random row or group it
     # was shuffled into: the reciprocal, its FMA correction and the sign bit against the IEEE division.
     for seed, width in ((0, 128), (1, 1024)):
-        _check(dict(x=_finite_bf16_values(seed, width).to(DEVICE), granularity=granularity, ue8m0=ue8m0),
+        _check(dict(x=finite_bf16_values(seed, width).to(DEVICE), granularity=granularity, ue8m0=ue8m0),
                f"{granularity}, shuffle {seed}, rows of {width}")
 
 
