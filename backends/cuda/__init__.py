@@ -66,13 +66,15 @@ TABLE = (
           "Hopper, W4A16 up to 32 rows of a: a CTA a 16 weight rows, its warps splitting K; the codes decoded in "
           "registers into exactly scaled 16-bit pairs once for all rows of a, m16n8k16 MMAs with a's rows as B columns",
           {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
-    # The kernels need sm_89's e4m3 cvt only; registered on Hopper, where they are measured.
+    # The kernels need sm_89's e4m3 cvt only; registered on Hopper, where they are measured: 1.0-2.3x triton on the
+    # H200 goal shapes but per_tensor at H 2048 (0.88-0.94x; perf/decisions/quantize_fp8.md).
     Entry("quantize_fp8",
           "e4m3fn codes from rows of 16-byte vectors, a few SASS instructions an element: per_group warp tasks of "
           "several groups a lane in flight (maxima by shuffles), per_token a CTA a row held in registers, "
           "per_tensor one CTA or two launches (maxima, then codes in reverse order); scales in either layout",
           {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
-    # quantize_fp4.cu needs sm_89's e4m3 cvt only; registered on Hopper, where it is to be measured.
+    # quantize_fp4.cu needs sm_89's e4m3 cvt only; registered on Hopper, where it is measured: 1.2-1.6x triton at T 4096
+    # on the H200, within 0.3 us either way at T 1 (perf/decisions/quantize_nvfp4.md).
     Entry("quantize_nvfp4",
           "e2m1 codes in blocks of 16 from rows of 16-byte vectors: warp tasks of several blocks a lane in flight "
           "(maxima by shuffles), an FFMA-rounding integer encoder; a passed-in global scale in one launch, a dynamic "

@@ -24,8 +24,8 @@ FORMATS = {"nvfp4_given": 0, "nvfp4_dynamic": 1, "floor": 2, "ceil": 3}  # the .
 BLOCKS = {"nvfp4_given": 16, "nvfp4_dynamic": 16, "floor": 32, "ceil": 32}  # elements a block scale covers
 VECTOR_BYTES = 16
 # 16-byte vectors a thread has in flight, as quantize_fp8's per_group (GROUP_SLOTS): 64 bytes a thread, a warp task
-# 4 x 512 contiguous bytes (64 NVFP4 / 32 MXFP4 blocks of bf16: H 7168 is 7 tasks, H 2880 3). Not yet measured on
-# the GPU against 2 and 8.
+# 4 x 512 contiguous bytes (64 NVFP4 / 32 MXFP4 blocks of bf16: H 7168 is 7 tasks, H 2880 3). Not swept for fp4
+# (perf/decisions/quantize_nvfp4.md has its numbers at 4).
 SLOTS = 4
 THREADS = 8 * 32  # kWarps in the .cu file
 MAX_TASKS = 2**31
