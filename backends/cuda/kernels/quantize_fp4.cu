@@ -1,6 +1,6 @@
 // kernelmux cuda backend: quantize_nvfp4's and quantize_mxfp4's kernel (e2m1 codes in blocks of 16 with e4m3fn
 // scales under an fp32 global scale, or in blocks of 32 with e8m0 scales; sm_89+ for the e4m3 cvt, registered
-// for Hopper, where it is measured). Host side: quantize_fp4.py.
+// for Hopper, where it is measured). Host side: _quantize_fp4.py.
 //
 // The triton backend's kernels stop at 28-54% of the copy rate on an H200, issue-bound at ~20 SASS instructions
 // an element. This one keeps the spec's arithmetic bit for bit and spends about half of that:
