@@ -22,7 +22,6 @@ SOURCE_NAME = "quantize_fp4.cu"
 KINDS = fp8.KINDS  # the kinds quantize_common.cuh defines: bf16, fp16, fp32
 FORMATS = {"nvfp4_given": 0, "nvfp4_dynamic": 1, "floor": 2, "ceil": 3}  # the .cu file's kNvfp4Given, ...
 BLOCKS = {"nvfp4_given": 16, "nvfp4_dynamic": 16, "floor": 32, "ceil": 32}  # elements a block scale covers
-VECTOR_BYTES = 16
 # 16-byte vectors a thread has in flight, as quantize_fp8's per_group (GROUP_SLOTS): 64 bytes a thread, a warp task
 # 4 x 512 contiguous bytes (64 NVFP4 / 32 MXFP4 blocks of bf16: H 7168 is 7 tasks, H 2880 3). Not swept for fp4
 # (perf/decisions/quantize_nvfp4.md has its numbers at 4).
@@ -31,21 +30,16 @@ THREADS = 8 * 32  # kWarps in the .cu file
 MAX_TASKS = 2**31
 
 
-def _vector(dtype: torch.dtype) -> int:
-    """Elements of ``dtype`` in a 16-byte vector."""
-    return VECTOR_BYTES // dtype.itemsize
-
-
 def lanes(fmt: str, dtype: torch.dtype) -> int:
     """Lanes (16-byte vectors) a block of ``fmt`` spans for ``dtype``."""
-    return BLOCKS[fmt] // _vector(dtype)
+    return BLOCKS[fmt] // fp8.vector_elements(dtype)
 
 
 def shape_reason(x_dtype: torch.dtype, cols: int, block: int, dense_rows: bool) -> Optional[str]:
     """Why the kernel does not compute a call of this kind (None when it does); no device needed."""
     if x_dtype not in KINDS:
         return f"x dtype {x_dtype}: bf16, fp16 or fp32 only"
-    vector = _vector(x_dtype)
+    vector = fp8.vector_elements(x_dtype)
     if cols % vector or block % vector:
         return (f"K = {cols}: needs whole 16-byte vectors of {vector} {x_dtype} elements in every block (the triton "
                 "backend serves the rest)")
@@ -104,7 +98,7 @@ def check_call(x: torch.Tensor, block: int) -> None:
     """Refuse, before any launch, a call the kernel cannot compute (a direct call that supports would decline)."""
     if x.dtype not in KINDS:
         raise ValueError(f"x: bf16, fp16 or fp32 expected, got {x.dtype}")
-    vector = _vector(x.dtype)
+    vector = fp8.vector_elements(x.dtype)
     if x.shape[1] % vector or block % vector:
         raise ValueError(f"x: K a multiple of {vector} expected for {x.dtype}, got {x.shape[1]}")
     fp8.check_rows(x)

@@ -13,8 +13,9 @@ from kernelmux.backends.cuda._targets import HOPPER
 from kernelmux.platforms import Platform, probes
 from kernelmux.specs import quantize_fp8 as spec
 
-__all__ = ["CAPABILITY", "GROUP_SLOTS", "amax_partials", "check_rows", "describe", "division", "group_kernel_name", "quantize_fp8",
-           "row_kernel_name", "row_shape", "shape_reason", "token_max_warps", "source", "supports"]
+__all__ = ["CAPABILITY", "GROUP_SLOTS", "amax_partials", "check_rows", "describe", "division", "group_kernel_name",
+           "quantize_fp8", "row_kernel_name", "row_shape", "shape_reason", "source", "supports", "token_max_warps",
+           "vector_elements"]
 
 CAPABILITY = HOPPER  # the kernels need sm_89's cvt only; registered where they are measured
 SOURCE_NAME = "quantize_fp8.cu"
@@ -49,7 +50,7 @@ _capability = probes.device_capability
 _sm_count = probes.compute_units
 
 
-def _vector(dtype: torch.dtype) -> int:
+def vector_elements(dtype: torch.dtype) -> int:
     """Elements of ``dtype`` in a 16-byte vector."""
     return VECTOR_BYTES // dtype.itemsize
 
@@ -62,7 +63,7 @@ def shape_reason(x_dtype: torch.dtype, cols: int, granularity: str, group_size: 
                 "writes; the triton backend serves it)")
     if x_dtype not in KINDS:
         return f"x dtype {x_dtype}: bf16, fp16 or fp32 only"
-    vector = _vector(x_dtype)
+    vector = vector_elements(x_dtype)
     if cols % vector:
         return (f"K = {cols}: needs a multiple of {vector} for {x_dtype} (whole 16-byte vectors; the triton backend "
                 "serves the rest)")
@@ -88,7 +89,7 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
 def describe(key: spec.Key, platform: Platform) -> str:
     """What a call runs (for explain)."""
     if key.granularity == "per_group":
-        lanes = key.group_size // _vector(key.x_dtype)
+        lanes = key.group_size // vector_elements(key.x_dtype)
         return (f"one launch: warp tasks of {GROUP_SLOTS} x {32 // lanes} groups of a row, {lanes} lanes a group, "
                 f"{GROUP_SLOTS} 16-byte loads a lane in flight (perf/decisions/quantize_fp8.md)")
     if key.granularity == "per_token":
@@ -177,7 +178,7 @@ def _check_call(x: torch.Tensor, granularity: str, group_size: int, fp8_dtype: s
         raise ValueError(f"fp8_dtype: the cuda kernels write e4m3fn codes only, got {fp8_dtype!r}")
     if x.dtype not in KINDS:
         raise ValueError(f"x: bf16, fp16 or fp32 expected, got {x.dtype}")
-    vector = _vector(x.dtype)
+    vector = vector_elements(x.dtype)
     if x.shape[1] % vector:
         raise ValueError(f"x: K a multiple of {vector} expected for {x.dtype}, got {x.shape[1]}")
     check_rows(x)
@@ -190,7 +191,7 @@ def amax_partials(x: torch.Tensor) -> torch.Tensor:
     """Launch per_tensor's first pass (kAmax) over ``x`` (rows > 0, accepted by _check_call) and return its
     workspace: the maximum of |x| over each CTA's rows, fp32 (quantize_nvfp4's dynamic global scale reads it)."""
     rows, cols = x.shape
-    warps, vecs = row_shape(cols // _vector(x.dtype))
+    warps, vecs = row_shape(cols // vector_elements(x.dtype))
     rows_per_cta = tensor_rows_per_cta(rows, _sm_count(x.device))
     ctas = -(-rows // rows_per_cta)
     partials = torch.empty(ctas, dtype=torch.float32, device=x.device)
@@ -218,7 +219,7 @@ def quantize_fp8(
         if granularity == "per_tensor":  # the amax of nothing is 0: the floor, a power of two already
             scale.fill_(spec.SCALE_FLOOR)
         return q, scale
-    kind, vector = KINDS[x.dtype], _vector(x.dtype)
+    kind, vector = KINDS[x.dtype], vector_elements(x.dtype)
     codes = q.view(torch.uint8)
     with torch.cuda.device(device):
         if granularity == "per_group":

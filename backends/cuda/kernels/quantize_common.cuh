@@ -1,6 +1,7 @@
 // kernelmux cuda backend: what the quantize kernels share (quantize_fp8.cu, quantize_fp4.cu): the input kinds
 // and their 16-byte vectors, |x| maxima on the input's own bits (non-negative floats order as unsigned integers),
-// the folded maximum as the fp32 value it is, a slot's maxima over a warp's lanes, and a CTA's maximum.
+// the folded maximum as the fp32 value it is, a slot's maxima over a warp's lanes, per-CTA maxima reduced, and a
+// CTA's maximum.
 
 #pragma once
 
@@ -84,6 +85,24 @@ __device__ __forceinline__ void slot_maxima(const uint4 (&v)[SLOTS], u32 (&m)[SL
                 m[s] = max(m[s], __shfl_xor_sync(0xffffffffu, m[s], offset));
         }
     }
+}
+
+// This thread's share of the largest of `count` per-CTA maxima (non-negative fp32, as bits: they order as unsigned
+// integers), `threads` apart; kPartialLoads loads a thread in flight, since the maxima sit in L2. cta_max then
+// gives the CTA's.
+constexpr int kPartialLoads = 8;
+__device__ __forceinline__ u32 partials_max(const float* __restrict__ partials, int count, int threads) {
+    u32 m = 0;
+    for (int i = threadIdx.x; i < count; i += kPartialLoads * threads) {
+        u32 got[kPartialLoads];
+#pragma unroll
+        for (int j = 0; j < kPartialLoads; ++j) {
+            got[j] = i + j * threads < count ? __float_as_uint(partials[i + j * threads]) : 0u;
+        }
+#pragma unroll
+        for (int j = 0; j < kPartialLoads; ++j) m = max(m, got[j]);
+    }
+    return m;
 }
 
 // The maximum of every thread's u32 in the CTA, returned to every thread (one barrier; shared memory is free

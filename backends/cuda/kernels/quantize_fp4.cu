@@ -29,7 +29,6 @@ namespace {
 constexpr int kNvfp4Given = 0, kNvfp4Dynamic = 1, kMxfp4Floor = 2, kMxfp4Ceil = 3;
 template <int FORMAT> constexpr int kBlock = FORMAT <= kNvfp4Dynamic ? 16 : 32;
 constexpr int kWarps = 8;  // a CTA's warps (the host's THREADS)
-constexpr int kPartialLoads = 8;  // the dynamic scale's maxima a thread loads at once
 constexpr float kGlobalNumerator = 2688.0f;  // 448 * 6: the dynamic gs = 2688 / amax(x)
 
 // The e2m1 magnitude code (0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6) of |y|, rounded half to even and saturated at 6,
@@ -169,18 +168,7 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_fp4(
     if constexpr (FORMAT == kNvfp4Given) {
         gs = *gs_in;
     } else if constexpr (FORMAT == kNvfp4Dynamic) {
-        u32 m = 0;  // maxima are non-negative: their bits order as unsigned integers
-        for (int i = threadIdx.x; i < num_partials; i += kPartialLoads * kWarps * 32) {
-            u32 got[kPartialLoads];
-#pragma unroll
-            for (int j = 0; j < kPartialLoads; ++j) {
-                const int k = i + j * kWarps * 32;
-                got[j] = k < num_partials ? __float_as_uint(partials[k]) : 0u;
-            }
-#pragma unroll
-            for (int j = 0; j < kPartialLoads; ++j) m = max(m, got[j]);
-        }
-        const float amax = __uint_as_float(cta_max(m));
+        const float amax = __uint_as_float(cta_max(partials_max(partials, num_partials, kWarps * 32)));
         gs = amax > 0.0f ? __fdiv_rn(kGlobalNumerator, amax) : 1.0f;
     }
     if constexpr (FORMAT <= kNvfp4Dynamic) {

@@ -33,7 +33,6 @@ constexpr float kScaleFloor = 0x1p-126f;     // per_token / per_tensor floor the
 constexpr float kRescaleBelow = 0x1p-100f;   // row scales below this divide a rescaled row (see divisor)
 constexpr float kRescale = 0x1p64f;
 constexpr int kGroupWarps = 8;               // quantize_groups' CTA (the host's GROUP_THREADS)
-constexpr int kPartialLoads = 8;             // per_tensor's maxima a thread loads at once in the codes' pass
 
 // quantize_rows' modes (the host's ROW_MODES).
 constexpr int kToken = 0, kTensor = 1, kPartials = 2, kAmax = 3;
@@ -279,16 +278,8 @@ __global__ void __launch_bounds__(MODE == kToken ? (VECS >= 8 ? 256 : 512) : 102
     const int vectors = cols / kVec<KIND>, threads = blockDim.x;
     uint4 held[VECS];
     u32 m = 0;
-    if constexpr (MODE == kPartials) {  // kPartialLoads loads a thread in flight: the maxima sit in L2
-        for (int i = threadIdx.x; i < num_partials; i += kPartialLoads * threads) {
-            u32 got[kPartialLoads];
-#pragma unroll
-            for (int j = 0; j < kPartialLoads; ++j) {
-                got[j] = i + j * threads < num_partials ? __float_as_uint(partials[i + j * threads]) : 0u;
-            }
-#pragma unroll
-            for (int j = 0; j < kPartialLoads; ++j) m = max(m, got[j]);
-        }
+    if constexpr (MODE == kPartials) {
+        m = partials_max(partials, num_partials, threads);
     } else {
         for (int r = r0; r < r1; ++r) {
             const unsigned char* x_row = x + (i64)r * x_stride * kElem;
