@@ -13,8 +13,8 @@ from kernelmux.backends.cuda._toolchain import KERNELS
 
 __all__ = ["Fp4MmParams", "MergeSplitsParams", "MlaDecodeParams", "MoeDecodeDownParams", "MoeDecodeFp4DownParams",
            "MoeDecodeFp4GateUpParams", "MoeDecodeGateUpParams", "MoeGemmParams", "MoeRouteParams", "MoeSumParams",
-           "PagedDecodeParams", "PagedPrefillParams", "QuantizeFp4Params",
-           "QuantizeGroupsParams", "QuantizeRowsParams", "abi_checks", "checked_source"]
+           "PagedDecodeParams", "PagedPrefillParams", "QuantizeFp4Params", "QuantizeGroupsParams", "QuantizeRowsParams",
+           "ScaledMmParams", "abi_checks", "checked_source"]
 
 # Why the kernels keep positional parameters (launched with a pointer to each field of the mirror)
 # instead of taking the struct by value: by value, the pointers lose __restrict__, and ptxas emitted
@@ -168,6 +168,14 @@ class QuantizeFp4Params(ctypes.Structure):
 
     _fields_ = _fields("x q scale gs_in gs_out partials", "rows blocks tasks_per_row row_shift num_partials", "",
                        "row_magic x_stride q_stride scale_stride")
+
+
+class ScaledMmParams(ctypes.Structure):
+    """kernels/scaled_mm_sm90.cu's ScaledMmParams (block-scaled fp8 GEMM)."""
+
+    _fields_ = _fields("scale_a scale_b bias out", "m n k", "",
+                       "scale_a_stride_m scale_a_stride_k scale_b_stride_n scale_b_stride_k bias_stride out_stride",
+                       maps="a_map b_map")
 
 
 def abi_checks(mirror: type[ctypes.Structure], kernels: Sequence[str]) -> str:

@@ -3,14 +3,15 @@ activation groups, 128 x 128 weight blocks, bf16 out) with N x K in {7168 x 1638
 36864 x 7168} at M in {1, 16, 64, 128} and {7168 x 16384, 36864 x 7168} at M = 4096. Every implementation
 that serves a shape is timed by CUDA-graph replay, after its output is compared with the spec's reference
 computed on the GPU (the largest difference relative to the largest output): the triton backend under
-its own launch configuration (and with --sweep, each of _sweep's), and as peers the torch backend
+its own launch configuration (and with --sweep, each of _sweep's), on Hopper the cuda backend's GEMM at M >= its
+MIN_ROWS, and as peers the torch backend
 (cuBLASLt), the deepgemm backend as served (its scale-layout conversion included) and DeepGEMM's kernel
 alone on scales prepared once ("deepgemm-kernel"). Decode shapes cycle through enough weight copies that
 each call reads its weights from HBM, not L2. Times are set against the copy bandwidth (for the weight
 bytes) and the fp8 matmul rate measured in the same run.
 
     python perf/diag/scaled_mm_goals.py --out DIR [--m 1 16 64 128 4096] [--nk 7168x16384 ...] [--sweep]
-        [--impls triton torch deepgemm deepgemm-kernel] [--configs BM/BN/BK/WARPS/STAGES/SPLIT ...]
+        [--impls triton cuda torch deepgemm deepgemm-kernel] [--configs BM/BN/BK/WARPS/STAGES/SPLIT ...]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 
 import torch
 
+from kernelmux.backends.cuda import scaled_mm as cuda_mm
 from kernelmux.backends.triton import scaled_mm as triton_mm
 from kernelmux.backends.triton.scaled_mm import AUTO, LaunchConfig
 from kernelmux.perf import ceilings as ceilings_module
@@ -81,6 +83,8 @@ def _peers() -> dict:
     from kernelmux.backends.torch import scaled_mm as torch_mm
 
     impls = {"triton": triton_mm.scaled_mm, "torch": torch_mm.scaled_mm}
+    if torch.cuda.get_device_capability() == cuda_mm.CAPABILITY:
+        impls["cuda"] = cuda_mm.scaled_mm
     try:
         import deep_gemm
 
@@ -132,7 +136,8 @@ def main() -> None:
             flops = 2 * rows * cols * depth
             floor_us = max(flops / (ceilings["fp8_tflops"] * 1e12),
                            weight_bytes / (ceilings["memory_gbps"] * 1e9)) * 1e6
-            variants = [(name, fn, None) for name, fn in impls.items() if args.impls is None or name in args.impls]
+            variants = [(name, fn, None) for name, fn in impls.items() if (args.impls is None or name in args.impls)
+                        and (name != "cuda" or rows >= cuda_mm.MIN_ROWS)]
             variants += [("triton", impls["triton"], _parse_config(text)) for text in args.configs]
             if args.sweep:
                 variants += [("triton", impls["triton"], config) for config in _sweep(rows)]

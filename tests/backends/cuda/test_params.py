@@ -15,7 +15,7 @@ import pytest
 
 from cuda_kernels import CUOBJDUMP, needs_cuobjdump, needs_nvrtc
 from kernelmux.backends.cuda import (_compile, _driver, _paged_decode, _paged_prefill, _params, _quantize_fp4,
-                                    _toolchain, fp4_mm, fused_moe, mla_decode, quantize_fp8)
+                                    _toolchain, fp4_mm, fused_moe, mla_decode, quantize_fp8, scaled_mm)
 
 pytestmark = needs_nvrtc
 
@@ -95,6 +95,8 @@ def _alone(filename: str, mirror):
     (_params.MoeDecodeFp4DownParams, _alone(fused_moe.DECODE_SOURCE_NAME, _params.MoeDecodeFp4DownParams),
      "moe_decode_fp4_down<true, true>", False),
     (_params.Fp4MmParams, fp4_mm.source, "fp4_mm_gemv<4, true, false, 0>", False),
+    # Two TMA maps, then the rest.
+    (_params.ScaledMmParams, scaled_mm.source, "scaled_mm_sm90<0, 5>", True),
     (_params.QuantizeGroupsParams, lambda names: quantize_fp8.source(names, []), "quantize_groups<0, false, 16, 4>",
      False),
     (_params.QuantizeRowsParams, lambda names: quantize_fp8.source([], names), "quantize_rows<0, true, 2, 4>", False),

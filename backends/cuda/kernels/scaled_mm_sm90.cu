@@ -1,0 +1,202 @@
+// kernelmux cuda backend: scaled_mm on Hopper (sm_90a) with 128-block scales (DeepSeek-V3's 1 x 128 activation
+// groups and 128 x 128 weight blocks), e4m3fn operands, at prefill sizes.
+//
+// At M = 4096 the triton kernel reaches 45-47% of the fp8 rate against DeepGEMM's 93-94% (perf/decisions/
+// scaled_mm.md): its block scales multiply each 128-K product on the CUDA cores after a wgmma whose operands came
+// by cp.async, with no TMA and no warp specialization, so the tensor cores wait on both. This kernel gives each
+// of three warpgroups one job, as fused_moe_sm90.cu does:
+//   - A CTA computes a 128 x 128 tile of out, in 128-wide K steps: one scale block of a and of b a step.
+//   - Warpgroup 0 (the producer; one thread) loads each step's A tile (128 rows x 128 bytes) and B tile by TMA
+//     into a ring of STAGES stages, in the 128-byte swizzle wgmma reads; out-of-bounds rows and K arrive as zeros.
+//   - Warpgroups 1 and 2 (the consumers) take 64 rows each: per step 4 wgmma m64n128k32 (e4m3) into a fresh
+//     accumulator, waited for, the stage handed back, then promoted on the CUDA cores into the tile's fp32
+//     sums with the step's scales, scale_a of the thread's two rows times scale_b of the tile's weight block
+//     (DeepGEMM's scheme: the tensor cores' fp8 sums stay within one 128-K block). While one consumer promotes,
+//     the other's wgmmas run.
+//   - The epilogue adds the bias in fp32 and rounds each output once.
+// Tiles are ordered in groups of kGroupM row tiles, so the CTAs running at once share their B tiles in L2.
+// Hand-offs are mbarriers, two per stage: full completes on the TMA's bytes, empty when the consumers' 8 warps
+// are done with the stage. Compiled at runtime by NVRTC for sm_90a; see scaled_mm.py.
+
+#include "sm90_common.cuh"
+
+namespace {
+
+constexpr int kTile = 128;                     // the CTA's M, N and K step (one scale block)
+constexpr int kTileBytes = kTile * kTile;      // an A or B tile: 128 rows x 128 e4m3 bytes
+constexpr int kThreads = 384;                  // producer + two consumers
+constexpr int kGroupM = 8;                     // row tiles that share each column tile while it is in L2
+constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;  // 128 x 40 + 256 x 232 <= 64K
+
+// Shared memory from a 1024-byte aligned base (the swizzle repeats every 1024 bytes): STAGES x (A, B).
+template <int STAGES>
+__device__ constexpr int scaled_mm_shared_bytes() { return STAGES * 2 * kTileBytes + 1024; }
+
+// d (+)= A (64 x 32 e4m3, K-major, shared) B (32 x 128 e4m3, K-major, shared); accumulate 0 overwrites d.
+// 8-bit wgmmas take both operands K-major and have no transpose flags.
+__device__ __forceinline__ void mma_e4m3_m64n128k32(float (&d)[64], u64 a, u64 b, int accumulate) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %66, 0;\n\t"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " KM_REGS64 ", %64, %65, p, 1, 1;\n\t}"
+                 : KM_ACC64(d)
+                 : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// OUT: 0 bf16, 1 fp16, 2 fp32. Element i of a vector of that dtype, as fp32.
+template <int OUT>
+__device__ __forceinline__ float load_out(const unsigned char* p, i64 i) {
+    if constexpr (OUT == 2) {
+        return reinterpret_cast<const float*>(p)[i];
+    } else {
+        float lo, hi;
+        unpack2<OUT == 0>((u32)reinterpret_cast<const u16*>(p)[i], lo, hi);
+        return lo;
+    }
+}
+
+// Two neighbouring outputs of a row, the bias (`bias`: the first column's, `stride` elements apart; null: none)
+// added in fp32 first; the first alone when `pair` is false (the last column of N).
+template <int OUT>
+__device__ __forceinline__ void store_pair(unsigned char* p, float v0, float v1, const unsigned char* bias, i64 stride,
+                                           bool pair) {
+    if (bias != nullptr) {
+        v0 += load_out<OUT>(bias, 0);
+        if (pair) v1 += load_out<OUT>(bias, stride);
+    }
+    if constexpr (OUT == 2) {
+        if (pair) {
+            *reinterpret_cast<float2*>(p) = make_float2(v0, v1);
+        } else {
+            *reinterpret_cast<float*>(p) = v0;
+        }
+    } else {
+        const u32 packed = pack2<OUT == 0>(v0, v1);
+        if (pair) {
+            *reinterpret_cast<u32*>(p) = packed;
+        } else {
+            *reinterpret_cast<u16*>(p) = (u16)packed;
+        }
+    }
+}
+
+}  // namespace
+
+// The kernel's parameters are this struct's fields, in order (named ABI: _params.py).
+struct ScaledMmParams {
+    TensorMap a_map;             // a [M, K] e4m3 as (K, M, 1): boxes of 128 x 128 x 1, 128-byte swizzle
+    TensorMap b_map;             // b [N, K] e4m3 as (K, N, 1)
+    const float* scale_a;        // [M, ceil(K / 128)] at (scale_a_stride_m, scale_a_stride_k)
+    const float* scale_b;        // [ceil(N / 128), ceil(K / 128)] at (scale_b_stride_n, scale_b_stride_k)
+    const unsigned char* bias;   // [N] in the output dtype at bias_stride, or null
+    unsigned char* out;          // [M, N] in the output dtype, rows out_stride elements apart
+    int m, n, k;
+    i64 scale_a_stride_m, scale_a_stride_k, scale_b_stride_n, scale_b_stride_k, bias_stride, out_stride;
+};
+
+// Grid: one CTA a 128 x 128 tile of out; 384 threads, scaled_mm_shared_bytes<STAGES>() of dynamic shared memory
+// (and 16 STAGES bytes of static: the mbarriers). K is a multiple of 16 (TMA's 16-byte strides); N even.
+template <int OUT, int STAGES>
+__global__ void __launch_bounds__(kThreads, 1) scaled_mm_sm90(
+    const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
+    const float* __restrict__ scale_a, const float* __restrict__ scale_b, const unsigned char* __restrict__ bias,
+    unsigned char* __restrict__ out, int m, int n, int k, i64 scale_a_stride_m, i64 scale_a_stride_k,
+    i64 scale_b_stride_n, i64 scale_b_stride_k, i64 bias_stride, i64 out_stride) {
+    constexpr u32 kFullCount = 1, kEmptyCount = 8;  // the producer's expect_tx arrival; the consumers' 8 warps
+    constexpr int kOutBytes = OUT == 2 ? 4 : 2;
+    __shared__ __align__(8) u64 barriers[2][STAGES];
+    extern __shared__ unsigned char shared_raw[];
+    u32 dynamic_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
+    if (dynamic_bytes < (u32)scaled_mm_shared_bytes<STAGES>()) __trap();  // the host launched it with too little
+
+    // The tile's row and column tiles: row tiles in groups of kGroupM, a column tile's row tiles consecutive.
+    const int tiles_m = (m + kTile - 1) / kTile, tiles_n = (n + kTile - 1) / kTile;
+    const int group = blockIdx.x / (kGroupM * tiles_n), first_m = group * kGroupM;
+    const int group_rows = min(tiles_m - first_m, kGroupM), within = blockIdx.x % (kGroupM * tiles_n);
+    const int tile_m = first_m + within % group_rows, tile_n = within / group_rows;
+    const int m0 = tile_m * kTile, n0 = tile_n * kTile, steps = (k + kTile - 1) / kTile;
+
+    const u32 base = shared_address(shared_raw);
+    const u32 tiles = (base + 1023u) & ~1023u;
+    auto a_tile = [&](int stage) { return tiles + (2 * stage) * kTileBytes; };
+    auto b_tile = [&](int stage) { return tiles + (2 * stage + 1) * kTileBytes; };
+    const u32 barrier_base = shared_address(&barriers[0][0]);
+    auto full = [&](int stage) { return barrier_base + 8 * stage; };
+    auto empty = [&](int stage) { return barrier_base + 8 * (STAGES + stage); };
+    const int tid = threadIdx.x;
+    const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform as far as the compiler knows
+    if (tid == 0) {
+#pragma unroll
+        for (int stage = 0; stage < STAGES; ++stage) {
+            mbarrier_init(full(stage), kFullCount);
+            mbarrier_init(empty(stage), kEmptyCount);
+        }
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // the producer: every free stage in flight, never waiting for a load
+        release_registers<kProducerRegisters>();
+        if (tid == 0) {
+            for (int i = 0; i < steps; ++i) {
+                const int stage = i % STAGES;
+                if (i >= STAGES) mbarrier_wait(empty(stage), (u32)(i / STAGES - 1) & 1u);
+                mbarrier_arrive_expect_bytes(full(stage), 2 * kTileBytes);
+                tma_load_3d(a_tile(stage), a_map, i * kTile, m0, 0, full(stage));
+                tma_load_3d(b_tile(stage), b_map, i * kTile, n0, 0, full(stage));
+            }
+        }
+        return;
+    }
+
+    // A consumer: rows 64 c .. 64 c + 63 of the tile. This thread's accumulator rows are row0 and row0 + 8 of
+    // those; its columns 8 j + 2 quad (+1) of each 8-column group j.
+    claim_registers<kConsumerRegisters>();
+    const int c = wg - 1, lane = tid & 31, quad = lane & 3;
+    const int row_lo = m0 + 64 * c + accumulator_row(tid), row_hi = row_lo + 8;
+    // Rows past M read row M - 1's scales (their outputs are never stored).
+    const float* scales_lo = scale_a + (i64)min(row_lo, m - 1) * scale_a_stride_m;
+    const float* scales_hi = scale_a + (i64)min(row_hi, m - 1) * scale_a_stride_m;
+    const float* scales_b = scale_b + (i64)tile_n * scale_b_stride_n;
+    float acc[64], step_acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+    for (int i = 0; i < steps; ++i) {
+        const int stage = i % STAGES;
+        // The step's scales, loaded before the wait so their latency hides under it.
+        const float sb = scales_b[(i64)i * scale_b_stride_k];
+        const float s_lo = scales_lo[(i64)i * scale_a_stride_k] * sb, s_hi = scales_hi[(i64)i * scale_a_stride_k] * sb;
+        mbarrier_wait(full(stage), (u32)(i / STAGES) & 1u);
+        wgmma_fence();
+        const u64 a_desc = descriptor(a_tile(stage) + c * 64 * kTile, 16, 1024);
+        const u64 b_desc = descriptor(b_tile(stage), 16, 1024);
+#pragma unroll
+        for (int kk = 0; kk < kTile / 32; ++kk) {  // 32 bytes of K a wgmma: +2 in the descriptor's 16-byte units
+            mma_e4m3_m64n128k32(step_acc, a_desc + 2 * kk, b_desc + 2 * kk, kk);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(step_acc);
+        mbarrier_arrive_if(empty(stage), lane == 0);  // the stage goes back to the producer before the promotion
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            acc[4 * j] = fmaf(step_acc[4 * j], s_lo, acc[4 * j]);
+            acc[4 * j + 1] = fmaf(step_acc[4 * j + 1], s_lo, acc[4 * j + 1]);
+            acc[4 * j + 2] = fmaf(step_acc[4 * j + 2], s_hi, acc[4 * j + 2]);
+            acc[4 * j + 3] = fmaf(step_acc[4 * j + 3], s_hi, acc[4 * j + 3]);
+        }
+    }
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = r == 0 ? row_lo : row_hi;
+        if (row >= m) continue;
+        unsigned char* row_out = out + ((i64)row * out_stride + n0 + 2 * quad) * kOutBytes;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            const int col = n0 + 8 * j + 2 * quad;
+            if (col >= n) continue;
+            const unsigned char* bias_at = bias == nullptr ? nullptr : bias + (i64)col * bias_stride * kOutBytes;
+            store_pair<OUT>(row_out + 8 * j * kOutBytes, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1], bias_at,
+                            bias_stride, col + 1 < n);
+        }
+    }
+}
