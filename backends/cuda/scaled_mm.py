@@ -29,6 +29,7 @@ OUT_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}
 TMA_ALIGNMENT = 16  # bytes: TMA's global address and row strides
 
 _capability = probes.device_capability
+_sm_count = probes.compute_units
 
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
@@ -131,7 +132,7 @@ def scaled_mm(
     tiles = -(-rows // TILE) * -(-cols // TILE)
     with torch.cuda.device(a.device):
         kernel = _kernel(a.device, kernel_name(out_dtype))
-        kernel((tiles, 1, 1), a_map=_driver.tensor_map(a.unsqueeze(0), BOX),
+        kernel((min(tiles, _sm_count(a.device)), 1, 1), a_map=_driver.tensor_map(a.unsqueeze(0), BOX),
                b_map=_driver.tensor_map(b.unsqueeze(0), BOX), scale_a=scale_a, scale_b=scale_b, bias=bias, out=out,
                m=rows, n=cols, k=depth, scale_a_stride_m=scale_a.stride(0), scale_a_stride_k=scale_a.stride(1),
                scale_b_stride_n=scale_b.stride(0), scale_b_stride_k=scale_b.stride(1),

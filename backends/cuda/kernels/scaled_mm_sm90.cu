@@ -26,7 +26,7 @@ constexpr int kTile = 128;                     // the CTA's M, N and K step (one
 constexpr int kTileBytes = kTile * kTile;      // an A or B tile: 128 rows x 128 e4m3 bytes
 constexpr int kThreads = 384;                  // producer + two consumers
 constexpr int kGroupM = 8;                     // row tiles that share each column tile while it is in L2
-constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;  // 128 x 40 + 256 x 232 <= 64K
+constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;  // 128 x 56 + 256 x 224 <= 64K
 
 // Shared memory from a 1024-byte aligned base (the swizzle repeats every 1024 bytes): STAGES x (A, B).
 template <int STAGES>
@@ -78,6 +78,23 @@ __device__ __forceinline__ void store_pair(unsigned char* p, float v0, float v1,
     }
 }
 
+// A scale, loaded where the source puts it: ld.global.nc is otherwise free to sink past the volatile waits and wgmmas
+// towards its use, which would put its latency back in the step.
+__device__ __forceinline__ float load_scale(const float* p) {
+    float v;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+// Tile `tile` of the grouped order: row tiles in groups of kGroupM, a column tile's row tiles consecutive, so the
+// CTAs running at once share their B tiles in L2.
+__device__ __forceinline__ void tile_coords(int tile, int tiles_m, int tiles_n, int& tile_m, int& tile_n) {
+    const int group = tile / (kGroupM * tiles_n), first_m = group * kGroupM;
+    const int group_rows = min(tiles_m - first_m, kGroupM), within = tile % (kGroupM * tiles_n);
+    tile_m = first_m + within % group_rows;
+    tile_n = within / group_rows;
+}
+
 }  // namespace
 
 // The kernel's parameters are this struct's fields, in order (named ABI: _params.py).
@@ -92,8 +109,9 @@ struct ScaledMmParams {
     i64 scale_a_stride_m, scale_a_stride_k, scale_b_stride_n, scale_b_stride_k, bias_stride, out_stride;
 };
 
-// Grid: one CTA a 128 x 128 tile of out; 384 threads, scaled_mm_shared_bytes<STAGES>() of dynamic shared memory
-// (and 16 STAGES bytes of static: the mbarriers). K is a multiple of 16 (TMA's 16-byte strides); N even.
+// Grid: up to one CTA an SM, each taking tiles blockIdx.x, + gridDim.x, ... (persistent: the producer loads the next
+// tile's stages while the consumers store the last one); 384 threads, scaled_mm_shared_bytes<STAGES>() of dynamic
+// shared memory (and the static mbarriers and stage scales). K is a multiple of 16 (TMA's 16-byte strides); N even.
 template <int OUT, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1) scaled_mm_sm90(
     const __grid_constant__ TensorMap a_map, const __grid_constant__ TensorMap b_map,
@@ -108,21 +126,16 @@ __global__ void __launch_bounds__(kThreads, 1) scaled_mm_sm90(
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
     if (dynamic_bytes < (u32)scaled_mm_shared_bytes<STAGES>()) __trap();  // the host launched it with too little
 
-    // The tile's row and column tiles: row tiles in groups of kGroupM, a column tile's row tiles consecutive.
-    const int tiles_m = (m + kTile - 1) / kTile, tiles_n = (n + kTile - 1) / kTile;
-    const int group = blockIdx.x / (kGroupM * tiles_n), first_m = group * kGroupM;
-    const int group_rows = min(tiles_m - first_m, kGroupM), within = blockIdx.x % (kGroupM * tiles_n);
-    const int tile_m = first_m + within % group_rows, tile_n = within / group_rows;
-    const int m0 = tile_m * kTile, n0 = tile_n * kTile, steps = (k + kTile - 1) / kTile;
-
+    const int tiles_m = (m + kTile - 1) / kTile, tiles_n = (n + kTile - 1) / kTile, tiles = tiles_m * tiles_n;
+    const int steps = (k + kTile - 1) / kTile;
     const u32 base = shared_address(shared_raw);
-    const u32 tiles = (base + 1023u) & ~1023u;
-    auto a_tile = [&](int stage) { return tiles + (2 * stage) * kTileBytes; };
-    auto b_tile = [&](int stage) { return tiles + (2 * stage + 1) * kTileBytes; };
+    const u32 tile_base = (base + 1023u) & ~1023u;
+    auto a_tile = [&](int stage) { return tile_base + (2 * stage) * kTileBytes; };
+    auto b_tile = [&](int stage) { return tile_base + (2 * stage + 1) * kTileBytes; };
     const u32 barrier_base = shared_address(&barriers[0][0]);
     auto full = [&](int stage) { return barrier_base + 8 * stage; };
     auto empty = [&](int stage) { return barrier_base + 8 * (STAGES + stage); };
-    const int tid = threadIdx.x;
+    const int tid = threadIdx.x, lane = tid & 31;
     const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform as far as the compiler knows
     if (tid == 0) {
 #pragma unroll
@@ -133,70 +146,104 @@ __global__ void __launch_bounds__(kThreads, 1) scaled_mm_sm90(
     }
     __syncthreads();
 
-    if (wg == 0) {  // the producer: every free stage in flight, never waiting for a load
+    // Steps are counted across the CTA's tiles (`it`): the ring and its parities run on from tile to tile.
+    if (wg == 0) {
         release_registers<kProducerRegisters>();
-        if (tid == 0) {
-            for (int i = 0; i < steps; ++i) {
-                const int stage = i % STAGES;
-                if (i >= STAGES) mbarrier_wait(empty(stage), (u32)(i / STAGES - 1) & 1u);
-                mbarrier_arrive_expect_bytes(full(stage), 2 * kTileBytes);
-                tma_load_3d(a_tile(stage), a_map, i * kTile, m0, 0, full(stage));
-                tma_load_3d(b_tile(stage), b_map, i * kTile, n0, 0, full(stage));
+        if (tid == 0) {  // the tiles: every free stage in flight, never waiting for a load
+            for (int tile = blockIdx.x, it = 0; tile < tiles; tile += gridDim.x) {
+                int tile_m, tile_n;
+                tile_coords(tile, tiles_m, tiles_n, tile_m, tile_n);
+                for (int i = 0; i < steps; ++i, ++it) {
+                    const int stage = it % STAGES;
+                    if (it >= STAGES) mbarrier_wait(empty(stage), (u32)(it / STAGES - 1) & 1u);
+                    mbarrier_arrive_expect_bytes(full(stage), 2 * kTileBytes);
+                    tma_load_3d(a_tile(stage), a_map, i * kTile, tile_m * kTile, 0, full(stage));
+                    tma_load_3d(b_tile(stage), b_map, i * kTile, tile_n * kTile, 0, full(stage));
+                }
             }
         }
         return;
     }
 
-    // A consumer: rows 64 c .. 64 c + 63 of the tile. This thread's accumulator rows are row0 and row0 + 8 of
+    // A consumer: rows 64 c .. 64 c + 63 of each tile. This thread's accumulator rows are row_lo and row_lo + 8 of
     // those; its columns 8 j + 2 quad (+1) of each 8-column group j.
     claim_registers<kConsumerRegisters>();
-    const int c = wg - 1, lane = tid & 31, quad = lane & 3;
-    const int row_lo = m0 + 64 * c + accumulator_row(tid), row_hi = row_lo + 8;
-    // Rows past M read row M - 1's scales (their outputs are never stored).
-    const float* scales_lo = scale_a + (i64)min(row_lo, m - 1) * scale_a_stride_m;
-    const float* scales_hi = scale_a + (i64)min(row_hi, m - 1) * scale_a_stride_m;
-    const float* scales_b = scale_b + (i64)tile_n * scale_b_stride_n;
-    float acc[64], step_acc[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-    for (int i = 0; i < steps; ++i) {
-        const int stage = i % STAGES;
-        // The step's scales, loaded before the wait so their latency hides under it.
-        const float sb = scales_b[(i64)i * scale_b_stride_k];
-        const float s_lo = scales_lo[(i64)i * scale_a_stride_k] * sb, s_hi = scales_hi[(i64)i * scale_a_stride_k] * sb;
-        mbarrier_wait(full(stage), (u32)(i / STAGES) & 1u);
-        wgmma_fence();
-        const u64 a_desc = descriptor(a_tile(stage) + c * 64 * kTile, 16, 1024);
-        const u64 b_desc = descriptor(b_tile(stage), 16, 1024);
-#pragma unroll
-        for (int kk = 0; kk < kTile / 32; ++kk) {  // 32 bytes of K a wgmma: +2 in the descriptor's 16-byte units
-            mma_e4m3_m64n128k32(step_acc, a_desc + 2 * kk, b_desc + 2 * kk, kk);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(step_acc);
-        mbarrier_arrive_if(empty(stage), lane == 0);  // the stage goes back to the producer before the promotion
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            acc[4 * j] = fmaf(step_acc[4 * j], s_lo, acc[4 * j]);
-            acc[4 * j + 1] = fmaf(step_acc[4 * j + 1], s_lo, acc[4 * j + 1]);
-            acc[4 * j + 2] = fmaf(step_acc[4 * j + 2], s_hi, acc[4 * j + 2]);
-            acc[4 * j + 3] = fmaf(step_acc[4 * j + 3], s_hi, acc[4 * j + 3]);
-        }
+    const int c = wg - 1, quad = lane & 3, row_lo = 64 * c + accumulator_row(tid);
+    // The scales of a tile's steps: this thread's two rows of scale_a and the column tile's scale_b, at step 0.
+    // Rows past M read row M - 1's (their outputs are never stored).
+    struct Scales { const float *lo, *hi, *b; };
+    auto tile_scales = [&](int tile_m, int tile_n) {
+        const int row = tile_m * kTile + row_lo;
+        return Scales{scale_a + (i64)min(row, m - 1) * scale_a_stride_m,
+                      scale_a + (i64)min(row + 8, m - 1) * scale_a_stride_m,
+                      scale_b + (i64)tile_n * scale_b_stride_n};
+    };
+    // Each step's scales are loaded a step ahead (at the top of the step before), so no wgmma waits on their latency.
+    int tile = blockIdx.x, tile_m, tile_n;
+    tile_coords(min(tile, tiles - 1), tiles_m, tiles_n, tile_m, tile_n);
+    Scales scales = tile_scales(tile_m, tile_n);
+    float s_lo, s_hi;
+    {
+        const float sb = load_scale(scales.b);
+        s_lo = load_scale(scales.lo) * sb;
+        s_hi = load_scale(scales.hi) * sb;
     }
-
+    for (int it = 0; tile < tiles; tile += gridDim.x) {
+        int next_m, next_n;  // the CTA's next tile (this one again after the last): its step 0 is the last's next
+        tile_coords(min(tile + (int)gridDim.x, tiles - 1), tiles_m, tiles_n, next_m, next_n);
+        const Scales next_scales = tile_scales(next_m, next_n);
+        float acc[64], step_acc[64];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = r == 0 ? row_lo : row_hi;
-        if (row >= m) continue;
-        unsigned char* row_out = out + ((i64)row * out_stride + n0 + 2 * quad) * kOutBytes;
+        for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
+        for (int i = 0; i < steps; ++i, ++it) {
+            const int stage = it % STAGES;
+            const bool last = i + 1 == steps;
+            const i64 next_step = last ? 0 : i + 1;
+            const Scales from = last ? next_scales : scales;  // by value: a reference would put both in local memory
+            const float next_b = load_scale(from.b + next_step * scale_b_stride_k);
+            const float next_lo = load_scale(from.lo + next_step * scale_a_stride_k);
+            const float next_hi = load_scale(from.hi + next_step * scale_a_stride_k);
+            mbarrier_wait(full(stage), (u32)(it / STAGES) & 1u);
+            wgmma_fence();
+            const u64 a_desc = descriptor(a_tile(stage) + c * 64 * kTile, 16, 1024);
+            const u64 b_desc = descriptor(b_tile(stage), 16, 1024);
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            const int col = n0 + 8 * j + 2 * quad;
-            if (col >= n) continue;
-            const unsigned char* bias_at = bias == nullptr ? nullptr : bias + (i64)col * bias_stride * kOutBytes;
-            store_pair<OUT>(row_out + 8 * j * kOutBytes, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1], bias_at,
-                            bias_stride, col + 1 < n);
+            for (int kk = 0; kk < kTile / 32; ++kk) {  // 32 bytes of K a wgmma: +2 in the descriptor's 16-byte units
+                mma_e4m3_m64n128k32(step_acc, a_desc + 2 * kk, b_desc + 2 * kk, kk);
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers(step_acc);
+            mbarrier_arrive_if(empty(stage), lane == 0);  // the stage goes back to the producer before the promotion
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                acc[4 * j] = fmaf(step_acc[4 * j], s_lo, acc[4 * j]);
+                acc[4 * j + 1] = fmaf(step_acc[4 * j + 1], s_lo, acc[4 * j + 1]);
+                acc[4 * j + 2] = fmaf(step_acc[4 * j + 2], s_hi, acc[4 * j + 2]);
+                acc[4 * j + 3] = fmaf(step_acc[4 * j + 3], s_hi, acc[4 * j + 3]);
+            }
+            s_lo = next_lo * next_b;
+            s_hi = next_hi * next_b;
         }
+
+        const int n0 = tile_n * kTile;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = tile_m * kTile + row_lo + 8 * r;
+            if (row >= m) continue;
+            unsigned char* row_out = out + ((i64)row * out_stride + n0 + 2 * quad) * kOutBytes;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const int col = n0 + 8 * j + 2 * quad;
+                if (col >= n) continue;
+                const unsigned char* bias_at = bias == nullptr ? nullptr : bias + (i64)col * bias_stride * kOutBytes;
+                store_pair<OUT>(row_out + 8 * j * kOutBytes, acc[4 * j + 2 * r], acc[4 * j + 2 * r + 1], bias_at,
+                                bias_stride, col + 1 < n);
+            }
+        }
+        tile_m = next_m;
+        tile_n = next_n;
+        scales = next_scales;
     }
 }
+
