@@ -169,8 +169,8 @@ __global__ void __launch_bounds__(kThreads, 1) scaled_mm_sm90(
     // those; its columns 8 j + 2 quad (+1) of each 8-column group j.
     claim_registers<kConsumerRegisters>();
     const int c = wg - 1, quad = lane & 3, row_lo = 64 * c + accumulator_row(tid);
-    // The scales of a tile's steps: this thread's two rows of scale_a and the column tile's scale_b, at step 0.
-    // Rows past M read row M - 1's (their outputs are never stored).
+    // A tile's scales at step 0: this thread's two rows of scale_a and the column tile's scale_b. Rows past M read
+    // row M - 1's (their outputs are never stored).
     struct Scales { const float *lo, *hi, *b; };
     auto tile_scales = [&](int tile_m, int tile_n) {
         const int row = tile_m * kTile + row_lo;
@@ -178,52 +178,87 @@ __global__ void __launch_bounds__(kThreads, 1) scaled_mm_sm90(
                       scale_a + (i64)min(row + 8, m - 1) * scale_a_stride_m,
                       scale_b + (i64)tile_n * scale_b_stride_n};
     };
-    // Each step's scales are loaded a step ahead (at the top of the step before), so no wgmma waits on their latency.
-    int tile = blockIdx.x, tile_m, tile_n;
+    int tile = blockIdx.x, tile_m, tile_n, next_m, next_n;
     tile_coords(min(tile, tiles - 1), tiles_m, tiles_n, tile_m, tile_n);
-    Scales scales = tile_scales(tile_m, tile_n);
-    float s_lo, s_hi;
-    {
-        const float sb = load_scale(scales.b);
-        s_lo = load_scale(scales.lo) * sb;
-        s_hi = load_scale(scales.hi) * sb;
-    }
-    for (int it = 0; tile < tiles; tile += gridDim.x) {
-        int next_m, next_n;  // the CTA's next tile (this one again after the last): its step 0 is the last's next
+    Scales scales = tile_scales(tile_m, tile_n), next_scales = scales;
+    // Step j's scales (b, a's two rows) into raw: this tile's, or past its last step the CTA's next tile's (step
+    // j - steps; clamped to its last, a load never used, when there is one step a tile).
+    auto load_scales = [&](float (&raw)[3], int j) {
+        const bool next = j >= steps;
+        const Scales from = next ? next_scales : scales;  // by value: a reference would put both in local memory
+        const i64 step = min(next ? j - steps : j, steps - 1);
+        raw[0] = load_scale(from.b + step * scale_b_stride_k);
+        raw[1] = load_scale(from.lo + step * scale_a_stride_k);
+        raw[2] = load_scale(from.hi + step * scale_a_stride_k);
+    };
+    // Two steps are in flight, in two accumulators: step j + 1's wgmmas run while step j is promoted, so the
+    // tensor cores never wait on a promotion. Each step's scales are loaded two steps ahead (raw), into the slot of
+    // its accumulator, and multiplied (prod) when the step is issued.
+    float acc[64], step0[64], step1[64], raw0[3], raw1[3], prod0[2], prod1[2];
+    load_scales(raw0, 0);
+    load_scales(raw1, 1);
+    int it = 0;  // the CTA's steps before this tile's
+    auto issue = [&](float (&step_acc)[64], float (&raw)[3], float (&prod)[2], int j) {
+        prod[0] = raw[1] * raw[0];
+        prod[1] = raw[2] * raw[0];
+        load_scales(raw, j + 2);
+        const int stage = (it + j) % STAGES;
+        mbarrier_wait(full(stage), (u32)((it + j) / STAGES) & 1u);
+        wgmma_fence();
+        const u64 a_desc = descriptor(a_tile(stage) + c * 64 * kTile, 16, 1024);
+        const u64 b_desc = descriptor(b_tile(stage), 16, 1024);
+#pragma unroll
+        for (int kk = 0; kk < kTile / 32; ++kk) {  // 32 bytes of K a wgmma: +2 in the descriptor's 16-byte units
+            mma_e4m3_m64n128k32(step_acc, a_desc + 2 * kk, b_desc + 2 * kk, kk);
+        }
+        wgmma_commit();
+    };
+    // Step j's wgmmas are done: its stage goes back to the producer, its product into acc with its scales.
+    auto retire = [&](float (&step_acc)[64], const float (&prod)[2], int j) {
+        fence_registers(step_acc);
+        mbarrier_arrive_if(empty((it + j) % STAGES), lane == 0);
+#pragma unroll
+        for (int q = 0; q < 16; ++q) {
+            acc[4 * q] = fmaf(step_acc[4 * q], prod[0], acc[4 * q]);
+            acc[4 * q + 1] = fmaf(step_acc[4 * q + 1], prod[0], acc[4 * q + 1]);
+            acc[4 * q + 2] = fmaf(step_acc[4 * q + 2], prod[1], acc[4 * q + 2]);
+            acc[4 * q + 3] = fmaf(step_acc[4 * q + 3], prod[1], acc[4 * q + 3]);
+        }
+    };
+    for (; tile < tiles; tile += gridDim.x) {
+        // The CTA's next tile (this one again after the last), whose first two steps' scales the last two load.
         tile_coords(min(tile + (int)gridDim.x, tiles - 1), tiles_m, tiles_n, next_m, next_n);
-        const Scales next_scales = tile_scales(next_m, next_n);
-        float acc[64], step_acc[64];
+        next_scales = tile_scales(next_m, next_n);
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
-        for (int i = 0; i < steps; ++i, ++it) {
-            const int stage = it % STAGES;
-            const bool last = i + 1 == steps;
-            const i64 next_step = last ? 0 : i + 1;
-            const Scales from = last ? next_scales : scales;  // by value: a reference would put both in local memory
-            const float next_b = load_scale(from.b + next_step * scale_b_stride_k);
-            const float next_lo = load_scale(from.lo + next_step * scale_a_stride_k);
-            const float next_hi = load_scale(from.hi + next_step * scale_a_stride_k);
-            mbarrier_wait(full(stage), (u32)(it / STAGES) & 1u);
-            wgmma_fence();
-            const u64 a_desc = descriptor(a_tile(stage) + c * 64 * kTile, 16, 1024);
-            const u64 b_desc = descriptor(b_tile(stage), 16, 1024);
-#pragma unroll
-            for (int kk = 0; kk < kTile / 32; ++kk) {  // 32 bytes of K a wgmma: +2 in the descriptor's 16-byte units
-                mma_e4m3_m64n128k32(step_acc, a_desc + 2 * kk, b_desc + 2 * kk, kk);
-            }
-            wgmma_commit();
+        issue(step0, raw0, prod0, 0);
+        int i = 0;
+        for (; i + 2 < steps; i += 2) {  // steps i (in step0) and i + 1 (in step1), with i + 2 to come
+            issue(step1, raw1, prod1, i + 1);
+            wgmma_wait<1>();
+            retire(step0, prod0, i);
+            issue(step0, raw0, prod0, i + 2);
+            wgmma_wait<1>();
+            retire(step1, prod1, i + 1);
+        }
+        if (i + 1 < steps) {  // the last two
+            issue(step1, raw1, prod1, i + 1);
+            wgmma_wait<1>();
+            retire(step0, prod0, i);
             wgmma_wait<0>();
-            fence_registers(step_acc);
-            mbarrier_arrive_if(empty(stage), lane == 0);  // the stage goes back to the producer before the promotion
+            retire(step1, prod1, i + 1);
+        } else {
+            wgmma_wait<0>();
+            retire(step0, prod0, i);
+        }
+        it += steps;
+        if ((steps & 1) && steps > 1) {  // the next tile's step 0 went to raw1 and its step 1 to raw0
 #pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                acc[4 * j] = fmaf(step_acc[4 * j], s_lo, acc[4 * j]);
-                acc[4 * j + 1] = fmaf(step_acc[4 * j + 1], s_lo, acc[4 * j + 1]);
-                acc[4 * j + 2] = fmaf(step_acc[4 * j + 2], s_hi, acc[4 * j + 2]);
-                acc[4 * j + 3] = fmaf(step_acc[4 * j + 3], s_hi, acc[4 * j + 3]);
+            for (int q = 0; q < 3; ++q) {
+                const float swapped = raw0[q];
+                raw0[q] = raw1[q];
+                raw1[q] = swapped;
             }
-            s_lo = next_lo * next_b;
-            s_hi = next_hi * next_b;
         }
 
         const int n0 = tile_n * kTile;

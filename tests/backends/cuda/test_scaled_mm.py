@@ -1,7 +1,8 @@
 """The cuda backend's scaled_mm (Hopper fp8 GEMM with 128-block scales): what it accepts and why not, a direct call
 it cannot compute refused before any launch, its kernels compiled for sm_90a without spills and within the register
 file (NVRTC runs on CPU-only machines); and on an H100/H200 against the spec's reference: one tile, M, N and K past
-the tiles (a 16-wide last K block), more K steps than ring stages, DeepSeek-V3's shapes, MN-major activation scales,
+the tiles (a 16-wide last K block), more K steps than ring stages, more tiles than SMs (odd
+and single K steps), DeepSeek-V3's shapes, MN-major activation scales,
 UE8M0 scales, a bias with every output dtype, padded rows, NaN-poisoned memory and a CUDA-graph replay."""
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ SIZES = {
     "one_tile": (128, 128, 128, {}),
     "tails": (300, 264, 1040, {}),  # a partial row tile, column tile and K block (16 of 128)
     "ring_wraps": (256, 256, 128 * 13, {}),  # 13 K steps over 5 stages
+    # more tiles than an H200 has SMs (persistent CTAs): an odd number of K steps, and one step a tile
+    "persistent_odd_steps": (2048, 2176, 128 * 5, {}),
+    "persistent_one_step": (2048, 2176, 128, {}),
     "deepseek_down": (1024, 7168, 2048, {}),
     "deepseek_gate": (512, 2048, 7168, {}),
     "mn_major_scales": (384, 256, 512, {"scale_a_layout": "mn_major"}),
