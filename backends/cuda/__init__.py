@@ -65,12 +65,15 @@ TABLE = (
           "Hopper, W4A16 up to 32 rows of a: a CTA a 16 weight rows, its warps splitting K; the codes decoded in "
           "registers into exactly scaled 16-bit pairs once for all rows of a, m16n8k16 MMAs with a's rows as B columns",
           {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
-    # sm_90a cubins (wgmma, TMA) run on sm_90 only. Not yet measured (branch next/scaled-mm-sm90): it must not reach
-    # main before it is, since it takes every block-scaled call from M 256 from triton and the vendors.
+    # sm_90a cubins (wgmma, TMA) run on sm_90 only. Between torch's cuBLASLt (15) and triton (13), as measured on the
+    # H200 from M 256: 0.82-0.92x cuBLASLt, 1.5-1.7x triton, 0.81-0.82x DeepGEMM's kernel at M 4096
+    # (perf/decisions/scaled_mm.md).
     Entry("scaled_mm",
-          "Hopper, 128-block scales from M 256: 128 x 128 tiles by TMA (a producer warpgroup), two consumer warpgroups "
-          "of fp8 wgmma, each 128-K product promoted to fp32 with its block scales on the CUDA cores",
-          {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
+          "Hopper, 128-block scales from M 256: persistent CTAs over 128 x 128 or 256 x 128 tiles by TMA (a producer "
+          "warpgroup), two consumer warpgroups of fp8 wgmma, each 128-K product promoted to fp32 with its block "
+          "scales on the CUDA cores",
+          {"priority": 14,
+           "requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
     # The kernels need sm_89's e4m3 cvt only; registered on Hopper, where they are measured: 1.0-2.3x triton on the
     # H200 goal shapes but per_tensor at H 2048 (0.88-0.94x; perf/decisions/quantize_fp8.md).
     Entry("quantize_fp8",

@@ -41,12 +41,13 @@ TABLE = (
     Entry("fp4_mm",
           "W4A16: weights decoded in the mainloop, GEMVs on the CUDA cores for a few rows, else tensor-core "
           "tiles; W4A4 declined (the vendors' fp4 tensor cores)"),
-    # Below the vendors' GEMMs (15-17) where no tuning table ranks them: half DeepGEMM's speed at M 4096 on
-    # the H200 (perf/decisions/scaled_mm.md); the tables put it first where it measured fastest (decode).
+    # Below the vendors' GEMMs (15-17) and the cuda backend's Hopper kernel (14) where no tuning table ranks them:
+    # half DeepGEMM's speed at M 4096 on the H200 (perf/decisions/scaled_mm.md); the tables put it first where it
+    # measured fastest (decode).
     Entry("scaled_mm",
           "tiled fp8 GEMM with every scale layout and the bias fused; at decode sizes split-K over the weight "
           "stream, the slices summed in one more launch",
-          {"priority": -10 if _INTERPRETED else 14}),
+          {"priority": -10 if _INTERPRETED else 13}),
     Entry("mla_decode",
           "the paged-attention kernel with one latent head: heads as rows, values from the "
           "key tile, split-KV with a merge kernel"),

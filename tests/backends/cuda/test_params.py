@@ -96,7 +96,7 @@ def _alone(filename: str, mirror):
      "moe_decode_fp4_down<true, true>", False),
     (_params.Fp4MmParams, fp4_mm.source, "fp4_mm_gemv<4, true, false, 0>", False),
     # Two TMA maps, then the rest.
-    (_params.ScaledMmParams, scaled_mm.source, "scaled_mm_sm90<0, 5>", True),
+    (_params.ScaledMmParams, scaled_mm.source, "scaled_mm_sm90<0, 4, 2>", True),
     (_params.QuantizeGroupsParams, lambda names: quantize_fp8.source(names, []), "quantize_groups<0, false, 16, 4>",
      False),
     (_params.QuantizeRowsParams, lambda names: quantize_fp8.source([], names), "quantize_rows<0, true, 2, 4>", False),

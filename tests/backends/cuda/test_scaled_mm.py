@@ -1,13 +1,16 @@
 """The cuda backend's scaled_mm (Hopper fp8 GEMM with 128-block scales): what it accepts and why not, a direct call
-it cannot compute refused before any launch, its kernels compiled for sm_90a without spills and within the register
-file (NVRTC runs on CPU-only machines); and on an H100/H200 against the spec's reference: one tile, M, N and K past
-the tiles (a 16-wide last K block), more K steps than ring stages, more tiles than SMs (odd
-and single K steps), DeepSeek-V3's shapes, MN-major activation scales,
-UE8M0 scales, a bias with every output dtype, padded rows, NaN-poisoned memory and a CUDA-graph replay."""
+it cannot compute refused before any launch, which tile height it takes, its kernels compiled for sm_90a without
+spills and within the register file (NVRTC runs on CPU-only machines); and on an H100/H200 against the spec's
+reference, with tiles of 128 and of 256 rows: one tile, M, N and K past the tiles (a 16-wide last K block), more K
+steps than ring stages, more tiles than SMs (persistent CTAs, with an odd number of K steps and with one), DeepSeek-V3's
+shapes, MN-major activation scales, UE8M0 scales, a bias with every output dtype, padded rows, NaN-poisoned memory and
+a CUDA-graph replay."""
 
 from __future__ import annotations
 
 import inspect
+import itertools
+import math
 
 import pytest
 import torch
@@ -107,11 +110,21 @@ def test_a_direct_call_it_cannot_compute_raises_before_any_launch(maker, reason)
         cuda_mm.scaled_mm(**kwargs)
 
 
+def test_row_waves_takes_256_row_tiles_once_they_busy_most_sms():
+    sms = 132
+    assert cuda_mm.row_waves(4096, 7168, sms) == 2  # 16 x 56 tiles of 256 rows
+    assert cuda_mm.row_waves(512, 7168, sms) == 2  # 2 x 56 = 112 >= 0.75 x 132
+    assert cuda_mm.row_waves(256, 7168, sms) == 1  # 56: most SMs would idle
+    needed = math.ceil(cuda_mm.MIN_SM_SHARE_2_WAVES * sms)  # the threshold, in 256 x 128 tiles at N = 128
+    assert cuda_mm.row_waves(256 * needed, 128, sms) == 2
+    assert cuda_mm.row_waves(256 * (needed - 1), 128, sms) == 1
+
+
 @needs_nvrtc
 def test_kernels_compile_without_spills():
-    # The consumers claim 232 registers (setmaxnreg); the compiled count times 384 threads must fit the 64K file.
-    for out_dtype in cuda_mm.OUT_CODES:
-        name = cuda_mm.kernel_name(out_dtype)
+    # The consumers claim 224 registers (setmaxnreg); the compiled count times 384 threads must fit the 64K file.
+    for out_dtype, waves in itertools.product(cuda_mm.OUT_CODES, cuda_mm.STAGES):
+        name = cuda_mm.kernel_name(out_dtype, waves)
         module = _compile.compile_module(cuda_mm.source([name]), [name], (9, 0), verbose=True, arch_specific=True)
         assert module.spill_bytes(name) == 0, name
         assert 0 < module.registers(name) * cuda_mm.THREADS <= 65536, name
@@ -122,9 +135,11 @@ def test_kernels_compile_without_spills():
 
 
 @needs_hopper
+@pytest.mark.parametrize("waves", sorted(cuda_mm.STAGES))
 @pytest.mark.parametrize("name", list(SIZES))
-def test_sizes_match_the_reference(name):
-    _check(_call(name), name)
+def test_sizes_match_the_reference(name, waves, monkeypatch):
+    monkeypatch.setattr(cuda_mm, "row_waves", lambda rows, cols, sm_count: waves)
+    _check(_call(name), f"{name}, tiles of {waves} x 128 rows")
 
 
 @needs_hopper
