@@ -15,11 +15,10 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from cuda_kernels import needs_hopper, needs_nvrtc
+from cuda_kernels import check_against_reference, needs_hopper, needs_nvrtc
 from fakes import ask
 from kernelmux.backends.cuda import _compile
 from kernelmux.backends.cuda import fp4_mm as cuda_fp4
-from kernelmux.conformance import poison_freed_memory
 from kernelmux.platforms import simulate
 from kernelmux.specs import fp4_mm as spec_module
 from kernelmux.specs.fp4_mm import SPEC
@@ -50,14 +49,7 @@ def _call(name: str, device: str = DEVICE, seed: int = 3) -> dict:
 
 
 def _check(kwargs: dict, what: str) -> torch.Tensor:
-    expected = SPEC.reference(**kwargs)
-    poison_freed_memory(DEVICE, 4 * (kwargs["a"].numel() + kwargs["b"].numel()) + 2 ** 20)
-    actual = cuda_fp4.fp4_mm(**kwargs)
-    try:
-        SPEC.check_close(actual, expected, kwargs)
-    except AssertionError as error:
-        raise AssertionError(f"{what}: {error}") from None
-    return actual
+    return check_against_reference(SPEC, cuda_fp4.fp4_mm, kwargs, what, 4 * (kwargs["a"].numel() + kwargs["b"].numel()) + 2 ** 20)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,11 +18,10 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from cuda_kernels import needs_hopper, needs_nvrtc
+from cuda_kernels import check_against_reference, needs_hopper, needs_nvrtc
 from fakes import ask
 from kernelmux.backends.cuda import _compile, _driver
 from kernelmux.backends.cuda import fused_moe as cuda_moe
-from kernelmux.conformance import poison_freed_memory
 from kernelmux.platforms import simulate
 from kernelmux.specs import fused_moe as spec_module
 from kernelmux.specs.fused_moe import SPEC
@@ -79,14 +78,7 @@ def _large(name: str, seed: int, sizes: dict = LARGE) -> dict:
 
 
 def _check(kwargs: dict, what: str) -> torch.Tensor:
-    expected = SPEC.reference(**kwargs)
-    poison_freed_memory(DEVICE, 4 * (kwargs["hidden"].numel() * kwargs["topk_ids"].shape[1] + 2 ** 20))
-    actual = cuda_moe.fused_moe(**kwargs)
-    try:
-        SPEC.check_close(actual, expected, kwargs)
-    except AssertionError as error:
-        raise AssertionError(f"{what}: {error}") from None
-    return actual
+    return check_against_reference(SPEC, cuda_moe.fused_moe, kwargs, what, 4 * (kwargs["hidden"].numel() * kwargs["topk_ids"].shape[1] + 2 ** 20))
 
 
 # ---------------------------------------------------------------------------------------------

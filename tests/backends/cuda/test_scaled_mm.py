@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from cuda_kernels import needs_hopper, needs_nvrtc, poison_allocator
+from cuda_kernels import check_against_reference, needs_hopper, needs_nvrtc
 from fakes import ask
 from kernelmux.backends.cuda import _compile
 from kernelmux.backends.cuda import scaled_mm as cuda_mm
@@ -50,14 +50,7 @@ def _call(name: str, device: str = DEVICE, seed: int = 3) -> dict:
 
 
 def _check(kwargs: dict, what: str) -> torch.Tensor:
-    expected = SPEC.reference(**kwargs)
-    poison_allocator(4 * kwargs["a"].shape[0] * kwargs["b"].shape[0] + 2 ** 20)
-    actual = cuda_mm.scaled_mm(**kwargs)
-    try:
-        SPEC.check_close(actual, expected, kwargs)
-    except AssertionError as error:
-        raise AssertionError(f"{what}: {error}") from None
-    return actual
+    return check_against_reference(SPEC, cuda_mm.scaled_mm, kwargs, what, 4 * kwargs["a"].shape[0] * kwargs["b"].shape[0] + 2 ** 20)
 
 
 # ---------------------------------------------------------------------------------------------
