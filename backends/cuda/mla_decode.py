@@ -102,7 +102,8 @@ def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool,
               fp8: bool) -> tuple[_compile.CompiledModule, str, str]:
     """One NVRTC compilation per arch, macro set, q dtype and cache kind: (module, decode kernel
     name, merge kernel name)."""
-    decode, merge = f"mla_decode_sm90<{str(bf16).lower()}, {str(fp8).lower()}>", _merge.kernel_name(RANK, MERGE_GROUPS, bf16)
+    decode = f"mla_decode_sm90<{str(bf16).lower()}, {str(fp8).lower()}>"
+    merge = _merge.kernel_name(RANK, MERGE_GROUPS, bf16)
     module = _compile.compile_module_cached(source([decode], [merge]), [decode, merge], arch, filename=SOURCE_NAME,
                                             arch_specific=True, defines=defines)
     return module, decode, merge

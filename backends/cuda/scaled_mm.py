@@ -155,7 +155,8 @@ def scaled_mm(
         # TMA boxes, innermost first: 128 bytes of K, a tile's rows, the unit third dim
         kernel((min(tiles, sm_count), 1, 1), a_map=_driver.tensor_map(a.unsqueeze(0), (TILE, waves * TILE, 1)),
                b_map=_driver.tensor_map(b.unsqueeze(0), (TILE, TILE, 1)), scale_a=scale_a, scale_b=scale_b,
-               bias=bias, out=out, m=rows, n=cols, k=depth, scale_a_stride_m=scale_a.stride(0), scale_a_stride_k=scale_a.stride(1),
-               scale_b_stride_n=scale_b.stride(0), scale_b_stride_k=scale_b.stride(1),
+               bias=bias, out=out, m=rows, n=cols, k=depth, scale_a_stride_m=scale_a.stride(0),
+               scale_a_stride_k=scale_a.stride(1), scale_b_stride_n=scale_b.stride(0),
+               scale_b_stride_k=scale_b.stride(1),
                bias_stride=bias.stride(0) if bias is not None else 0, out_stride=out.stride(0))
     return out

@@ -49,7 +49,8 @@ def _call(name: str, device: str = DEVICE, seed: int = 3) -> dict:
 
 
 def _check(kwargs: dict, what: str) -> torch.Tensor:
-    return check_against_reference(SPEC, cuda_fp4.fp4_mm, kwargs, what, 4 * (kwargs["a"].numel() + kwargs["b"].numel()) + 2 ** 20)
+    operand_bytes = 4 * (kwargs["a"].numel() + kwargs["b"].numel()) + 2 ** 20
+    return check_against_reference(SPEC, cuda_fp4.fp4_mm, kwargs, what, operand_bytes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,7 +78,8 @@ def _large(name: str, seed: int, sizes: dict = LARGE) -> dict:
 
 
 def _check(kwargs: dict, what: str) -> torch.Tensor:
-    return check_against_reference(SPEC, cuda_moe.fused_moe, kwargs, what, 4 * (kwargs["hidden"].numel() * kwargs["topk_ids"].shape[1] + 2 ** 20))
+    pairs_bytes = 4 * (kwargs["hidden"].numel() * kwargs["topk_ids"].shape[1] + 2 ** 20)
+    return check_against_reference(SPEC, cuda_moe.fused_moe, kwargs, what, pairs_bytes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -50,7 +50,8 @@ def _call(name: str, device: str = DEVICE, seed: int = 3) -> dict:
 
 
 def _check(kwargs: dict, what: str) -> torch.Tensor:
-    return check_against_reference(SPEC, cuda_mm.scaled_mm, kwargs, what, 4 * kwargs["a"].shape[0] * kwargs["b"].shape[0] + 2 ** 20)
+    out_bytes = 4 * kwargs["a"].shape[0] * kwargs["b"].shape[0] + 2 ** 20
+    return check_against_reference(SPEC, cuda_mm.scaled_mm, kwargs, what, out_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
