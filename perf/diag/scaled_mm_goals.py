@@ -3,12 +3,12 @@ activation groups, 128 x 128 weight blocks, bf16 out) with N x K in {7168 x 1638
 36864 x 7168} at M in {1, 16, 64, 128} and {7168 x 16384, 36864 x 7168} at M = 4096. Every implementation
 that serves a shape is timed by CUDA-graph replay, after its output is compared with the spec's reference
 computed on the GPU (the largest difference relative to the largest output): the triton backend under
-its own launch configuration (and with --sweep, each of _sweep's), on Hopper the cuda backend's GEMM at M >= its
-MIN_ROWS, and as peers the torch backend
-(cuBLASLt), the deepgemm backend as served (its scale-layout conversion included) and DeepGEMM's kernel
-alone on scales prepared once ("deepgemm-kernel"). Decode shapes cycle through enough weight copies that
-each call reads its weights from HBM, not L2. Times are set against the copy bandwidth (for the weight
-bytes) and the fp8 matmul rate measured in the same run.
+its own launch configuration (and with --sweep, each of _sweep's), on Hopper the cuda backend's GEMM at
+M >= its MIN_ROWS, and as peers the torch backend (cuBLASLt), the deepgemm backend as served (its
+scale-layout conversion included) and DeepGEMM's kernel alone on scales prepared once
+("deepgemm-kernel"). Decode shapes cycle through enough weight copies that each call reads its weights
+from HBM, not L2. Times are set against the copy bandwidth (for the weight bytes) and the fp8 matmul
+rate measured in the same run.
 
     python perf/diag/scaled_mm_goals.py --out DIR [--m 1 16 64 128 4096] [--nk 7168x16384 ...] [--sweep]
         [--impls triton cuda torch deepgemm deepgemm-kernel] [--configs BM/BN/BK/WARPS/STAGES/SPLIT ...]
