@@ -1,7 +1,7 @@
 """Shared by the cuda backend's kernel tests: skip marks naming what a test needs, NaN-poisoned
-allocator blocks so an output element a kernel never writes fails the comparison, a call checked
-against its spec's reference on them (the backend's paged_attention with its own options), and a
-cubin's SASS per kernel (cuobjdump, which Triton's wheel bundles) for tests of what ptxas emitted."""
+allocator blocks so an output element a kernel never writes fails the comparison, the backend's
+paged_attention checked against the spec's reference, and a cubin's SASS per kernel (cuobjdump,
+which Triton's wheel bundles) for tests of what ptxas emitted."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-from typing import Any, Callable
 
 import pytest
 import torch
@@ -72,20 +71,6 @@ def poison_allocator(nbytes: int) -> None:
     """NaN-filled blocks left in the allocator's free lists: outputs a kernel allocates start as
     NaN, so an element it never writes fails the comparison."""
     poison_freed_memory(DEVICE, nbytes)
-
-
-def check_against_reference(spec: Any, fn: Callable[..., torch.Tensor], kwargs: dict, what: str,
-                            poison_bytes: int) -> torch.Tensor:
-    """``fn(**kwargs)`` on an allocator poisoned with ``poison_bytes`` of NaNs, checked against ``spec``'s
-    reference; a mismatch names the case (``what``). Returns fn's output."""
-    expected = spec.reference(**kwargs)
-    poison_allocator(poison_bytes)
-    actual = fn(**kwargs)
-    try:
-        spec.check_close(actual, expected, kwargs)
-    except AssertionError as error:
-        raise AssertionError(f"{what}: {error}") from None
-    return actual
 
 
 def check_paged_attention(kwargs: dict, seed: int, poison: bool = False) -> None:

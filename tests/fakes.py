@@ -1,5 +1,6 @@
-"""Counting fake implementations and plugins for registry and engine tests, and ``ask``: a
-supports() function's answer to a call, as the engine would get it."""
+"""Counting fake implementations and plugins for registry and engine tests, ``ask``: a supports()
+function's answer to a call, as the engine would get it, and ``check_against_reference``: a backend's
+call checked against its spec's reference on NaN-poisoned memory."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from conftest import DEVICE
+from kernelmux.conformance import poison_freed_memory
 from kernelmux.platforms import Platform, detect
 from kernelmux.specs.grouped_topk import SPEC
 from kernelmux.registry import Implementation, PlatformRequirement, hookimpl
@@ -25,6 +28,20 @@ class Counter:
     def __init__(self) -> None:
         self.calls = 0
         self.supports_calls = 0
+
+
+def check_against_reference(spec: Any, fn: Callable[..., torch.Tensor], kwargs: dict, what: str,
+                            poison_bytes: int) -> torch.Tensor:
+    """``fn(**kwargs)`` on an allocator poisoned with ``poison_bytes`` of NaNs, checked against ``spec``'s
+    reference; a mismatch names the case (``what``). Returns fn's output."""
+    expected = spec.reference(**kwargs)
+    poison_freed_memory(DEVICE, poison_bytes)
+    actual = fn(**kwargs)
+    try:
+        spec.check_close(actual, expected, kwargs)
+    except AssertionError as error:
+        raise AssertionError(f"{what}: {error}") from None
+    return actual
 
 
 def counting_grouped_topk(counter: Counter) -> Callable:

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from cuda_kernels import check_against_reference, needs_hopper, needs_nvrtc
-from fakes import ask
+from cuda_kernels import needs_hopper, needs_nvrtc
+from fakes import ask, check_against_reference
 from kernelmux.backends.cuda import _compile
 from kernelmux.backends.cuda import fp4_mm as cuda_fp4
 from kernelmux.platforms import simulate

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from cuda_kernels import check_against_reference, needs_hopper, needs_nvrtc
-from fakes import ask
+from cuda_kernels import needs_hopper, needs_nvrtc
+from fakes import ask, check_against_reference
 from kernelmux.backends.cuda import _compile
 from kernelmux.backends.cuda import scaled_mm as cuda_mm
 from kernelmux.platforms import simulate

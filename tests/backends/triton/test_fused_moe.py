@@ -15,7 +15,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from conftest import DEVICE  # noqa: E402
-from fakes import ask  # noqa: E402
+from fakes import ask, check_against_reference  # noqa: E402
 from kernelmux.backends.triton import fused_moe as host  # noqa: E402
 from kernelmux.backends.triton._host import force_software_fp8, native_fp8_cast  # noqa: E402
 from kernelmux.backends.triton.fused_moe import (  # noqa: E402
@@ -26,7 +26,6 @@ from kernelmux.backends.triton.fused_moe import (  # noqa: E402
     override_launch_config,
     supports,
 )
-from kernelmux.conformance import poison_freed_memory  # noqa: E402
 from kernelmux.platforms import simulate  # noqa: E402
 from kernelmux.specs.fp4_mm import E2M1_TABLE  # noqa: E402
 from kernelmux.specs.fused_moe import SPEC  # noqa: E402
@@ -56,14 +55,8 @@ def _build(name: str, seed: int) -> dict:
 
 
 def _check(kwargs: dict, what: str = "") -> torch.Tensor:
-    expected = SPEC.reference(**kwargs)
-    poison_freed_memory(DEVICE, 4 * (kwargs["hidden"].numel() + 8 * kwargs["w1"].shape[1] * 64))
-    actual = fused_moe(**kwargs)
-    try:
-        SPEC.check_close(actual, expected, kwargs)
-    except AssertionError as error:
-        raise AssertionError(f"{what}: {error}") from None
-    return actual
+    poison_bytes = 4 * (kwargs["hidden"].numel() + 8 * kwargs["w1"].shape[1] * 64)
+    return check_against_reference(SPEC, fused_moe, kwargs, what, poison_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
