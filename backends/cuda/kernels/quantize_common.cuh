@@ -1,7 +1,7 @@
-// kernelmux cuda backend: what the quantize kernels share (quantize_fp8.cu, quantize_fp4.cu): the input kinds
-// and their 16-byte vectors, |x| maxima on the input's own bits (non-negative floats order as unsigned integers),
-// the folded maximum as the fp32 value it is, a slot's maxima over a warp's lanes, per-CTA maxima reduced, and a
-// CTA's maximum.
+// kernelmux cuda backend: what the quantizing kernels share (quantize_fp8.cu, quantize_fp4.cu, and the fp8 epilogue
+// of fused_moe_sm90.cu): the input kinds and their 16-byte vectors, |x| maxima on the input's own bits (non-negative
+// floats order as unsigned integers), the folded maximum as the fp32 value it is, a slot's maxima over a warp's
+// lanes, per-CTA maxima reduced, a CTA's maximum, and quantize_fp8's scales, quotients and e4m3 codes.
 
 #pragma once
 
@@ -115,6 +115,67 @@ __device__ __forceinline__ u32 cta_max(u32 m) {
     m = 0;
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) m = max(m, warp_max[w]);
     return m;
+}
+
+// quantize_fp8's arithmetic (quantize_fp8.cu's header says why each step is there): e4m3fn's range, the spec's
+// floors, scales, divisors, quotients and codes.
+constexpr float kFp8Max = 448.0f;
+constexpr float kGroupAmaxFloor = 1e-4f;     // per_group floors the amax (the spec's GROUP_AMAX_FLOOR)
+constexpr float kScaleFloor = 0x1p-126f;     // per_token / per_tensor floor the scale (2^-126)
+constexpr float kRescaleBelow = 0x1p-100f;   // row scales below this divide a rescaled row (see divisor)
+constexpr float kRescale = 0x1p64f;
+
+// The spec's scale: max(amax, 1e-4) / 448 for groups, else max(amax / 448, 2^-126), IEEE divisions; ue8m0
+// rounds it up to a power of two on the bits (a mantissa that is not zero carries into the exponent).
+template <bool GROUPED, bool UE8M0>
+__device__ __forceinline__ float scale_of(float amax) {
+    float s = GROUPED ? __fdiv_rn(fmaxf(amax, kGroupAmaxFloor), kFp8Max) : fmaxf(__fdiv_rn(amax, kFp8Max), kScaleFloor);
+    if constexpr (UE8M0) s = __uint_as_float((__float_as_uint(s) + 0x7fffffu) & 0xff800000u);
+    return s;
+}
+
+// What each quotient x / scale needs: the (rescaled) scale, its correctly rounded reciprocal and the factor
+// x is multiplied by first. A power of two's reciprocal is exact, from the exponent bits (scales are normal:
+// 2^-126 up to 2^120, so 1 / s is too). Other scales below kRescaleBelow (rows only: groups' are >= 1e-4 /
+// 448) are rescaled with their row by 2^64 (exact), so the FMA residual of any quotient the codes can tell
+// apart stays above fp32's subnormals.
+struct Divisor {
+    float scale, reciprocal, factor;
+};
+
+template <bool UE8M0, bool GROUPED>
+__device__ __forceinline__ Divisor divisor(float s) {
+    if constexpr (UE8M0) {
+        return {s, __uint_as_float((254u << 23) - (__float_as_uint(s) & 0x7f800000u)), 1.0f};
+    } else if constexpr (GROUPED) {
+        return {s, __frcp_rn(s), 1.0f};
+    } else {
+        const float factor = s < kRescaleBelow ? kRescale : 1.0f;
+        const float scaled = __fmul_rn(s, factor);
+        return {scaled, __frcp_rn(scaled), factor};
+    }
+}
+
+// x / scale, correctly rounded, but for the sign of a zero quotient (codes() puts x's sign bit on the codes).
+// POW2: x * (1 / 2^k) is exact: the quotient itself. Else Markstein's correction of x * r by the exact residual
+// x - q s (an FMA): where it cancels the product to +0 the IEEE quotient of a negative x is -0, hence the sign
+// copied from x. RESCALE: x times the divisor's factor first (exact, sign kept).
+template <bool POW2, bool RESCALE>
+__device__ __forceinline__ float quotient(float x, const Divisor& d) {
+    if constexpr (POW2) {
+        return __fmul_rn(x, d.reciprocal);
+    } else {
+        if constexpr (RESCALE) x = __fmul_rn(x, d.factor);
+        const float q = __fmul_rn(x, d.reciprocal);
+        return __fmaf_rn(-__fmaf_rn(q, d.scale, -x), d.reciprocal, q);
+    }
+}
+
+// Two quotients as e4m3fn codes, lo in the low byte: round to nearest even, saturating.
+__device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
+    unsigned short d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+    return d;
 }
 
 }  // namespace

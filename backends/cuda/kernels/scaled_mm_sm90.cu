@@ -37,15 +37,6 @@ constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;  // 128 x 56 + 
 template <int STAGES, int WAVES>
 __device__ constexpr int scaled_mm_shared_bytes() { return STAGES * (WAVES + 1) * kTileBytes + 1024; }
 
-// d (+)= A (64 x 32 e4m3, K-major, shared) B (32 x 128 e4m3, K-major, shared); accumulate 0 overwrites d.
-// 8-bit wgmmas take both operands K-major and have no transpose flags.
-__device__ __forceinline__ void mma_e4m3_m64n128k32(float (&d)[64], u64 a, u64 b, int accumulate) {
-    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %66, 0;\n\t"
-                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " KM_REGS64 ", %64, %65, p, 1, 1;\n\t}"
-                 : KM_ACC64(d)
-                 : "l"(a), "l"(b), "r"(accumulate));
-}
-
 // OUT: 0 bf16, 1 fp16, 2 fp32. Element i of a vector of that dtype, as fp32.
 template <int OUT>
 __device__ __forceinline__ float load_out(const unsigned char* p, i64 i) {
@@ -81,14 +72,6 @@ __device__ __forceinline__ void store_pair(unsigned char* p, float v0, float v1,
             *reinterpret_cast<u16*>(p) = (u16)packed;
         }
     }
-}
-
-// A scale, loaded where the source puts it: ld.global.nc is otherwise free to sink past the volatile waits and wgmmas
-// towards its use, which would put its latency back in the step.
-__device__ __forceinline__ float load_scale(const float* p) {
-    float v;
-    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
 }
 
 // Tile `tile` of the grouped order: row tiles in groups of kGroupM, a column tile's row tiles consecutive, so the

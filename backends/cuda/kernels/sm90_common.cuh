@@ -1,8 +1,8 @@
 // kernelmux cuda backend: device helpers shared by the Hopper (sm_90a) kernels, mla_decode_sm90.cu,
-// paged_prefill_sm90.cu and fused_moe_sm90.cu: cp.async copies into shared memory, the proxy fence,
-// named barriers, register hand-offs between warpgroups, mbarriers, TMA tile loads, wgmma descriptors,
-// groups and accumulator rows, the m64n128k16 wgmmas, and a scheduling hint for ptxas (common.cuh has the
-// arch-neutral ones).
+// paged_prefill_sm90.cu, fused_moe_sm90.cu and scaled_mm_sm90.cu: cp.async copies into shared memory, the proxy
+// fence, named barriers, register hand-offs between warpgroups, mbarriers, TMA tile loads, wgmma descriptors,
+// groups and accumulator rows, the m64n128k16 (16-bit) and m64n128k32 (e4m3) wgmmas, scale loads pinned in place,
+// and a scheduling hint for ptxas (common.cuh has the arch-neutral ones).
 // _toolchain.py hands every kernels/*.cuh to NVRTC, so a kernel includes it by name.
 
 #pragma once
@@ -143,6 +143,14 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
+// A scale, loaded where the source puts it: ld.global.nc is otherwise free to sink past the volatile waits and wgmmas
+// towards its use, which would put its latency back in the step.
+__device__ __forceinline__ float load_scale(const float* p) {
+    float v;
+    asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
 // ptxas schedules a wgmma wait as early as its own operands allow: above independent arithmetic
 // the source puts before it (register fences stay in the PTX; ptxas reorders the SASS). A
 // warp-uniform branch on `value` ends a block that ptxas does not hoist the next wait out of, so
@@ -211,6 +219,15 @@ __device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const u32 (&a)
         KM_MMA("f16");
     }
 #undef KM_MMA
+}
+
+// d (+)= A (64 x 32 e4m3, K-major, shared) B (32 x 128 e4m3, K-major, shared); accumulate 0 overwrites d.
+// 8-bit wgmmas take both operands K-major and have no transpose flags.
+__device__ __forceinline__ void mma_e4m3_m64n128k32(float (&d)[64], u64 a, u64 b, int accumulate) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %66, 0;\n\t"
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " KM_REGS64 ", %64, %65, p, 1, 1;\n\t}"
+                 : KM_ACC64(d)
+                 : "l"(a), "l"(b), "r"(accumulate));
 }
 
 }  // namespace
