@@ -93,9 +93,10 @@ class MoeRouteParams(ctypes.Structure):
 class MoeGemmParams(ctypes.Structure):
     """kernels/fused_moe_sm90.cu's MoeGemmParams (gate-up and down)."""
 
-    _fields_ = _fields("a out sorted_pairs block_expert starts counts topk_weights",
-                       "topk n_size k_size max_blocks", "", "a_stride out_stride weights_stride_t weights_stride_k",
-                       maps="b_map")
+    _fields_ = _fields("a out sorted_pairs block_expert starts counts topk_weights a_scale b_scale out_scale",
+                       "topk n_size k_size max_blocks", "",
+                       "a_stride out_stride weights_stride_t weights_stride_k a_scale_stride b_scale_stride_e "
+                       "b_scale_stride_n b_scale_stride_k out_scale_stride", maps="b_map")
 
 
 class MoeSumParams(ctypes.Structure):

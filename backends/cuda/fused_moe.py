@@ -1,9 +1,10 @@
-"""The cuda backend's fused_moe on Hopper: 16-bit experts at prefill sizes (kernels/fused_moe_sm90.cu), and
-16-bit and fp4 (MXFP4, NVFP4: W4A16) experts at T = 1 (kernels/fused_moe_decode.cu). Which calls it takes
-(``supports``), its launch plan, and the launches of one call: at prefill sizes the routing in one CTA, gate-up
-and down as warp-specialized wgmma grouped GEMMs (B by TMA), and for top-k > 1 the sum; at T = 1 two GEMVs (no
-routing, down sums the top-k itself), for fp4 experts on the tensor cores with the weights decoded in
-registers. No launch reads a device value on the host: every size is a bound from host ints (CUDA-graph safe;
+"""The cuda backend's fused_moe on Hopper: 16-bit and 128-block fp8 (DeepSeek-V3) experts at prefill sizes
+(kernels/fused_moe_sm90.cu), and 16-bit and fp4 (MXFP4, NVFP4: W4A16) experts at T = 1
+(kernels/fused_moe_decode.cu). Which calls it takes (``supports``), its launch plan, and the launches of one call:
+at prefill sizes the routing in one CTA, gate-up and down as warp-specialized wgmma grouped GEMMs (B by TMA; fp8:
+the input quantized 1 x 128 first by the cuda quantize_fp8, the intermediate by gate-up's epilogue), and for
+top-k > 1 the sum; at T = 1 two GEMVs (no routing, down sums the top-k itself), for fp4 experts on the tensor cores
+with the weights decoded in registers. No launch reads a device value on the host: every size is a bound from host ints (CUDA-graph safe;
 the weights' TMA maps travel in the launches' parameters)."""
 
 import functools
@@ -14,6 +15,7 @@ import torch
 
 from kernelmux.backends._scoped import PlanSetting
 from kernelmux.backends.cuda import _compile, _driver, _params
+from kernelmux.backends.cuda import quantize_fp8 as cuda_quantize_fp8
 from kernelmux.backends.cuda._targets import HOPPER
 from kernelmux.platforms import Platform, probes
 from kernelmux.specs import fused_moe as spec
@@ -32,6 +34,8 @@ SUM_COLUMNS = 256 * 8  # moe_sum_sm90: 256 threads of 8 columns
 VECTOR = 8  # elements per 16-byte copy: H and I must be multiples
 STAGES = (2, 4)  # pipeline stages the GEMM is instantiated for (4 x 48 KiB fills 193 of the 227 KiB)
 B_BOX = (64, 128, 1)  # a B tile's TMA box, innermost first: 64 of K (128 bytes), 128 rows, one expert
+FP8_B_BOX = (128, 128, 1)  # fp8 experts: 128 of K (128 bytes, one scale block)
+FP8_BLOCK = 128  # fp8_block's weight blocks and activation groups: H and I must be multiples (a K step, a tile)
 # Below this many pairs per expert (at the top of the call's T class) most of a 128-row block is padding
 # and the grid leaves SMs idle: the triton backend's 16-64-row blocks serve those calls.
 MIN_PAIRS_PER_EXPERT = 64
@@ -100,9 +104,17 @@ def _by_gemvs(plan: MoePlan, num_tokens: int) -> bool:
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     """None when the kernels compute calls with this key as the spec defines them, else why not."""
     fp4 = key.quantization in FP4_QUANTIZATIONS
-    if key.quantization != "none" and not fp4:
-        return f"{key.quantization} experts: 16-bit and fp4 experts only (the triton backend serves fp8 ones)"
+    if key.quantization not in ("none", "fp8_block") and not fp4:
+        return (f"{key.quantization} experts: 16-bit, fp8_block and fp4 experts only (the triton backend serves "
+                f"{key.quantization} ones)")
     decode = key.num_tokens_class <= DECODE_MAX_TOKENS
+    if key.quantization == "fp8_block":
+        problem = _fp8_problem(key.weight_dtype, key.hidden_size, key.intermediate_size)
+        if problem:
+            return problem
+        if decode:
+            return (f"fp8_block experts at T = {DECODE_MAX_TOKENS}: the decode GEMVs take 16-bit and fp4 experts "
+                    "(the triton backend serves these)")
     if fp4 and not decode:
         return (f"{key.quantization} experts above T = {DECODE_MAX_TOKENS}: only the decode GEMVs decode fp4 "
                 "weights here (the triton backend serves larger T)")
@@ -142,6 +154,17 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
     return None
 
 
+def _fp8_problem(weight_dtype: torch.dtype, hidden_size: int, inter_size: int) -> Optional[str]:
+    """Why the GEMMs cannot compute a call with these fp8_block experts, or None."""
+    if weight_dtype != torch.float8_e4m3fn:
+        return f"fp8_block experts in {weight_dtype}: e4m3fn only (the wgmma's e4m3; the triton backend serves others)"
+    for name, size in (("H", hidden_size), ("I", inter_size)):
+        if size % FP8_BLOCK:
+            return (f"{name} = {size}: fp8_block experts need a multiple of {FP8_BLOCK} (a K step is one scale "
+                    "block, a gate-up tile one group of the intermediate)")
+    return None
+
+
 def _fp4_problem(quantization: str, hidden_dtype: torch.dtype, hidden_size: int, inter_size: int) -> Optional[str]:
     """Why the fp4 decode GEMVs cannot compute a call with these experts and activations, or None."""
     if quantization == "mxfp4" and hidden_dtype == torch.float16:
@@ -165,15 +188,18 @@ def describe(key: spec.Key, platform: Platform) -> str:
         return ("decode GEMVs: gate-up a warp a (pair, column), down a warp a (token, column) summing the top-k, "
                 "16-byte weight loads 4-8 deep per lane, every SM's warps loading (perf/decisions/fused_moe.md)")
     grid = "one CTA an SM walking the tiles" if plan.persistent else "a CTA a tile"
-    return (f"GEMMs of {ROWS}-row blocks x 2 x {COLUMNS} columns, {plan.stages} stages of 48 KiB, {grid} "
+    fp8 = (", e4m3 wgmmas promoted per 128-K block, the intermediate quantized in gate-up's epilogue"
+           if key.quantization == "fp8_block" else "")
+    return (f"GEMMs of {ROWS}-row blocks x 2 x {COLUMNS} columns, {plan.stages} stages of 48 KiB, {grid}{fp8} "
             "(perf/decisions/fused_moe.md)")
 
 
-def kernel_names(bf16: bool, gelu: bool, stages: int) -> dict[str, str]:
-    """The C++ names of one call's kernels for a hidden dtype, an activation and the GEMMs' stages."""
-    dtype, act = str(bf16).lower(), str(gelu).lower()
-    return {"route": "moe_route_sm90", "gate_up": f"moe_gemm_sm90<{dtype}, true, {act}, {stages}>",
-            "down": f"moe_gemm_sm90<{dtype}, false, false, {stages}>", "sum": f"moe_sum_sm90<{dtype}>"}
+def kernel_names(bf16: bool, gelu: bool, stages: int, fp8: bool = False) -> dict[str, str]:
+    """The C++ names of one call's kernels for a hidden dtype, an activation, the GEMMs' stages and whether the
+    experts are fp8_block."""
+    dtype, act, e4m3 = str(bf16).lower(), str(gelu).lower(), str(fp8).lower()
+    return {"route": "moe_route_sm90", "gate_up": f"moe_gemm_sm90<{dtype}, true, {act}, {stages}, {e4m3}>",
+            "down": f"moe_gemm_sm90<{dtype}, false, false, {stages}, {e4m3}>", "sum": f"moe_sum_sm90<{dtype}>"}
 
 
 def decode_kernel_names(bf16: bool, gelu: bool, quantization: str = "none") -> dict[str, str]:
@@ -210,10 +236,10 @@ def source(names: dict[str, str]) -> str:
 
 
 @functools.cache
-def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, gelu: bool,
-              stages: int) -> tuple[_compile.CompiledModule, dict[str, str]]:
+def _compiled(arch: tuple[int, int], defines: tuple[str, ...], bf16: bool, gelu: bool, stages: int,
+              fp8: bool) -> tuple[_compile.CompiledModule, dict[str, str]]:
     """One NVRTC compilation per arch, macro set and template set: (module, kernel names)."""
-    names = kernel_names(bf16, gelu, stages)
+    names = kernel_names(bf16, gelu, stages, fp8)
     module = _compile.compile_module_cached(source(names), list(names.values()), arch, filename=SOURCE_NAME,
                                             arch_specific=True, defines=defines)
     return module, names
@@ -232,19 +258,19 @@ _LOADED = _driver.LoadedKernels()
 _LOADED_DECODE = _driver.LoadedKernels()
 
 
-def _kernels(device: torch.device, bf16: bool, gelu: bool, stages: int) -> tuple[_driver.Kernel, ...]:
+def _kernels(device: torch.device, bf16: bool, gelu: bool, stages: int, fp8: bool) -> tuple[_driver.Kernel, ...]:
     """(route, gate-up, down, sum), loaded on ``device`` (cached per device, diagnostics and templates)."""
     defines = _compile.diagnostics_in_force()
 
     def build():
-        module, names = _compiled(_capability(device), defines, bf16, gelu, stages)
+        module, names = _compiled(_capability(device), defines, bf16, gelu, stages, fp8)
         gemm_bytes = shared_bytes(stages)
         return module, [_driver.KernelSpec(names["route"], _params.MoeRouteParams, ROUTE_THREADS),
                         _driver.KernelSpec(names["gate_up"], _params.MoeGemmParams, THREADS, gemm_bytes),
                         _driver.KernelSpec(names["down"], _params.MoeGemmParams, THREADS, gemm_bytes),
                         _driver.KernelSpec(names["sum"], _params.MoeSumParams, SUM_COLUMNS // VECTOR)]
 
-    return _LOADED.get(device, (defines, bf16, gelu, stages), build)
+    return _LOADED.get(device, (defines, bf16, gelu, stages, fp8), build)
 
 
 def _decode_kernels(device: torch.device, bf16: bool, gelu: bool,
@@ -361,10 +387,10 @@ def fused_moe(
     w1_global_scale: Optional[torch.Tensor] = None,
     w2_global_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """The spec's fused_moe for 16-bit experts: routing, gate-up with the activation, down with the
-    router weight (top-1: into the output), and for top-k > 1 the sum of each token's pair rows in
-    fp32, rounded once; at T <= DECODE_MAX_TOKENS (or as the plan says) the decode GEMVs instead, the
-    only route for fp4 experts. Arguments are validated by the caller and accepted by ``supports``."""
+    """The spec's fused_moe for 16-bit and fp8_block experts: routing, gate-up with the activation, down with
+    the router weight (top-1: into the output), and for top-k > 1 the sum of each token's pair rows in fp32,
+    rounded once; at T <= DECODE_MAX_TOKENS (or as the plan says) the decode GEMVs instead for 16-bit experts,
+    the only route for fp4 experts. Arguments are validated by the caller and accepted by ``supports``."""
     num_tokens, hidden_size = hidden.shape
     dtype, device = hidden.dtype, hidden.device
     if num_tokens == 0:
@@ -377,9 +403,21 @@ def fused_moe(
         return _fused_moe_decode_fp4(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map,
                                      apply_router_weight_on_input, quantization, w1_scale, w2_scale,
                                      w1_global_scale, w2_global_scale)
-    if _by_gemvs(plan, num_tokens):
+    fp8 = quantization == "fp8_block"
+    if fp8:  # supports declines these; a direct call is refused before anything launches
+        problem = _fp8_problem(w1.dtype, hidden_size, w1.shape[1] // 2)
+        if problem:
+            raise ValueError(f"w1: {problem}")
+        if plan.gemv:
+            raise ValueError("quantization: fp8_block experts run the GEMMs only, and the plan forces the decode GEMVs")
+    elif quantization != "none":
+        raise ValueError(f"quantization: 16-bit, fp8_block or fp4 experts, got {quantization}")
+    elif _by_gemvs(plan, num_tokens):
         return _fused_moe_decode(hidden, w1, w2, topk_weights, topk_ids, activation, expert_map,
                                  apply_router_weight_on_input)
+    if apply_router_weight_on_input:  # supports declines it above T = 1; a plan may force the GEMMs at T = 1
+        raise ValueError("apply_router_weight_on_input: the GEMMs copy input rows as they are (the decode GEMVs "
+                         "scale them)")
     experts, inter_size = w1.shape[0], w1.shape[1] // 2
     topk = topk_ids.shape[1]
     pairs = num_tokens * topk
@@ -390,7 +428,7 @@ def fused_moe(
     counts, starts = index[:experts], index[experts:2 * experts]
     block_expert = index[2 * experts:2 * experts + max_blocks]
     sorted_pairs = index[2 * experts + max_blocks:]
-    inter = torch.empty((max_rows, inter_size), dtype=dtype, device=device)
+    inter = torch.empty((max_rows, inter_size), dtype=torch.uint8 if fp8 else dtype, device=device)
     has_map = expert_map is not None
     if topk > 1:
         down_out = torch.empty((pairs, hidden_size), dtype=dtype, device=device)
@@ -407,16 +445,35 @@ def fused_moe(
         tiles = max_blocks * column_tiles
         return (min(tiles, _sm_count(device)) if plan.persistent else tiles, 1, 1)
 
+    def scales(a_scale, b_scale, out_scale=None) -> dict:  # the fp8 GEMMs' scale fields (16-bit: nulls)
+        if a_scale is None:
+            return dict(a_scale=None, b_scale=None, out_scale=None, a_scale_stride=0, b_scale_stride_e=0,
+                        b_scale_stride_n=0, b_scale_stride_k=0, out_scale_stride=0)
+        return dict(a_scale=a_scale, b_scale=b_scale, out_scale=out_scale, a_scale_stride=a_scale.stride(0),
+                    b_scale_stride_e=b_scale.stride(0), b_scale_stride_n=b_scale.stride(1),
+                    b_scale_stride_k=b_scale.stride(2), out_scale_stride=0 if out_scale is None else out_scale.stride(0))
+
     with torch.cuda.device(device):
-        route, gate_up, down, moe_sum = _kernels(device, dtype == torch.bfloat16, activation == "gelu", plan.stages)
+        if fp8:  # the input in 1 x 128 groups, contiguous scales [T, H / 128] (the kernel steps them by one)
+            gate_up_a, hidden_scale = cuda_quantize_fp8.quantize_fp8(hidden, "per_group", FP8_BLOCK, False,
+                                                                     "e4m3fn")
+            inter_scale = torch.empty((max_rows, inter_size // FP8_BLOCK), dtype=torch.float32, device=device)
+            gate_up_scales = scales(hidden_scale, w1_scale, inter_scale)
+            down_scales = scales(inter_scale, w2_scale)
+        else:
+            gate_up_a, gate_up_scales = hidden, scales(None, None)
+            down_scales = gate_up_scales
+        box = FP8_B_BOX if fp8 else B_BOX
+        route, gate_up, down, moe_sum = _kernels(device, dtype == torch.bfloat16, activation == "gelu", plan.stages,
+                                                 fp8)
         route((1, 1, 1), counts=counts, starts=starts, block_expert=block_expert, sorted_pairs=sorted_pairs,
               num_pairs=pairs, topk=topk, num_experts=experts, max_blocks=max_blocks, **routing)
-        gate_up(grid(-(-inter_size // COLUMNS)), b_map=_driver.tensor_map(w1, B_BOX), a=hidden, out=inter,
-                n_size=inter_size, k_size=hidden_size, a_stride=hidden.stride(0), out_stride=inter.stride(0),
-                **layout)
-        down(grid(-(-hidden_size // (2 * COLUMNS))), b_map=_driver.tensor_map(w2, B_BOX), a=inter, out=down_out,
+        gate_up(grid(-(-inter_size // COLUMNS)), b_map=_driver.tensor_map(w1, box), a=gate_up_a, out=inter,
+                n_size=inter_size, k_size=hidden_size, a_stride=gate_up_a.stride(0), out_stride=inter.stride(0),
+                **gate_up_scales, **layout)
+        down(grid(-(-hidden_size // (2 * COLUMNS))), b_map=_driver.tensor_map(w2, box), a=inter, out=down_out,
              n_size=hidden_size, k_size=inter_size, a_stride=inter.stride(0), out_stride=down_out.stride(0),
-             **layout)
+             **down_scales, **layout)
         if topk == 1:
             return down_out
         out = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)

@@ -2,8 +2,8 @@
 device: Mixtral-8x7B and Qwen3-30B-A3B in bf16 and DeepSeek-V3 with 128-block fp8 weights, at T = 1,
 64 and 4096, and gpt-oss-120b with MXFP4 weights (random codes and scales: the values do not change
 the time) at T = 1 and 64. Each implementation that serves a shape (the triton backend's kernels; torch's
-grouped_mm, the cuda backend's Hopper GEMMs (called directly, past its floor on pairs per expert) and
-DeepGEMM as peers) is timed by CUDA-graph replay over four routings (so decode reads
+grouped_mm, the cuda backend's Hopper GEMMs (16-bit and fp8_block; called directly, past its floor on pairs
+per expert) and DeepGEMM as peers) is timed by CUDA-graph replay over four routings (so decode reads
 cold experts, as a serving step does), after its output is checked: against the spec's reference
 where that is cheap (check_close), else against the peer (the largest difference relative to the
 peer's largest output). Times are set against the copy bandwidth and matmul rates measured in the
@@ -180,6 +180,8 @@ def _peers(quantization: str) -> dict:
             impls["deepgemm"] = deepgemm_moe.fused_moe
         except Exception as error:  # noqa: BLE001 - a peer that cannot load is reported, not fatal
             print(f"deepgemm peer unavailable: {type(error).__name__}: {error}")
+        if torch.cuda.get_device_capability() == cuda_moe.CAPABILITY:  # after DeepGEMM: the check's peer
+            impls["cuda"] = cuda_moe.fused_moe
     return impls
 
 

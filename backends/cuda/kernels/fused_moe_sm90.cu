@@ -1,9 +1,10 @@
-// kernelmux cuda backend: fused_moe on Hopper (sm_90a) for 16-bit experts at prefill sizes.
+// kernelmux cuda backend: fused_moe on Hopper (sm_90a) for 16-bit and 128-block fp8 (DeepSeek-V3) experts at
+// prefill sizes.
 //
 // At T = 4096 the two grouped GEMMs are matmul-bound, and the triton kernels stop at 45-65% of the
-// bf16 rate (perf/decisions/fused_moe.md). This file's GEMM gives each of three warpgroups one job, as
-// the prefill kernel does (paged_prefill_sm90.cu); with B by TMA it measured 1.02-1.10x the triton
-// kernels at T = 4096 (the decision file says what else was measured and not kept).
+// bf16 rate and 32% of the fp8 rate (perf/decisions/fused_moe.md). This file's GEMM gives each of three
+// warpgroups one job, as the prefill kernel does (paged_prefill_sm90.cu); with B by TMA it measured
+// 1.02-1.10x the triton kernels at T = 4096 in bf16 (the decision file says what else was measured and not kept).
 //
 //   - Routing (moe_route_sm90, one CTA): each (token, slot) pair placed in its local expert's run
 //     of rows, each run padded to whole 128-row blocks: counts, padded starts and each block's
@@ -21,6 +22,9 @@
 //   - Epilogues: gate-up rounds gate and up to the hidden dtype, applies silu or gelu in fp32 and
 //     stores the rounded product in run order (the spec's dataflow); down multiplies the router
 //     weight in fp32 and stores each pair's row rounded (top-1: the output itself).
+//   - fp8 experts (FP8): the same CTAs and ring, a K step of 128 codes (one scale block); each half's step
+//     runs into a fresh accumulator promoted with its scales, and gate-up's epilogue stores the intermediate
+//     quantized 1 x 128 (the kernel's comment says how).
 //   - moe_sum_sm90: each token's k pair rows added in fp32 and rounded once; a slot routed to
 //     another rank (never written) adds nothing.
 //
@@ -29,18 +33,22 @@
 // consumer warp is done with it. Compiled at runtime by NVRTC for sm_90a; see fused_moe.py.
 
 #include "moe_common.cuh"
+#include "quantize_common.cuh"
 #include "sm90_common.cuh"
 
 namespace {
 
 constexpr int kRows = 128;       // rows per routing block: the CTA's M, two consumer warpgroups of 64
 constexpr int kCols = 128;       // columns per accumulator (the wgmma's N); a CTA has two
-constexpr int kStepK = 64;       // K per pipeline step: one 128-byte row of a swizzled tile
+constexpr int kStepBytes = 128;  // K per pipeline step: one 128-byte row of a swizzled tile (64 or 128 elements)
+constexpr int kScaleBlock = 128;  // fp8: a weight block's rows and columns, an activation group's columns
 constexpr int kThreads = 384;    // producer + two consumers
 constexpr int kTile = 128 * 128;  // 128 rows x 128 bytes
 constexpr int kGroupBlocks = 8;  // row blocks that share each column tile while it is in L2
-// The producer's 12 row pointers and its walk over tiles spilled at 72 (down, persistent loop).
-constexpr int kProducerRegisters = 88, kConsumerRegisters = 208;  // 128 x 88 + 256 x 208 <= 64K
+// 16-bit: the producer's 12 row pointers and its walk over tiles spilled at 72 (down, persistent loop). fp8: a
+// consumer's step accumulator and scales need 216.
+template <bool FP8> constexpr int kProducerRegisters = FP8 ? 72 : 88;
+template <bool FP8> constexpr int kConsumerRegisters = FP8 ? 216 : 208;  // 128 x 72 + 256 x 216 <= 64K
 constexpr int kRouteThreads = 1024;  // the routing CTA: one local expert per thread (E <= 1024)
 constexpr int kSumThreads = 256, kSumVector = 8;  // moe_sum_sm90: 8 columns (16 bytes) a thread
 
@@ -86,15 +94,19 @@ struct MoeRouteParams {
 
 struct MoeGemmParams {
     TensorMap b_map;         // w1 [E, 2I, H] or w2 [E, H, I] (TMA)
-    const unsigned char* a;  // gate-up: hidden [T, H]; down: the intermediate [rows, I]
+    const unsigned char* a;  // gate-up: hidden [T, H]; down: the intermediate [rows, I] (fp8: their codes)
     unsigned char* out;      // gate-up: the intermediate; down: [T * k, H] pair rows, or out [T, H] (top-1)
     const int* sorted_pairs;
     const int* block_expert;
     const int* starts;
     const int* counts;
     const float* topk_weights;
+    const float* a_scale;    // fp8: a's group scales [T or rows, K / 128], rows a_scale_stride apart (else null)
+    const float* b_scale;    // fp8: the weight's block scales [E, N / 128, K / 128] (else null)
+    float* out_scale;        // fp8 gate-up: the intermediate's group scales [rows, I / 128] (else null)
     int topk, n_size, k_size, max_blocks;
-    i64 a_stride, out_stride, weights_stride_t, weights_stride_k;
+    i64 a_stride, out_stride, weights_stride_t, weights_stride_k, a_scale_stride, b_scale_stride_e,
+        b_scale_stride_n, b_scale_stride_k, out_scale_stride;
 };
 
 struct MoeSumParams {
@@ -177,14 +189,22 @@ __global__ void __launch_bounds__(kRouteThreads, 1) moe_route_sm90(
 // intermediate [rows, I] in run order; a CTA's accumulators are columns n0.. of gate (w1 rows n0..) and of up
 // (w1 rows I + n0..). Otherwise (down): n_size = H, k_size = I, a = the intermediate, out = pair rows; the
 // accumulators are columns n0.. and n0 + 128... b_map: w1 [E, 2I, H] or w2 [E, H, I] as (K, rows, expert),
-// boxes of 64 x 128 x 1 in the 128-byte swizzle. Sizes and strides in elements; rows 16-byte aligned, K a
-// multiple of 8.
-template <bool BF16, bool GATED, bool GELU, int STAGES>
+// boxes of 64 x 128 x 1 in the 128-byte swizzle (fp8: 128 x 128 x 1). Sizes and strides in elements; rows
+// 16-byte aligned, K a multiple of 8.
+// FP8 (DeepSeek-V3's fp8_block): a and the weights are e4m3 codes, a K step is one 128-wide scale block, N and K
+// multiples of 128. Each half's step goes into a fresh accumulator whose product is promoted into the tile's fp32
+// sums with the step's scales, a's group scale of the row times the weight block's (scaled_mm_sm90.cu's scheme);
+// gate-up's epilogue quantizes the intermediate itself: a CTA's 128 columns are one 1 x 128 group (codes into out,
+// scales into out_scale), with quantize_fp8's arithmetic, so down reads codes and no pass quantizes them.
+template <bool BF16, bool GATED, bool GELU, int STAGES, bool FP8>
 __global__ void __launch_bounds__(kThreads, 1) moe_gemm_sm90(
     const __grid_constant__ TensorMap b_map, const unsigned char* __restrict__ a, unsigned char* __restrict__ out,
     const int* __restrict__ sorted_pairs, const int* __restrict__ block_expert, const int* __restrict__ starts,
-    const int* __restrict__ counts, const float* __restrict__ topk_weights, int topk, int n_size, int k_size,
-    int max_blocks, i64 a_stride, i64 out_stride, i64 weights_stride_t, i64 weights_stride_k) {
+    const int* __restrict__ counts, const float* __restrict__ topk_weights, const float* __restrict__ a_scale,
+    const float* __restrict__ b_scale, float* __restrict__ out_scale, int topk, int n_size, int k_size,
+    int max_blocks, i64 a_stride, i64 out_stride, i64 weights_stride_t, i64 weights_stride_k, i64 a_scale_stride,
+    i64 b_scale_stride_e, i64 b_scale_stride_n, i64 b_scale_stride_k, i64 out_scale_stride) {
+    constexpr int kElementBytes = FP8 ? 1 : 2, kStepK = kStepBytes / kElementBytes;
     // full: the producer's 128 threads' copies, and thread 0's arrival expecting the B tiles' bytes; empty:
     // the consumers' 8 warps.
     constexpr u32 kFullCount = 128 + 1, kEmptyCount = 8;
@@ -231,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_sm90(
     const int steps = (k_size + kStepK - 1) / kStepK;
 
     if (wg == 0) {  // the producer
-        release_registers<kProducerRegisters>();
+        release_registers<kProducerRegisters<FP8>>();
         const int row = tid >> 2;
         int g = 0;  // steps this CTA has issued over its tiles: the ring's position (stage and phase)
         for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
@@ -246,9 +266,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_sm90(
                 if (r >= run_end) {
                     a_rows[p] = nullptr;
                 } else if constexpr (GATED) {
-                    a_rows[p] = a + (i64)(sorted_pairs[r] / topk) * a_stride * 2;
+                    a_rows[p] = a + (i64)(sorted_pairs[r] / topk) * a_stride * kElementBytes;
                 } else {
-                    a_rows[p] = a + (i64)r * a_stride * 2;
+                    a_rows[p] = a + (i64)r * a_stride * kElementBytes;
                 }
             }
             // The B tiles' first rows: gate-up's column n of gate is w1 row n, of up row I + n (gate's rows past
@@ -265,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_sm90(
                     tma_load_3d(b_tile(stage, 0), b_map, i * kStepK, b_row0, expert, full(stage));
                     tma_load_3d(b_tile(stage, 1), b_map, i * kStepK, b_row1, expert, full(stage));
                 }
-                load_tile(a_tile(stage), tid, a, a_rows, i * kStepK * 2, k_size * 2);
+                load_tile(a_tile(stage), tid, a, a_rows, i * kStepBytes, k_size * kElementBytes);
                 copy_arrive(full(stage));
             }
         }
@@ -275,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_sm90(
 
     // A consumer: rows 64 c .. 64 c + 63 of each block. This thread's accumulator rows are row0 and
     // row0 + 8 of those; its columns 8 j + 2 quad (+1) of each 8-column group j.
-    claim_registers<kConsumerRegisters>();
+    claim_registers<kConsumerRegisters<FP8>>();
     const int c = wg - 1, lane = tid & 31, quad = lane & 3;
     const int row0 = accumulator_row(tid);
     int g = 0;  // the producer's count, step for step
@@ -286,31 +306,126 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_sm90(
         float acc[2][64];
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc[0][i] = acc[1][i] = 0.0f;
-        for (int i = 0; i < steps; ++i, ++g) {
-            const int stage = g % STAGES;
-            mbarrier_wait(full(stage), (u32)(g / STAGES) & 1u);
-            fence_async_proxy();  // the A copies' writes (generic proxy), seen through the barrier, to the wgmmas
-            wgmma_fence();
-            const u64 a_desc = descriptor(a_tile(stage) + c * 64 * 128, 16, 1024);
-            const u64 b0_desc = descriptor(b_tile(stage, 0), 16, 1024);
-            const u64 b1_desc = descriptor(b_tile(stage, 1), 16, 1024);
+        if constexpr (FP8) {
+            // The scales of this thread's two rows (a row past the run reads the run's last: its sums are never
+            // stored; every block holds at least one routed row) and of the two B tiles' weight blocks.
+            const float* a_scales[2];
 #pragma unroll
-            for (int k = 0; k < kStepK / 16; ++k) {
-                mma_ss_m64n128k16<BF16>(acc[0], a_desc + 2 * k, b0_desc + 2 * k, 1);
-                mma_ss_m64n128k16<BF16>(acc[1], a_desc + 2 * k, b1_desc + 2 * k, 1);
+            for (int r = 0; r < 2; ++r) {
+                const int row = min(row_base + 64 * c + row0 + 8 * r, run_end - 1);
+                a_scales[r] = a_scale + (GATED ? (i64)(sorted_pairs[row] / topk) : (i64)row) * a_scale_stride;
             }
-            wgmma_commit();
-            wgmma_wait<1>();  // the step before's MMAs are done: its stage goes back to the producer
-            if (i > 0) mbarrier_arrive_if(empty((g - 1) % STAGES), lane == 0);
+            const int b_rows = GATED ? 2 * n_size : n_size;  // down's second tile may lie past H: its block clamped
+            const int b_row1 = min(GATED ? n_size + n0 : n0 + kCols, b_rows - 1);
+            const float* b_scales[2] = {b_scale + expert * b_scale_stride_e + (n0 / kScaleBlock) * b_scale_stride_n,
+                                        b_scale + expert * b_scale_stride_e + (b_row1 / kScaleBlock) * b_scale_stride_n};
+            // Step i's scales, loaded a step ahead (pinned: a load waited for in its own step stalls the promotion).
+            float sa[2], sb[2];
+            auto load_scales = [&](int step) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) sa[r] = load_scale(a_scales[r] + step);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) sb[h] = load_scale(b_scales[h] + step * b_scale_stride_k);
+            };
+            load_scales(0);
+            for (int i = 0; i < steps; ++i, ++g) {
+                float scale[2][2];  // [half][row]
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    scale[h][0] = sa[0] * sb[h];
+                    scale[h][1] = sa[1] * sb[h];
+                }
+                load_scales(min(i + 1, steps - 1));
+                const int stage = g % STAGES;
+                mbarrier_wait(full(stage), (u32)(g / STAGES) & 1u);
+                fence_async_proxy();  // the A copies' writes (generic proxy), seen through the barrier, to the wgmmas
+                const u64 a_desc = descriptor(a_tile(stage) + c * 64 * 128, 16, 1024);
+                // The halves one after the other, each waited for and promoted (registers for one step's
+                // accumulator): the other consumer's wgmmas run during a promotion.
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float step_acc[64];
+                    const u64 b_desc = descriptor(b_tile(stage, h), 16, 1024);
+                    wgmma_fence();
+#pragma unroll
+                    for (int k = 0; k < kStepK / 32; ++k) {  // 32 bytes of K a wgmma: +2 in 16-byte units
+                        mma_e4m3_m64n128k32(step_acc, a_desc + 2 * k, b_desc + 2 * k, k);
+                    }
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    fence_registers(step_acc);
+                    if (h == 1) mbarrier_arrive_if(empty(stage), lane == 0);  // the stage goes back to the producer
+#pragma unroll
+                    for (int q = 0; q < 16; ++q) {
+                        acc[h][4 * q] = fmaf(step_acc[4 * q], scale[h][0], acc[h][4 * q]);
+                        acc[h][4 * q + 1] = fmaf(step_acc[4 * q + 1], scale[h][0], acc[h][4 * q + 1]);
+                        acc[h][4 * q + 2] = fmaf(step_acc[4 * q + 2], scale[h][1], acc[h][4 * q + 2]);
+                        acc[h][4 * q + 3] = fmaf(step_acc[4 * q + 3], scale[h][1], acc[h][4 * q + 3]);
+                    }
+                }
+            }
+        } else {
+            for (int i = 0; i < steps; ++i, ++g) {
+                const int stage = g % STAGES;
+                mbarrier_wait(full(stage), (u32)(g / STAGES) & 1u);
+                fence_async_proxy();  // the A copies' writes (generic proxy), seen through the barrier, to the wgmmas
+                wgmma_fence();
+                const u64 a_desc = descriptor(a_tile(stage) + c * 64 * 128, 16, 1024);
+                const u64 b0_desc = descriptor(b_tile(stage, 0), 16, 1024);
+                const u64 b1_desc = descriptor(b_tile(stage, 1), 16, 1024);
+#pragma unroll
+                for (int k = 0; k < kStepK / 16; ++k) {
+                    mma_ss_m64n128k16<BF16>(acc[0], a_desc + 2 * k, b0_desc + 2 * k, 1);
+                    mma_ss_m64n128k16<BF16>(acc[1], a_desc + 2 * k, b1_desc + 2 * k, 1);
+                }
+                wgmma_commit();
+                wgmma_wait<1>();  // the step before's MMAs are done: its stage goes back to the producer
+                if (i > 0) mbarrier_arrive_if(empty((g - 1) % STAGES), lane == 0);
+            }
+            wgmma_wait<0>();
+            fence_registers(acc[0]);
+            fence_registers(acc[1]);
+            mbarrier_arrive_if(empty((g - 1) % STAGES), lane == 0);  // the tile's last stage, for the next tile
         }
-        wgmma_wait<0>();
-        fence_registers(acc[0]);
-        fence_registers(acc[1]);
-        mbarrier_arrive_if(empty((g - 1) % STAGES), lane == 0);  // the tile's last stage, for the next tile
 
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = row_base + 64 * c + row0 + 8 * r;
+            if constexpr (GATED && FP8) {
+                // The row's group: gate and up rounded, the product rounded to the hidden dtype (what the spec
+                // quantizes), its maximum over the quad's 128 columns (before any lane leaves: the shuffles need
+                // the whole warp), then quantize_fp8's scale and codes.
+                float x[32];
+                u32 amax = 0;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    float g0 = acc[0][4 * j + 2 * r], g1 = acc[0][4 * j + 2 * r + 1];
+                    float u0 = acc[1][4 * j + 2 * r], u1 = acc[1][4 * j + 2 * r + 1];
+                    round2<BF16>(g0, g1);
+                    round2<BF16>(u0, u1);
+                    x[2 * j] = gated<GELU>(g0, u0);
+                    x[2 * j + 1] = gated<GELU>(g1, u1);
+                    round2<BF16>(x[2 * j], x[2 * j + 1]);
+                    amax = max(amax, max(__float_as_uint(x[2 * j]) & 0x7fffffffu,
+                                         __float_as_uint(x[2 * j + 1]) & 0x7fffffffu));
+                }
+                amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+                amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+                const float scale = scale_of<true, false>(__uint_as_float(amax));
+                const Divisor divide = divisor<false, true>(scale);
+                if (row >= run_end) continue;
+                unsigned char* row_out = out + (i64)row * out_stride + n0 + 2 * quad;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) {  // the sign bit ORed on: a quotient corrected to +0 keeps x's
+                    const u32 code = e4m3x2(quotient<false, false>(x[2 * j], divide),
+                                            quotient<false, false>(x[2 * j + 1], divide)) |
+                                     (__float_as_uint(x[2 * j]) >> 24 & 0x80u) |
+                                     (__float_as_uint(x[2 * j + 1]) >> 16 & 0x8000u);
+                    *reinterpret_cast<u16*>(row_out + 8 * j) = (u16)code;
+                }
+                if (quad == 0) out_scale[(i64)row * out_scale_stride + n0 / kScaleBlock] = scale;
+                continue;
+            }
             if (row >= run_end) continue;
             if constexpr (GATED) {
                 unsigned char* row_out = out + ((i64)row * out_stride + n0 + 2 * quad) * 2;

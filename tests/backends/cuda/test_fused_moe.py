@@ -5,9 +5,10 @@ supports' floor on pairs per expert and the GEMVs' T = 1 are selection policies,
 runs of several 128-row blocks, H and I off the 64-wide K steps and 128-wide column tiles, the GEMVs' whole
 batches of loads and their tails, rows of fewer pieces than a warp's lanes, experts on other ranks, top-1, the
 router weight on the input (GEMVs), fp16 and gelu, every plan, padded row strides, NaN-poisoned memory, and
-CUDA-graph replays on new routing; and the fp4 (MXFP4, NVFP4) experts' decode GEMVs on the same terms, with
-every code at the bit placement's subnormal (+-0.5) and the scales' extremes (e8m0 codes past the one-multiply
-range and NaN; e4m3 subnormal, maximum and NaN)."""
+CUDA-graph replays on new routing; the fp8_block experts' GEMMs on the same terms (down's last column tile past H,
+the weights' scales strided, zero groups of the intermediate); and the fp4 (MXFP4, NVFP4) experts' decode GEMVs
+on the same terms, with every code at the bit placement's subnormal (+-0.5) and the scales' extremes (e8m0 codes
+past the one-multiply range and NaN; e4m3 subnormal, maximum and NaN)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,17 @@ LARGE = {
     "top1_with_a_map": (400, 8, 1, 128, 264, {"local_experts": 4}),
     "one_expert_takes_all": (513, 8, 3, 64, 32, {"one_expert": True}),
     "many_pairs": (6000, 8, 3, 64, 32, {}),  # 18000 pairs: 18 to each thread of the routing CTA
+}
+# fp8_block experts (the GEMMs; H and I multiples of 128): the spec's cases they take, and runs of several blocks,
+# K of one step, down's last 256-column tile half past H (H 384), fp16 and gelu with a map with holes, top-1.
+FP8 = {"quantization": "fp8_block"}
+FP8_SERVED = ["deepseek_v3_t16_fp8_block_ep256", "small_fp8_block"]
+FP8_LARGE = {
+    "fp8_runs_of_several_blocks": (600, 4, 2, 256, 256, FP8),
+    "fp8_one_step_h_past_half_tile": (300, 6, 3, 128, 384, FP8),
+    "fp8_h_past_half_tile": (300, 6, 3, 384, 128, {**FP8, "activation": "gelu"}),
+    "fp8_map_holes_fp16": (257, 12, 3, 256, 256, {**FP8, "unmapped": 5, "dtype": torch.float16}),
+    "fp8_top1_with_a_map": (400, 8, 1, 512, 128, {**FP8, "local_experts": 4}),
 }
 # The decode GEMVs' sizes: gate-up's whole 1024-element batches of K and a tail (H 4616: four and 520), down's
 # (slot, piece) walk over rows of 96 and 545 pieces and of fewer than a warp's 32 (several slots a step), top-k up
@@ -92,13 +104,18 @@ def test_signature_matches_the_spec():
 
 def _prefill_call(**options) -> dict:
     """512 tokens over 8 experts, top-2 (255 pairs per expert at the top of T's class): a call it takes."""
-    tokens, experts, topk, hidden_size, inter_size = 512, 8, 2, options.pop("hidden", 64), 32
+    tokens, experts, topk = 512, 8, 2
+    hidden_size, inter_size = options.pop("hidden", 64), options.pop("inter", 32)
     make = spec_module._maker(tokens, experts, topk, hidden_size, inter_size, **options)
     return make(torch.device("cpu"), torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("call, platform, reason", [
-    (dict(quantization="fp8_block", hidden=128), SM90, "fp8_block experts: 16-bit and fp4 experts only"),
+    (dict(quantization="fp8_per_tensor"), SM90, "fp8_per_tensor experts: 16-bit, fp8_block and fp4 experts only"),
+    (dict(quantization="fp8_block", hidden=128), SM90, "I = 32: fp8_block experts need a multiple of 128"),
+    (dict(quantization="fp8_block", hidden=200, inter=128), SM90, "H = 200: fp8_block experts need a multiple"),
+    (dict(quantization="fp8_block", fp8_name="e4m3fnuz", hidden=128, inter=128), SM90,
+     "fp8_block experts in torch.float8_e4m3fnuz: e4m3fn only"),
     (dict(quantization="mxfp4"), SM90, "mxfp4 experts above T = 1: only the decode GEMVs decode fp4 weights"),
     (dict(on_input=True), SM90, "apply_router_weight_on_input above T = 1"),
     ({}, SM89, "needs sm_90 (Hopper: the GEMMs are built on its wgmma"),
@@ -116,6 +133,9 @@ def test_declines_with_reasons(call, platform, reason):
 def test_takes_prefill_calls_and_t1_and_leaves_decode_batches_to_triton():
     assert ask(cuda_moe.supports, SPEC, _prefill_call(), SM90) is None
     assert ask(cuda_moe.supports, SPEC, _prefill_call(dtype=torch.float16, activation="gelu"), SM90) is None
+    fp8 = _prefill_call(quantization="fp8_block", hidden=256, inter=128)
+    assert ask(cuda_moe.supports, SPEC, fp8, SM90) is None
+    assert "e4m3 wgmmas promoted per 128-K block" in cuda_moe.describe(SPEC.validate(**fp8), SM90)
     small = SPEC.case("qwen3_30b_a3b_t16_ep16").build("cpu", 0)  # 16 tokens x 8 over 128 experts
     assert "pairs per expert (T class 31) < 64" in ask(cuda_moe.supports, SPEC, small, SM90)
     for name in ("qwen3_rows", "top1_on_input", "top32_short_rows"):  # T = 1: the decode GEMVs
@@ -132,8 +152,10 @@ def test_decode_declines_what_its_warps_cannot_hold():
     make = spec_module._maker(1, 40, 33, 64, 32)
     kwargs = make(torch.device("cpu"), torch.Generator().manual_seed(0))
     assert "top-k = 33 > 32: the down GEMV holds a slot a lane" in ask(cuda_moe.supports, SPEC, kwargs, SM90)
-    assert "fp8_per_tensor experts: 16-bit and fp4 experts only" in ask(
+    assert "fp8_per_tensor experts: 16-bit, fp8_block and fp4 experts only" in ask(
         cuda_moe.supports, SPEC, _decode_call("qwen3_rows", quantization="fp8_per_tensor"), SM90)
+    assert "fp8_block experts at T = 1: the decode GEMVs take 16-bit and fp4 experts" in ask(
+        cuda_moe.supports, SPEC, _decode_call("qwen3_rows", quantization="fp8_block"), SM90)
     assert "needs sm_90" in ask(cuda_moe.supports, SPEC, _decode_call("qwen3_rows"), SM89)
 
 
@@ -271,9 +293,9 @@ def test_fp4_decode_gemvs_compile_without_spills():
 @pytest.fixture(scope="module")
 def sm90a_modules():
     modules = {}
-    for bf16, gelu, stages in itertools.product((True, False), (False, True), cuda_moe.STAGES):
-        names = cuda_moe.kernel_names(bf16, gelu, stages)
-        modules[bf16, gelu, stages] = (names, _compile.compile_module(
+    for bf16, gelu, stages, fp8 in itertools.product((True, False), (False, True), cuda_moe.STAGES, (False, True)):
+        names = cuda_moe.kernel_names(bf16, gelu, stages, fp8)
+        modules[bf16, gelu, stages, fp8] = (names, _compile.compile_module(
             cuda_moe.source(names), list(names.values()), (9, 0), verbose=True, arch_specific=True))
     return modules
 
@@ -282,7 +304,7 @@ def sm90a_modules():
 def test_kernels_compile_for_sm90a_without_spills(sm90a_modules):
     # The producer warpgroup gives registers to the consumers (setmaxnreg): both sides must fit their
     # share without spilling, and ptxas must not serialize the wgmmas.
-    for (bf16, gelu, stages), (names, module) in sm90a_modules.items():
+    for (bf16, gelu, stages, fp8), (names, module) in sm90a_modules.items():
         for role, name in names.items():
             assert module.spill_bytes(name) == 0, name
             if role in ("gate_up", "down"):
@@ -346,17 +368,60 @@ def test_prefill_sizes_match_the_reference(name, plan):
 
 
 @needs_hopper
+@pytest.mark.parametrize("seed", (0, 7))
+@pytest.mark.parametrize("name", FP8_SERVED)
+def test_fp8_spec_cases_match_the_reference(name, seed):
+    _check(SPEC.case(name).build(DEVICE, seed), f"{name} seed {seed}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("plan", PLANS, ids=lambda plan: f"stages{plan.stages}{'-persistent' * plan.persistent}")
+@pytest.mark.parametrize("name", list(FP8_LARGE))
+def test_fp8_prefill_sizes_match_the_reference(name, plan):
+    with cuda_moe.override_plan(stages=plan.stages, persistent=plan.persistent):
+        _check(_large(name, 3, FP8_LARGE), name)
+
+
+def _padded(t: torch.Tensor, extra: int) -> torch.Tensor:
+    """t in rows `extra` elements longer (NaN past t's: never read), as a view of t's shape."""
+    wide = torch.full((*t.shape[:-1], t.shape[-1] + extra), float("nan"), dtype=t.dtype, device=t.device)
+    wide[..., :t.shape[-1]] = t
+    return wide[..., :t.shape[-1]]
+
+
+@needs_hopper
+def test_fp8_strided_scales_padded_rows_and_zero_groups():
+    kwargs = _large("fp8_runs_of_several_blocks", 5, FP8_LARGE)
+    kwargs["hidden"][:, :128] = 0  # every token's first input group zero: the amax floor's scale
+    kwargs["w1"][1, :128] = 0  # expert 1's first 128 gate columns: a zero group of the intermediate for its rows
+    kwargs = dict(kwargs, hidden=_padded(kwargs["hidden"], 16), w1=_padded(kwargs["w1"].view(torch.uint8), 32),
+                  w2=_padded(kwargs["w2"].view(torch.uint8), 16),
+                  w1_scale=kwargs["w1_scale"].transpose(1, 2).contiguous().transpose(1, 2),
+                  w2_scale=kwargs["w2_scale"].permute(2, 1, 0).contiguous().permute(2, 1, 0))
+    kwargs["w1"], kwargs["w2"] = kwargs["w1"].view(torch.float8_e4m3fn), kwargs["w2"].view(torch.float8_e4m3fn)
+    _check(kwargs, "fp8: strided scales, padded rows, zero groups")
+
+
+def test_fp8_gemms_refuse_what_they_cannot_compute():
+    # supports declines these; a direct call is refused before anything launches (so on any machine).
+    for name, reason in (("fp8_block_h_i_not_multiple_of_128", "H = 200: fp8_block experts need a multiple of 128"),
+                         ("small_fp8_block_fnuz_gelu", "e4m3fn only")):
+        with pytest.raises(ValueError, match=reason):
+            cuda_moe.fused_moe(**SPEC.case(name).build("cpu", 0))
+    kwargs = _prefill_call(quantization="fp8_block", hidden=256, inter=128)
+    with cuda_moe.override_plan(gemv=True), pytest.raises(ValueError, match="fp8_block experts run the GEMMs only"):
+        cuda_moe.fused_moe(**kwargs)
+    kwargs = spec_module._maker(512, 8, 1, 64, 32, on_input=True)(torch.device("cpu"), torch.Generator().manual_seed(0))
+    with cuda_moe.override_plan(gemv=False), pytest.raises(ValueError, match="apply_router_weight_on_input"):
+        cuda_moe.fused_moe(**kwargs)
+
+
+@needs_hopper
 @pytest.mark.parametrize("gemv", (False, True))
 def test_padded_row_strides_and_strided_routing(gemv):
     kwargs = _large("ragged_h_and_i", 5)
-
-    def padded(t: torch.Tensor, extra: int) -> torch.Tensor:  # rows 16-byte aligned, `extra` elements apart
-        wide = torch.full((*t.shape[:-1], t.shape[-1] + extra), float("nan"), dtype=t.dtype, device=t.device)
-        wide[..., :t.shape[-1]] = t
-        return wide[..., :t.shape[-1]]
-
-    kwargs = dict(kwargs, hidden=padded(kwargs["hidden"], 8), w1=padded(kwargs["w1"], 16),
-                  w2=padded(kwargs["w2"], 8), topk_weights=kwargs["topk_weights"].t().contiguous().t())
+    kwargs = dict(kwargs, hidden=_padded(kwargs["hidden"], 8), w1=_padded(kwargs["w1"], 16),
+                  w2=_padded(kwargs["w2"], 8), topk_weights=kwargs["topk_weights"].t().contiguous().t())
     ids = torch.zeros(kwargs["topk_ids"].shape[0], 2 * kwargs["topk_ids"].shape[1], dtype=torch.int32, device=DEVICE)
     ids[:, ::2] = kwargs["topk_ids"]
     kwargs["topk_ids"] = ids[:, ::2]
@@ -365,8 +430,8 @@ def test_padded_row_strides_and_strided_routing(gemv):
 
 
 @needs_hopper
-@pytest.mark.parametrize("name, sizes", [("map_holes_fp16", LARGE), ("map_holes_fp16", DECODE)],
-                         ids=("gemms", "gemvs"))
+@pytest.mark.parametrize("name, sizes", [("map_holes_fp16", LARGE), ("map_holes_fp16", DECODE),
+                                         ("fp8_map_holes_fp16", FP8_LARGE)], ids=("gemms", "gemvs", "fp8-gemms"))
 def test_a_captured_call_replays_on_new_routing(name, sizes):
     # No launch reads a device value on the host: a graph captured once serves new routing.
     kwargs = _large(name, 0, sizes)

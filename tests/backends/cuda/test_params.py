@@ -85,7 +85,7 @@ def _alone(filename: str, mirror):
     (_params.MergeSplitsParams, lambda names: mla_decode.source([], names), "merge_splits<512, 2, true>", True),
     # A TMA map, then the rest.
     (_params.MoeGemmParams, _alone(fused_moe.SOURCE_NAME, _params.MoeGemmParams),
-     "moe_gemm_sm90<true, true, false, 4>", True),
+     "moe_gemm_sm90<true, true, false, 4, true>", True),
     (_params.MoeDecodeGateUpParams, _alone(fused_moe.DECODE_SOURCE_NAME, _params.MoeDecodeGateUpParams),
      "moe_decode_gate_up<true, false>", False),
     (_params.MoeDecodeDownParams, _alone(fused_moe.DECODE_SOURCE_NAME, _params.MoeDecodeDownParams),
