@@ -361,10 +361,10 @@ def test_t1_takes_the_gemvs_unless_the_plan_says_otherwise(monkeypatch):
 
 @needs_hopper
 @pytest.mark.parametrize("plan", PLANS, ids=lambda plan: f"stages{plan.stages}{'-persistent' * plan.persistent}")
-@pytest.mark.parametrize("name", list(LARGE))
+@pytest.mark.parametrize("name", [*LARGE, *FP8_LARGE])
 def test_prefill_sizes_match_the_reference(name, plan):
     with cuda_moe.override_plan(stages=plan.stages, persistent=plan.persistent):
-        _check(_large(name, 3), name)
+        _check(_large(name, 3, {**LARGE, **FP8_LARGE}), name)
 
 
 @needs_hopper
@@ -372,14 +372,6 @@ def test_prefill_sizes_match_the_reference(name, plan):
 @pytest.mark.parametrize("name", FP8_SERVED)
 def test_fp8_spec_cases_match_the_reference(name, seed):
     _check(SPEC.case(name).build(DEVICE, seed), f"{name} seed {seed}")
-
-
-@needs_hopper
-@pytest.mark.parametrize("plan", PLANS, ids=lambda plan: f"stages{plan.stages}{'-persistent' * plan.persistent}")
-@pytest.mark.parametrize("name", list(FP8_LARGE))
-def test_fp8_prefill_sizes_match_the_reference(name, plan):
-    with cuda_moe.override_plan(stages=plan.stages, persistent=plan.persistent):
-        _check(_large(name, 3, FP8_LARGE), name)
 
 
 def _padded(t: torch.Tensor, extra: int) -> torch.Tensor:
