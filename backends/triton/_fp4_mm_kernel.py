@@ -1,13 +1,15 @@
 """The triton backend's fp4_mm kernels, W4A16: bf16/fp16 activations times NVFP4 or MXFP4 weights decoded in the
 mainloop (_fp4_kernel.py). A GEMV per (row of a, tile of N) for a few rows: the CUDA cores multiply, fp32
 products summed over K once; else a tiled tensor-core GEMM (fp4_dot: weights decoded into the activations'
-dtype, exactly). NVFP4's global scale divides the fp32 sum. Host side: fp4_mm.py."""
+dtype, exactly); for many rows the weights decoded once into a dense matrix (fp4_dequantize_kernel) that the
+platform's GEMM multiplies. NVFP4's global scale divides the fp32 sum. Host side: fp4_mm.py."""
 
 import torch
 import triton
 import triton.language as tl
 
-from kernelmux.backends.triton._fp4_kernel import NVFP4, fp4_dot, fp4_gemv_step, gemv_sum
+from kernelmux.backends.triton._fp4_kernel import (MXFP4, NVFP4, e2m1_values, fp4_dot, fp4_gemv_step, fp4_load, fp4_pairs,
+                                                   fp4_scales, gemv_sum)
 from kernelmux.backends.triton._grid_kernel import grouped_tile
 
 DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # fp4_mm_kernel's HIDDEN: a's dtype
@@ -58,3 +60,31 @@ def fp4_mm_kernel(a_ptr, b_ptr, s_ptr, gs_ptr, out_ptr, size_m, size_n, size_k,
         acc = tl.math.div_rn(acc, tl.broadcast_to(tl.load(gs_ptr), acc.shape))
     out = out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def fp4_dequantize_kernel(b_ptr, s_ptr, w_ptr, size_n, size_k, stride_bn, stride_bk, stride_sn, stride_sk, stride_wn,
+                          QUANT: tl.constexpr, HIDDEN: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """w[n, k] = e2m1(q) * sf for a tile of BLOCK_N weight rows (program axis 0) by BLOCK_K of K (axis 1), NVFP4's
+    global scale left to the GEMM's sum: exact in HIDDEN (fp4_pairs' decoding), in fp32 in the interpreter (whose
+    bf16 arithmetic is wrong; the host's buffer is fp32 there)."""
+    FP4_BLOCK: tl.constexpr = 32 if QUANT == MXFP4 else 16
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    n_ok = n < size_n
+    w_rows = b_ptr + n[:, None].to(tl.int64) * stride_bn
+    s_rows = s_ptr + n[:, None].to(tl.int64) * stride_sn
+    packed, scale_codes = fp4_load(w_rows, s_rows, n_ok, k0, size_k, stride_bk, stride_sk, QUANT, BLOCK_K)
+    if INTERPRETED:
+        packed = packed.to(tl.int32)
+        codes = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_N, BLOCK_K))  # k = 2j low, 2j + 1 high
+        values = tl.reshape(e2m1_values(codes), (BLOCK_N, BLOCK_K // FP4_BLOCK, FP4_BLOCK))
+        values = tl.reshape(values * fp4_scales(scale_codes, QUANT)[:, :, None], (BLOCK_N, BLOCK_K))
+    else:
+        even, odd = fp4_pairs(packed, scale_codes, QUANT, HIDDEN)
+        values = tl.reshape(tl.join(even, odd), (BLOCK_N, BLOCK_K))
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :], values.to(w_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & (k < size_k)[None, :])
+

@@ -1,6 +1,7 @@
 """Issue 32's W4A16 goal shapes for fp4_mm on the GPU: N x K in {8192 x 8192, 2880 x 2880, 7168 x 2048,
 2048 x 7168}, M in {1, 4, 16, 256, 4096}, NVFP4 and MXFP4 weights (random codes, scales in a trained layer's
-range), bf16 activations. The triton backend's call as served, and under other launch configurations
+range), bf16 activations. The triton backend's call as served, the other side of its DEQUANTIZE_MIN_ROWS (from 16
+rows: the weights decoded for torch's GEMM, or the tensor-core tiles), and under other launch configurations
 (--gemv-tiles for the GEMVs, --tiles for the tensor-core GEMM, each at every M), and on Hopper the cuda
 backend's GEMV (M <= its MAX_ROWS; as served, and at each of --cuda-warps warps a CTA), is checked against the spec's
 reference, then timed by CUDA-graph replay over four inputs; times are set against the copy bandwidth (the
@@ -47,6 +48,10 @@ def _variants(rows: int, gemv_tiles: list[str], tiles: list[str]) -> list[tuple[
     configuration asked for that fits the size: GEMVs up to 16 rows, 16-row tiles up to 16 rows and wider ones
     from 64."""
     out = [("default", [])]
+    never = (triton_fp4, "DEQUANTIZE_MIN_ROWS", 1 << 30)
+    if rows >= 16:
+        out.append(("tiles, not dequantized", [never]) if rows >= triton_fp4.DEQUANTIZE_MIN_ROWS else
+                   ("dequantized", [(triton_fp4, "GEMV_MAX_ROWS", 0), (triton_fp4, "DEQUANTIZE_MIN_ROWS", 0)]))
     for text in gemv_tiles if rows <= 16 else ():
         n, k, w, s = (int(v) for v in text.split("x"))
         out.append((f"gemv {text}", [(triton_fp4, "GEMV_MAX_ROWS", 1 << 30),
@@ -56,7 +61,7 @@ def _variants(rows: int, gemv_tiles: list[str], tiles: list[str]) -> list[tuple[
         if (m <= 16) != (rows <= 16):
             continue
         config = triton_fp4.Tiles(m, n, k, 8 if m > 16 else 1, w, s)
-        out.append((f"tiles {text}", [(triton_fp4, "GEMV_MAX_ROWS", 0),
+        out.append((f"tiles {text}", [(triton_fp4, "GEMV_MAX_ROWS", 0), never,
                                         (triton_fp4, "tiles_for", lambda _rows, c=config: c)]))
     return out
 

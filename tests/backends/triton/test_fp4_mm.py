@@ -64,18 +64,40 @@ def test_w4a4_is_declined_with_its_reason() -> None:
     assert ask(supports, SPEC, SPEC.case(W4A16[0]).build("cpu", 0), simulate("sm_90")) is None
 
 
-@pytest.mark.parametrize("path", ["gemv", "tiles"])
+PATHS = ["gemv", "tiles", "dequantize"]
+
+
+def _route(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call down one path, whatever its M: the GEMVs, the tiled GEMM, or the weights decoded for torch's GEMM
+    (which MXFP4 with fp16 activations never takes: those calls run the tiles)."""
+    monkeypatch.setattr(host, "GEMV_MAX_ROWS", 1 << 20 if path == "gemv" else 0)
+    monkeypatch.setattr(host, "DEQUANTIZE_MIN_ROWS", 0 if path == "dequantize" else 1 << 30)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", W4A16)
 def test_cases_match_the_reference(name: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(host, "GEMV_MAX_ROWS", 1 << 20 if path == "gemv" else 0)
+    _route(path, monkeypatch)
     _check(_build(name, 5), f"{name}, {path}")
+
+
+def test_many_rows_decode_the_weights_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert host.by_dequantizing(host.DEQUANTIZE_MIN_ROWS, "nvfp4", torch.bfloat16, nvidia=True)
+    assert not host.by_dequantizing(host.DEQUANTIZE_MIN_ROWS - 1, "nvfp4", torch.bfloat16, nvidia=True)
+    assert not host.by_dequantizing(1 << 20, "mxfp4", torch.float16, nvidia=True)  # e8m0 scales leave fp16's range
+    assert host.by_dequantizing(1 << 20, "mxfp4", torch.bfloat16, nvidia=True)
+    assert not host.by_dequantizing(1 << 20, "mxfp4", torch.bfloat16, nvidia=False)  # not measured off NVIDIA
+    monkeypatch.setattr(host, "DEQUANTIZE_MIN_ROWS", 4)
+    key = SPEC.validate(**SPEC.case("small_nvfp4_w4a16").build("cpu", 0))
+    assert "the weights decoded once into a dense bfloat16 matrix" in host.describe(key, simulate("sm_90"))
+    assert "tiles" in host.describe(key, simulate("gfx942"))
 
 
 @pytest.mark.parametrize("tiles", [Tiles(16, 16, 32, 1, 4, 2), Tiles(32, 64, 64, 2, 4, 3)],
                          ids=lambda t: f"m{t.block_m}n{t.block_n}k{t.block_k}g{t.group_m}")
 @pytest.mark.parametrize("name", SMALL)
 def test_other_tiles(name: str, tiles: Tiles, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(host, "GEMV_MAX_ROWS", 0)
+    _route("tiles", monkeypatch)
     monkeypatch.setattr(host, "tiles_for", lambda rows: tiles)
     _check(_build(name, 6), f"{name} under {tiles}")
 
@@ -106,9 +128,9 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
     return out[1:-1, 2:-2:2]
 
 
-@pytest.mark.parametrize("path", ["gemv", "tiles"])
+@pytest.mark.parametrize("path", PATHS)
 def test_strided_and_sliced_inputs(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(host, "GEMV_MAX_ROWS", 1 << 20 if path == "gemv" else 0)
+    _route(path, monkeypatch)
     for name in SMALL:
         kwargs = _build(name, 7)
         kwargs.update(a=_strided(kwargs["a"]), b=_strided(kwargs["b"]), b_scale=_strided(kwargs["b_scale"]))
