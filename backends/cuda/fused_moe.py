@@ -4,8 +4,8 @@
 at prefill sizes the routing in one CTA, gate-up and down as warp-specialized wgmma grouped GEMMs (B by TMA; fp8:
 the input quantized 1 x 128 first by the cuda quantize_fp8, the intermediate by gate-up's epilogue), and for
 top-k > 1 the sum; at T = 1 two GEMVs (no routing, down sums the top-k itself), for fp4 experts on the tensor cores
-with the weights decoded in registers. No launch reads a device value on the host: every size is a bound from host ints (CUDA-graph safe;
-the weights' TMA maps travel in the launches' parameters)."""
+with the weights decoded in registers. No launch reads a device value on the host: every size is a bound from host
+ints (CUDA-graph safe; the weights' TMA maps travel in the launches' parameters)."""
 
 import functools
 from dataclasses import dataclass
@@ -451,7 +451,8 @@ def fused_moe(
                         b_scale_stride_n=0, b_scale_stride_k=0, out_scale_stride=0)
         return dict(a_scale=a_scale, b_scale=b_scale, out_scale=out_scale, a_scale_stride=a_scale.stride(0),
                     b_scale_stride_e=b_scale.stride(0), b_scale_stride_n=b_scale.stride(1),
-                    b_scale_stride_k=b_scale.stride(2), out_scale_stride=0 if out_scale is None else out_scale.stride(0))
+                    b_scale_stride_k=b_scale.stride(2),
+                    out_scale_stride=0 if out_scale is None else out_scale.stride(0))
 
     with torch.cuda.device(device):
         if fp8:  # the input in 1 x 128 groups, contiguous scales [T, H / 128] (the kernel steps them by one)

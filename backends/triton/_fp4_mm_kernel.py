@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernelmux.backends.triton._fp4_kernel import (MXFP4, NVFP4, e2m1_values, fp4_dot, fp4_gemv_step, fp4_load, fp4_pairs,
-                                                   fp4_scales, gemv_sum)
+from kernelmux.backends.triton._fp4_kernel import (MXFP4, NVFP4, e2m1_values, fp4_dot, fp4_gemv_step, fp4_load,
+                                                   fp4_pairs, fp4_scales, gemv_sum)
 from kernelmux.backends.triton._grid_kernel import grouped_tile
 
 DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # fp4_mm_kernel's HIDDEN: a's dtype

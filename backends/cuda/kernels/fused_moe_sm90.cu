@@ -4,7 +4,8 @@
 // At T = 4096 the two grouped GEMMs are matmul-bound, and the triton kernels stop at 45-65% of the
 // bf16 rate and 32% of the fp8 rate (perf/decisions/fused_moe.md). This file's GEMM gives each of three
 // warpgroups one job, as the prefill kernel does (paged_prefill_sm90.cu); with B by TMA it measured
-// 1.02-1.10x the triton kernels at T = 4096 in bf16 (the decision file says what else was measured and not kept).
+// 1.02-1.10x the triton kernels at T = 4096 in bf16, 1.31x with DeepSeek-V3's fp8 experts (the decision file
+// says what else was measured and not kept).
 //
 //   - Routing (moe_route_sm90, one CTA): each (token, slot) pair placed in its local expert's run
 //     of rows, each run padded to whole 128-row blocks: counts, padded starts and each block's
@@ -317,8 +318,9 @@ __global__ void __launch_bounds__(kThreads, 1) moe_gemm_sm90(
             }
             const int b_rows = GATED ? 2 * n_size : n_size;  // down's second tile may lie past H: its block clamped
             const int b_row1 = min(GATED ? n_size + n0 : n0 + kCols, b_rows - 1);
-            const float* b_scales[2] = {b_scale + expert * b_scale_stride_e + (n0 / kScaleBlock) * b_scale_stride_n,
-                                        b_scale + expert * b_scale_stride_e + (b_row1 / kScaleBlock) * b_scale_stride_n};
+            const float* expert_scales = b_scale + expert * b_scale_stride_e;
+            const float* b_scales[2] = {expert_scales + (n0 / kScaleBlock) * b_scale_stride_n,
+                                        expert_scales + (b_row1 / kScaleBlock) * b_scale_stride_n};
             // Step i's scales, loaded a step ahead (pinned: a load waited for in its own step stalls the promotion).
             float sa[2], sb[2];
             auto load_scales = [&](int step) {

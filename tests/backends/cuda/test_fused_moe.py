@@ -403,6 +403,8 @@ def test_fp8_gemms_refuse_what_they_cannot_compute():
     kwargs = _prefill_call(quantization="fp8_block", hidden=256, inter=128)
     with cuda_moe.override_plan(gemv=True), pytest.raises(ValueError, match="fp8_block experts run the GEMMs only"):
         cuda_moe.fused_moe(**kwargs)
+    with pytest.raises(ValueError, match="16-bit, fp8_block or fp4 experts, got fp8_per_tensor"):
+        cuda_moe.fused_moe(**_prefill_call(quantization="fp8_per_tensor"))
     kwargs = spec_module._maker(512, 8, 1, 64, 32, on_input=True)(torch.device("cpu"), torch.Generator().manual_seed(0))
     with cuda_moe.override_plan(gemv=False), pytest.raises(ValueError, match="apply_router_weight_on_input"):
         cuda_moe.fused_moe(**kwargs)
