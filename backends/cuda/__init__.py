@@ -52,13 +52,14 @@ TABLE = (
           "Hopper, 16-bit or fp8 latent cache: 64-head CTAs, Q and two 64-position cache tiles in shared "
           "memory; warpgroup 0 runs Q K^T (wgmma) and the softmax, warpgroup 1 the loads, each half of P V",
           {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
-    # 1.02-1.41x triton's kernels at every H200 shape it serves that was measured, the decode GEMVs 1.17x at
-    # Qwen3-30B-A3B T = 1 (perf/decisions/fused_moe.md).
+    # 1.02-1.41x triton's kernels at every H200 shape it serves that was measured (fp8_block: 1.13-1.31x at
+    # DeepSeek-V3 T 2048-4096), the decode GEMVs 1.17x at Qwen3-30B-A3B T = 1 (perf/decisions/fused_moe.md).
     Entry("fused_moe",
-          "Hopper, 16-bit experts at prefill sizes: routing in one CTA, then grouped GEMMs of 128-row blocks where a "
-          "producer warpgroup gathers A rows by cp.async and loads B tiles by TMA, and two consumers run wgmma "
-          "(gate-up's activation and down's router weight in their epilogues); at T = 1 with small experts, two "
-          "GEMVs (a warp a column, no routing launch, down summing the top-k)",
+          "Hopper, 16-bit and 128-block fp8 experts at prefill sizes: routing in one CTA, then grouped GEMMs of "
+          "128-row blocks where a producer warpgroup gathers A rows by cp.async and loads B tiles by TMA, and two "
+          "consumers run wgmma (gate-up's activation, fp8's intermediate quantization and down's router weight in "
+          "their epilogues; fp8 sums promoted per 128-K block with the block scales); at T = 1 with small or fp4 "
+          "experts, two GEMVs (no routing launch, down summing the top-k)",
           {"requirement": PlatformRequirement(kinds=_CUDA, archs=frozenset({f"sm_{HOPPER[0]}{HOPPER[1]}"}))}),
     # 1.04-1.48x triton at M 1, 1.6-3.8x at M 4, 1.06-2.6x at M 16 on every H200 goal shape (perf/decisions/fp4_mm.md).
     Entry("fp4_mm",

@@ -40,7 +40,8 @@ TABLE = (
     Entry("quantize_mxfp4", "blocks of 32 in one launch, OCP's floor or the ceil scale rule"),
     Entry("fp4_mm",
           "W4A16: weights decoded in the mainloop, GEMVs on the CUDA cores for a few rows, else tensor-core "
-          "tiles; W4A4 declined (the vendors' fp4 tensor cores)"),
+          "tiles; from 32 rows on NVIDIA GPUs the weights decoded once for torch's GEMM; W4A4 declined (the "
+          "vendors' fp4 tensor cores)"),
     # Below the vendors' GEMMs (15-17) and the cuda backend's Hopper kernel (14) where no tuning table ranks them:
     # half DeepGEMM's speed at M 4096 on the H200 (perf/decisions/scaled_mm.md); the tables put it first where it
     # measured fastest (decode).

@@ -162,6 +162,7 @@ def test_decode_declines_what_its_warps_cannot_hold():
 def test_decode_takes_fp4_experts_it_can_load():
     for name in ("gpt_oss_rows", "nvfp4_fp16_gelu", "mxfp4_top32"):
         tokens, experts, topk, hidden_size, inter_size, options = FP4_DECODE[name]
+        experts = max(topk, 4)  # supports reads shapes, not values: few experts keep quantizing them on the CPU cheap
         kwargs = spec_module._maker(tokens, experts, topk, hidden_size, inter_size, **options)(
             torch.device("cpu"), torch.Generator().manual_seed(0))
         assert ask(cuda_moe.supports, SPEC, kwargs, SM90) is None, name
