@@ -4,6 +4,7 @@ run in tests/backends/test_conformance.py."""
 
 from __future__ import annotations
 
+import contextlib
 from unittest import mock
 
 import pytest
@@ -19,8 +20,12 @@ from kernelmux.specs import paged_attention as pa_spec
 FP8 = torch.float8_e4m3fn
 
 
+@contextlib.contextmanager
 def _budget(chunk_bytes: int):
-    return mock.patch.object(_paged_gather, "_CHUNK_BYTES", chunk_bytes)
+    """Chunks of at most ``chunk_bytes`` of gathered KV, on the soft cap's path too."""
+    with mock.patch.object(_paged_gather, "_CHUNK_BYTES", chunk_bytes), \
+            mock.patch.object(_paged_gather, "_SOFT_CAP_CHUNK_BYTES", chunk_bytes):
+        yield
 
 
 def test_nan_in_a_read_fp8_slot_propagates_like_the_reference():
@@ -63,6 +68,15 @@ def test_paged_attention_matches_reference_on_drawn_shapes(
     expected = pa_spec.SPEC.reference(**kwargs)
     with _budget(chunk_bytes):
         pa_spec.SPEC.check_close(paged_attention(**kwargs), expected, kwargs)
+
+
+def test_a_soft_cap_takes_one_sequence_a_chunk(monkeypatch):
+    # Its fp32 path would pad each sequence to the chunk's longest: one a chunk was 2x faster (_SOFT_CAP_CHUNK_BYTES).
+    kwargs = pa_spec.SPEC.case("gemma2_soft_cap").build("cpu", 0)
+    sizes, attend = [], _paged_gather._attend
+    monkeypatch.setattr(_paged_gather, "_attend", lambda q, *args: sizes.append(q.shape[0]) or attend(q, *args))
+    pa_spec.SPEC.check_close(paged_attention(**kwargs), pa_spec.SPEC.reference(**kwargs), kwargs)
+    assert sizes == [1, 1, 1]  # three sequences
 
 
 @pytest.mark.parametrize(
