@@ -75,7 +75,7 @@ def by_dequantizing(rows: int, fmt: str, dtype: torch.dtype, nvidia: bool) -> bo
     return nvidia and rows >= DEQUANTIZE_MIN_ROWS and not (fmt == "mxfp4" and dtype == torch.float16)
 
 
-def _nvidia(device: torch.device) -> bool:
+def _dense_gemm_measured(device: torch.device) -> bool:
     """Whether ``device`` takes the dequantized route's GEMM: an NVIDIA GPU, or the CPU under the interpreter."""
     return device.type == "cpu" or (device.type == "cuda" and torch.version.hip is None)
 
@@ -122,7 +122,7 @@ def fp4_mm(
     kernels = _kernels()
     common = (a, b, scales, global_scale, out)
     with device_guard(a.device):
-        if by_dequantizing(rows, fmt, a.dtype, _nvidia(a.device)):
+        if by_dequantizing(rows, fmt, a.dtype, _dense_gemm_measured(a.device)):
             _dequantized_mm(kernels, a, b, scales, fmt, b_global_scale, out)
         elif rows <= GEMV_MAX_ROWS:
             block_n, block_k, warps, stages = gemv_tile(size_n, size_k)
