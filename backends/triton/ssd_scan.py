@@ -130,6 +130,7 @@ def ssd_scan(
     if num_seqs == 0:
         return y, final
     kernels = _kernels()
+    cu_seqlens = cu_seqlens.contiguous()  # the kernels index it densely; a strided view is copied (Bs + 1 ints)
     q = chunk_size
     max_chunks = min(num_tokens // q + num_seqs, num_tokens)
     t = tiles_for(q, head_dim, state_dim)

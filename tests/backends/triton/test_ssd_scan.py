@@ -95,10 +95,10 @@ def test_strided_inputs() -> None:
         strided[name] = kwargs[name].transpose(0, 2).contiguous().transpose(0, 2)
         assert not strided[name].is_contiguous()
     strided["dt"] = kwargs["dt"].t().contiguous().t()
-    for name in ("A", "D", "dt_bias"):
+    for name in ("A", "D", "dt_bias", "cu_seqlens"):
         strided[name] = torch.stack([kwargs[name], kwargs[name]], 1)[:, 0]
     strided["initial_states"] = kwargs["initial_states"].transpose(1, 3).contiguous().transpose(1, 3)
-    _check(strided, "strided inputs and initial states")
+    _check(strided, "strided inputs, offsets and initial states")
 
 
 def test_many_short_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
