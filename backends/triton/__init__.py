@@ -56,8 +56,9 @@ TABLE = (
           "one launch: a program per request and rows of a head, its state tile read and written once in place, "
           "padding slots untouched"),
     Entry("ssd_scan",
-          "the chunked SSD in six launches: chunk table from cu_seqlens on the device, dt' and its running sums, "
-          "C.B per group, chunk states, state passing across chunks and sequences, the scan with D and z fused"),
+          "the chunked SSD in five or six launches: chunk table from cu_seqlens on the device, dt' and its running "
+          "sums, C.B per group, the states entering the chunks (a walk over each sequence's chunks, or chunk states "
+          "and state passing when the walk would not fill the SMs), the scan with D and z fused"),
 )
 
 

@@ -6,10 +6,12 @@ ssd_scan.py makes, in order:
 - chunk_cumsum_kernel: dt' per token (bias, softplus, clamp) and the running sum of its decay exponent dt' A
   inside its chunk, both fp32 [Hh, chunks, Q]; padding positions get dt' = 0 (decay 1, no input).
 - chunk_cb_kernel: C_i . B_j of every token pair of a chunk, per group (shared by its heads), fp32.
-- chunk_state_kernel: each chunk's own contribution to the state at its end, sum_j exp(cs_last - cs_j) dt'_j
-  x_j (x) B_j, fp32 [chunks, Hh, P, N].
-- state_passing_kernel: the state entering each chunk, sequence by sequence from its initial state, in the dots'
-  dtype for the scan, and each sequence's final state (fp32).
+- the states entering the chunks (in the dots' dtype, for the scan) and each sequence's final state (fp32), from
+  its initial state, by one of two routes (ssd_scan.py picks by how many programs the walk has):
+  - state_walk_kernel: a program per (sequence, head, state tile) walks the sequence's chunks, adding each
+    chunk's tokens into the state it carries;
+  - chunk_state_kernel, each chunk's own contribution to the state at its end, sum_j exp(cs_last - cs_j) dt'_j
+    x_j (x) B_j, fp32 [chunks, Hh, P, N], a program per chunk; then state_passing_kernel, sequence by sequence.
 - chunk_scan_kernel: y_i = exp(cs_i) C_i . state_in + sum_{j <= i} (C_i . B_j) exp(cs_i - cs_j) dt'_j x_j, with
   D x and the z gate fused.
 
@@ -113,6 +115,15 @@ def chunk_cb_kernel(b_ptr, c_ptr, first_ptr, seq_ptr, start_ptr, cu_ptr, cb_ptr,
 
 
 @triton.jit
+def state_tile(head_dim, state_dim, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The rows of P and columns of N of the state tile program_id(2) names, and which lie in the state."""
+    tiles_n = tl.cdiv(state_dim, BLOCK_N)
+    p = tl.program_id(2) // tiles_n * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.program_id(2) % tiles_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return p, n, p < head_dim, n < state_dim
+
+
+@triton.jit
 def chunk_state_kernel(x_ptr, b_ptr, step_ptr, cum_ptr, first_ptr, seq_ptr, start_ptr, cu_ptr, states_ptr,
                        num_seqs, head_dim, state_dim, heads_per_group, stride_xt, stride_xh, stride_xp,
                        stride_bt, stride_bg, stride_bn, stride_sh, stride_sc, stride_oc, stride_oh,
@@ -123,11 +134,7 @@ def chunk_state_kernel(x_ptr, b_ptr, step_ptr, cum_ptr, first_ptr, seq_ptr, star
     contribution to the state at its end."""
     chunk = tl.program_id(0)
     head = tl.program_id(1)
-    tiles_n = tl.cdiv(state_dim, BLOCK_N)
-    p = tl.program_id(2) // tiles_n * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.program_id(2) % tiles_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    p_ok = p < head_dim
-    n_ok = n < state_dim
+    p, n, p_ok, n_ok = state_tile(head_dim, state_dim, BLOCK_P, BLOCK_N)
     _, start, length = chunk_bounds(chunk, first_ptr, seq_ptr, start_ptr, cu_ptr, num_seqs, CHUNK)
     group = head // heads_per_group
     sums = head * stride_sh + chunk.to(tl.int64) * stride_sc
@@ -174,6 +181,81 @@ def state_passing_kernel(states_ptr, cum_ptr, first_ptr, init_ptr, starts_ptr, f
 
 
 @triton.jit
+def walk_loads(s, steps, lo, hi, first, head, group, n, n_ok, b_ptr, cum_ptr, step_ptr, stride_bt, stride_bg,
+               stride_bn, stride_sh, stride_sc, CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, STEPS: tl.constexpr):
+    """state_walk_kernel's loads for its step s (nothing past the last step): B [BLOCK_T, BLOCK_N], the tokens' running
+    sums and dt', and the chunk's total."""
+    c = s // STEPS
+    chunk = (first + c).to(tl.int64)
+    start = (lo + c * CHUNK).to(tl.int64)
+    length = tl.where(s < steps, tl.minimum(hi - start, CHUNK), 0)
+    t = (s - c * STEPS) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < length
+    sums = head * stride_sh + chunk * stride_sc
+    b = tl.load(b_ptr + (start + t)[:, None] * stride_bt + group * stride_bg + n[None, :] * stride_bn,
+                mask=t_ok[:, None] & n_ok[None, :], other=0.0)
+    cum = tl.load(cum_ptr + sums + t, mask=t_ok, other=0.0)
+    dt = tl.load(step_ptr + sums + t, mask=t_ok, other=0.0)
+    last = tl.load(cum_ptr + sums + CHUNK - 1, mask=length > 0, other=0.0)  # padding adds nothing to the sum
+    return b, cum, dt, last
+
+
+@triton.jit
+def state_walk_kernel(x_ptr, b_ptr, step_ptr, cum_ptr, first_ptr, cu_ptr, init_ptr, starts_ptr, final_ptr,
+                      head_dim, state_dim, heads_per_group, stride_xt, stride_xh, stride_xp, stride_bt, stride_bg,
+                      stride_bn, stride_sh, stride_sc, stride_oc, stride_oh, stride_is, stride_ih, stride_ip,
+                      stride_in, stride_fs, stride_fh, HAS_INIT: tl.constexpr, DOT: tl.constexpr,
+                      PRECISION: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_T: tl.constexpr, STEPS: tl.constexpr):
+    """A sequence (axis 0), a head (axis 1) and a BLOCK_P x BLOCK_N tile of its state (axis 2), walking the
+    sequence's chunks in one loop of BLOCK_T-token steps (STEPS a chunk): at a chunk's first step the state
+    entering it is stored (into starts, in the dots' dtype) and decayed by the chunk's total; every step adds its
+    tokens' x^T (exp(cs_last - cs) dt' B) to it. The final state is stored at the end. The chunks' own
+    contributions never reach memory."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    p, n, p_ok, n_ok = state_tile(head_dim, state_dim, BLOCK_P, BLOCK_N)
+    ok = p_ok[:, None] & n_ok[None, :]
+    group = head // heads_per_group
+    if HAS_INIT:
+        acc = tl.load(init_ptr + seq.to(tl.int64) * stride_is + head * stride_ih + p[:, None] * stride_ip
+                      + n[None, :] * stride_in, mask=ok, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    lo = tl.load(cu_ptr + seq)
+    hi = tl.load(cu_ptr + seq + 1)
+    first = tl.load(first_ptr + seq)
+    state_offsets = head * stride_oh + p[:, None] * state_dim + n[None, :]
+    steps = (hi - lo + CHUNK - 1) // CHUNK * STEPS
+    # B, cs and dt' feed the dot through registers (their product is formed there), where the software pipeline does
+    # not prefetch them: each step's are loaded a step ahead, by hand.
+    b_next, cum_next, dt_next, last_next = walk_loads(0, steps, lo, hi, first, head, group, n, n_ok, b_ptr, cum_ptr,
+                                                      step_ptr, stride_bt, stride_bg, stride_bn, stride_sh, stride_sc,
+                                                      CHUNK, BLOCK_T, STEPS)
+    for s in range(0, steps):
+        c = s // STEPS
+        part = s - c * STEPS
+        chunk = (first + c).to(tl.int64)
+        start = (lo + c * CHUNK).to(tl.int64)
+        length = tl.minimum(hi - start, CHUNK)
+        b, cum_t, dt_t, last = b_next, cum_next, dt_next, last_next
+        b_next, cum_next, dt_next, last_next = walk_loads(s + 1, steps, lo, hi, first, head, group, n, n_ok, b_ptr,
+                                                          cum_ptr, step_ptr, stride_bt, stride_bg, stride_bn, stride_sh,
+                                                          stride_sc, CHUNK, BLOCK_T, STEPS)
+        entering = part == 0
+        tl.store(starts_ptr + chunk * stride_oc + state_offsets, acc.to(starts_ptr.dtype.element_ty),
+                 mask=(p < tl.where(entering, head_dim, 0))[:, None] & n_ok[None, :])
+        acc = acc * tl.where(entering, tl.exp(last), 1.0)
+        t = part * BLOCK_T + tl.arange(0, BLOCK_T)
+        x = tl.load(x_ptr + (start + t)[None, :] * stride_xt + head * stride_xh + p[:, None] * stride_xp,
+                    mask=p_ok[:, None] & (t < length)[None, :], other=0.0)  # [BLOCK_P, BLOCK_T]
+        weight = tl.exp(last - cum_t) * dt_t
+        acc = tl.dot(x.to(DOT), (b.to(tl.float32) * weight[:, None]).to(DOT), acc, input_precision=PRECISION)
+    tl.store(final_ptr + seq.to(tl.int64) * stride_fs + head * stride_fh + p[:, None] * state_dim + n[None, :], acc,
+             mask=ok)
+
+
+@triton.jit
 def chunk_scan_kernel(x_ptr, c_ptr, d_ptr, z_ptr, step_ptr, cum_ptr, cb_ptr, starts_ptr, first_ptr, seq_ptr,
                       start_ptr, cu_ptr, y_ptr, num_seqs, head_dim, state_dim, heads_per_group,
                       stride_xt, stride_xh, stride_xp, stride_ct, stride_cg, stride_cn, stride_d,
@@ -197,22 +279,38 @@ def chunk_scan_kernel(x_ptr, c_ptr, d_ptr, z_ptr, step_ptr, cum_ptr, cb_ptr, sta
     sums = head * stride_sh + chunk.to(tl.int64) * stride_sc
     cum_i = tl.load(cum_ptr + sums + i, mask=i < CHUNK, other=0.0)
 
-    # The state entering the chunk, decayed to token i and read out by C_i.
+    live = i0 < length  # no tokens of this tile in the chunk: nothing to read
+
+    # The state entering the chunk, read out by C_i (its decay to token i, exp(cs_i), applied below).
     acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
     starts = starts_ptr + chunk.to(tl.int64) * stride_oc + head * stride_oh
-    state_end = tl.where(i0 < length, state_dim, 0)  # no tokens of this tile in the chunk: nothing to read
-    for k0 in range(0, state_end, BLOCK_K):
+    for k0 in range(0, tl.where(live, state_dim, 0), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < state_dim
         c = tl.load(c_ptr + (start + i)[:, None] * stride_ct + group * stride_cg + k[None, :] * stride_cn,
                     mask=i_ok[:, None] & k_ok[None, :], other=0.0)
         s = tl.load(starts + p[None, :] * state_dim + k[:, None], mask=k_ok[:, None] & p_ok[None, :], other=0.0)
         acc = tl.dot(c.to(DOT), s.to(DOT), acc, input_precision=PRECISION)
-    acc *= tl.exp(cum_i)[:, None]
 
-    # The chunk's tokens j <= i.
-    cbs = cb_ptr + chunk.to(tl.int64) * stride_kc + (head // heads_per_group) * stride_kg
-    for j0 in range(0, tl.minimum(length, i0 + BLOCK_M), BLOCK_J):
+    # The chunk's tokens before the tile's first row i0, in whole steps (BLOCK_J divides BLOCK_M): every j < i, so no
+    # causal mask, and exp(cs_i - cs_j) = exp(cs_i - cs_i0) exp(cs_i0 - cs_j), both at most 1 (the running sums
+    # never rise): the columns' factor scales the C.B tile, the rows' the accumulator once after these steps, with
+    # the state's (exp(cs_i) = exp(cs_i0) exp(cs_i - cs_i0)). A step costs a multiply an element, not a mask and an
+    # exponential.
+    cbs = cb_ptr + chunk.to(tl.int64) * stride_kc + group * stride_kg
+    ref = tl.load(cum_ptr + sums + i0)
+    acc *= tl.exp(ref)
+    for j0 in range(0, tl.where(live, i0, 0), BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        cb = tl.load(cbs + i[:, None] * CHUNK + j[None, :])  # j < i0 < length: rows and tokens in the chunk
+        weight = tl.exp(ref - tl.load(cum_ptr + sums + j)) * tl.load(step_ptr + sums + j)
+        x = tl.load(x_ptr + (start + j)[:, None] * stride_xt + head * stride_xh + p[None, :] * stride_xp,
+                    mask=p_ok[None, :], other=0.0)
+        acc = tl.dot((cb * weight[None, :]).to(DOT), x.to(DOT), acc, input_precision=PRECISION)
+    acc *= tl.exp(cum_i - ref)[:, None]
+
+    # The tokens from i0 on, masked by the causal triangle.
+    for j0 in range(i0, tl.where(live, tl.minimum(length, i0 + BLOCK_M), 0), BLOCK_J):
         j = j0 + tl.arange(0, BLOCK_J)
         j_ok = j < length
         causal = (i[:, None] >= j[None, :]) & j_ok[None, :]
@@ -241,3 +339,4 @@ def chunk_scan_kernel(x_ptr, c_ptr, d_ptr, z_ptr, step_ptr, cum_ptr, cb_ptr, sta
         acc *= z * tl.sigmoid(z)
     tl.store(y_ptr + tokens * stride_yt + head * stride_yh + p[None, :] * stride_yp,
              acc.to(y_ptr.dtype.element_ty), mask=ok)
+

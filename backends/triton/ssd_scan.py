@@ -45,6 +45,10 @@ class Tiles:
     num_stages: int  # the dot kernels' software pipelining
     passing_block: int  # state elements per state_passing program
     passing_warps: int
+    walk_p: int  # state_walk's state tile and tokens a step
+    walk_n: int
+    walk_t: int
+    walk_warps: int
 
 
 def _dot_dim(n: int, cap: int) -> int:
@@ -52,9 +56,9 @@ def _dot_dim(n: int, cap: int) -> int:
 
 
 def tiles_for(chunk: int, head_dim: int, state_dim: int) -> Tiles:
-    """The launches' tiles, measured on the H200 at Mamba2-2.7B (perf/decisions/ssd_scan.md: two stages, 32-token
-    scan steps); under the interpreter whole chunks, heads and states per program (a program costs ~10 ms
-    whatever its size)."""
+    """The launches' tiles, measured on the H200 at Mamba2-2.7B (perf/decisions/ssd_scan.md: three stages, 32-token
+    scan steps, 128-token walk steps); under the interpreter whole chunks, heads and states per program (a program
+    costs ~10 ms whatever its size)."""
     cap = 1 << 30 if INTERPRETED else 64
     q = _dot_dim(chunk, cap)
     return Tiles(
@@ -62,8 +66,24 @@ def tiles_for(chunk: int, head_dim: int, state_dim: int) -> Tiles:
         cb_m=q, cb_n=q, cb_k=_dot_dim(state_dim, cap),
         state_p=_dot_dim(head_dim, cap), state_n=_dot_dim(state_dim, cap), state_t=q,
         scan_m=q, scan_p=_dot_dim(head_dim, cap), scan_k=_dot_dim(state_dim, cap),
-        scan_j=min(q, 32) if not INTERPRETED else q, num_warps=4, scan_warps=4, num_stages=2,
-        passing_block=next_pow2(head_dim * state_dim) if INTERPRETED else 1024, passing_warps=4)
+        scan_j=min(q, 32) if not INTERPRETED else q, num_warps=4, scan_warps=4, num_stages=3,
+        passing_block=next_pow2(head_dim * state_dim) if INTERPRETED else 1024, passing_warps=4,
+        walk_p=_dot_dim(head_dim, cap), walk_n=_dot_dim(state_dim, cap), walk_t=_dot_dim(chunk, 2 * cap),
+        walk_warps=4)
+
+
+def walks(programs: int, device: torch.device) -> bool:
+    """Whether the states go by state_walk_kernel: when its programs (a sequence, head and state tile each) fill the
+    GPU's SMs, for each walks its sequence's chunks one after another. H200, Mamba2-2.7B at 1 x 8192 tokens: 80 heads
+    (160 programs) 105.8 us against 133.3 for chunk states and state passing; the whole call at 40 heads (80
+    programs) 285.4 against 271.6 us, at 20 heads 192.3 against 151.1 (perf/decisions/ssd_scan.md). Under the
+    interpreter always (tests force the other route)."""
+    return INTERPRETED or programs >= _sm_count(device)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
@@ -79,9 +99,10 @@ def supports(key: spec.Key, platform: Platform) -> Optional[str]:
 def describe(key: spec.Key, platform: Platform) -> str:
     """The chunked launches a call with ``key`` runs (for explain)."""
     t = tiles_for(key.chunk_size, key.head_dim, key.state_dim)
-    return (f"chunk {key.chunk_size}: C.B tiles {t.cb_m} x {t.cb_n}, chunk states {t.state_p} x {t.state_n} by "
-            f"{t.state_t} tokens ({t.num_warps} warps), scan {t.scan_m} tokens x {t.scan_p} of P by {t.scan_k} of N "
-            f"({t.scan_warps} warps), {t.num_stages} stages")
+    return (f"chunk {key.chunk_size}: C.B tiles {t.cb_m} x {t.cb_n}; states by a walk over each sequence's chunks "
+            f"({t.walk_p} x {t.walk_n} state tiles, {t.walk_t} tokens a step) when its programs fill the SMs, else "
+            f"chunk states {t.state_p} x {t.state_n} by {t.state_t} tokens and state passing; scan {t.scan_m} tokens x "
+            f"{t.scan_p} of P by {t.scan_k} of N ({t.scan_warps} warps), {t.num_stages} stages")
 
 
 @functools.cache
@@ -144,11 +165,14 @@ def ssd_scan(
     step = torch.empty((num_heads, max_chunks, q), dtype=torch.float32, device=device)
     cum = torch.empty_like(step)
     cb = torch.empty((max_chunks, num_groups, q, q), dtype=torch.float32, device=device)
-    states = torch.empty((max_chunks, num_heads, head_dim, state_dim), dtype=torch.float32, device=device)
-    starts = torch.empty(states.shape, dtype=dot_dtype, device=device)
+    starts = torch.empty((max_chunks, num_heads, head_dim, state_dim), dtype=dot_dtype, device=device)
+    walk_grid = (num_seqs, num_heads, -(-head_dim // t.walk_p) * -(-state_dim // t.walk_n))
+    walk = walks(walk_grid[0] * walk_grid[1] * walk_grid[2], device)
+    states = None if walk else torch.empty(starts.shape, dtype=torch.float32, device=device)
     placeholder = x  # absent optional tensors: never read (their HAS_ flag is off)
     clamp = dt_min > 0.0 or dt_max < spec.NO_UPPER_DT_LIMIT
     lists = (first, chunk_seq, chunk_start, cu_seqlens)
+    init = initial_states if initial_states is not None else final
     with device_guard(device):
         kernels.chunk_table_kernel[(num_seqs + 1,)](cu_seqlens, first, chunk_seq, chunk_start, num_seqs, CHUNK=q,
                                                     BLOCK_S=TABLE_BLOCK, BLOCK_C=TABLE_BLOCK)
@@ -162,23 +186,32 @@ def ssd_scan(
                 B, C, *lists, cb, num_seqs, state_dim, *B.stride(), *C.stride(), *cb.stride()[:2],
                 DOT=dot, PRECISION=precision, CHUNK=q, BLOCK_M=t.cb_m, BLOCK_N=t.cb_n, BLOCK_K=t.cb_k,
                 num_warps=t.num_warps, num_stages=t.num_stages)
-            kernels.chunk_state_kernel[(max_chunks, num_heads, -(-head_dim // t.state_p) * -(-state_dim // t.state_n))](
-                x, B, step, cum, *lists, states, num_seqs, head_dim, state_dim, heads_per_group, *x.stride(),
-                *B.stride(), *step.stride()[:2], *states.stride()[:2],
-                DOT=dot, PRECISION=precision, CHUNK=q, BLOCK_P=t.state_p, BLOCK_N=t.state_n, BLOCK_T=t.state_t,
-                num_warps=t.num_warps, num_stages=t.num_stages)
-        init = initial_states if initial_states is not None else final
-        kernels.state_passing_kernel[(num_seqs, num_heads, -(-(head_dim * state_dim) // t.passing_block))](
-            states, cum, first, init, starts, final, head_dim, state_dim, *step.stride()[:2], *states.stride()[:2],
-            *init.stride(), *final.stride()[:2],
-            HAS_INIT=initial_states is not None, CHUNK=q, BLOCK=t.passing_block, num_warps=t.passing_warps)
+        if walk:
+            kernels.state_walk_kernel[walk_grid](
+                x, B, step, cum, first, cu_seqlens, init, starts, final, head_dim, state_dim, heads_per_group,
+                *x.stride(), *B.stride(), *step.stride()[:2], *starts.stride()[:2], *init.stride(),
+                *final.stride()[:2], HAS_INIT=initial_states is not None, DOT=dot, PRECISION=precision, CHUNK=q,
+                BLOCK_P=t.walk_p, BLOCK_N=t.walk_n, BLOCK_T=t.walk_t, STEPS=max(1, q // t.walk_t),
+                num_warps=t.walk_warps, num_stages=t.num_stages)
+        else:
+            if max_chunks:
+                kernels.chunk_state_kernel[(max_chunks, num_heads,
+                                            -(-head_dim // t.state_p) * -(-state_dim // t.state_n))](
+                    x, B, step, cum, *lists, states, num_seqs, head_dim, state_dim, heads_per_group, *x.stride(),
+                    *B.stride(), *step.stride()[:2], *states.stride()[:2],
+                    DOT=dot, PRECISION=precision, CHUNK=q, BLOCK_P=t.state_p, BLOCK_N=t.state_n, BLOCK_T=t.state_t,
+                    num_warps=t.num_warps, num_stages=t.num_stages)
+            kernels.state_passing_kernel[(num_seqs, num_heads, -(-(head_dim * state_dim) // t.passing_block))](
+                states, cum, first, init, starts, final, head_dim, state_dim, *step.stride()[:2],
+                *states.stride()[:2], *init.stride(), *final.stride()[:2],
+                HAS_INIT=initial_states is not None, CHUNK=q, BLOCK=t.passing_block, num_warps=t.passing_warps)
         if max_chunks:
             zz = z if z is not None else placeholder
             kernels.chunk_scan_kernel[(max_chunks, num_heads, -(-q // t.scan_m) * -(-head_dim // t.scan_p))](
                 x, C, D if D is not None else placeholder, zz, step, cum, cb, starts, *lists, y, num_seqs, head_dim,
                 state_dim, heads_per_group, *x.stride(), *C.stride(), D.stride(0) if D is not None else 0,
                 *(zz.stride() if z is not None else (0, 0, 0)), *y.stride(), *step.stride()[:2], *cb.stride()[:2],
-                *states.stride()[:2],
+                *starts.stride()[:2],
                 HAS_D=D is not None, HAS_Z=z is not None, DOT=dot, PRECISION=precision, CHUNK=q, BLOCK_M=t.scan_m,
                 BLOCK_P=t.scan_p, BLOCK_K=t.scan_k, BLOCK_J=t.scan_j, num_warps=t.scan_warps,
                 num_stages=t.num_stages)

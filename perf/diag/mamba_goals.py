@@ -152,7 +152,7 @@ def main() -> None:
                         stack.enter_context(mock.patch.object(triton_scan, "tiles_for", lambda *_: tiles))
                     us = _time(fn, inputs, _check_scan)
                     result = dict(us=round(us, 2), tokens_per_s=f"{seqs * length / (us * 1e-6):.3g}")
-                    if args.profile and name == "triton" and not tile:
+                    if args.profile and name == "triton":
                         result["kernels_us"] = _profile(fn, inputs[0])
                 return result
             record(dict(op=spec.name, seqs=seqs, length=length, impl=name, tiles=tile or "default"), work)

@@ -1,8 +1,10 @@
-"""The triton backend's ssd_scan against the spec's reference, compiled on a GPU or interpreted on CPU tensors:
-every case on fresh seeds with freed memory poisoned under the outputs, the GPU's tiles run under the
-interpreter too (chunks split across tiles, tiles past a short chunk), strided and sliced inputs, chunk-grid
+"""The triton backend's ssd_scan against the spec's reference, compiled on a GPU or interpreted on CPU tensors, down
+both routes to the chunks' entering states (the walk and chunk states + state passing): every case on fresh seeds
+with freed memory poisoned under the outputs, the GPU's tiles run under the interpreter too (chunks split across
+tiles, tiles past a short chunk, N over several tiles), strided and sliced inputs (offsets included), chunk-grid
 programs past the last real chunk, and on the GPU a CUDA-graph replay on new sequence lengths."""
 
+import dataclasses
 import importlib
 import inspect
 
@@ -54,6 +56,13 @@ def _build(name: str, seed: int) -> dict:
     return kwargs
 
 
+@pytest.fixture(params=["walk", "chunks"])
+def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The two routes to the states entering the chunks (host.walks picks one by the walk's programs), each forced."""
+    monkeypatch.setattr(host, "walks", lambda programs, device: request.param == "walk")
+    return request.param
+
+
 def test_signature_matches_the_spec() -> None:
     assert inspect.signature(host.ssd_scan) == SPEC.signature
 
@@ -69,18 +78,18 @@ def test_declines_chunks_and_states_past_its_limits_and_says_so() -> None:
 
 
 @pytest.mark.parametrize("name", [case.name for case in SPEC.cases])
-def test_cases(name: str) -> None:
+def test_cases(name: str, route: str) -> None:
     for seed in (41, 42):
         _check(_build(name, seed), f"{name}, seed {seed}")
 
 
 @pytest.mark.parametrize("name", SMALL)
-def test_gpu_tiles_under_the_interpreter(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_tiles_under_the_interpreter(name: str, route: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # 16-wide tiles against chunks of 8 and 4 (rows and pairs past the chunk masked) and against P 4-8, N 8-16;
     # then chunks larger than the tiles (a chunk's pairs and tokens over several tiles and steps).
     small = host.Tiles(cumsum_heads=2, cb_m=16, cb_n=16, cb_k=16, state_p=16, state_n=16, state_t=16, scan_m=16,
                        scan_p=16, scan_k=16, scan_j=16, num_warps=4, scan_warps=4, num_stages=2, passing_block=64,
-                       passing_warps=4)
+                       passing_warps=4, walk_p=16, walk_n=16, walk_t=16, walk_warps=4)
     monkeypatch.setattr(host, "tiles_for", lambda q, p, n: small)
     _check(_build(name, 43), f"{name}, 16-wide tiles")
     kwargs = _build(name, 44)
@@ -88,7 +97,27 @@ def test_gpu_tiles_under_the_interpreter(name: str, monkeypatch: pytest.MonkeyPa
     _check(kwargs, f"{name}, chunk 64 over 16-wide tiles")
 
 
-def test_strided_inputs() -> None:
+def test_the_walk_takes_the_states_when_its_programs_fill_the_sms(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host, "INTERPRETED", False)
+    monkeypatch.setattr(host, "_sm_count", lambda device: 132)
+    assert not host.walks(131, torch.device("cuda"))
+    assert host.walks(132, torch.device("cuda"))
+
+
+def test_state_dim_over_several_tiles(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # N 40 against 16-wide tiles: the scan forms C.B and reads the entering state over three K steps of N (the last
+    # partly past N), and the chunk states' tiles split N; 2 groups of 2 heads, chunks of 32 over 16-token steps.
+    small = dataclasses.replace(host.tiles_for(32, 8, 40), cb_m=16, cb_n=16, cb_k=16, state_p=16, state_n=16,
+                                state_t=16, scan_m=16, scan_p=16, scan_k=16, scan_j=16, walk_p=16, walk_n=16,
+                                walk_t=16)
+    monkeypatch.setattr(host, "tiles_for", lambda q, p, n: small)
+    make = spec._maker((45, 0, 19), 4, 8, 2, 40, torch.float32, 32)
+    kwargs = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v
+              for k, v in make(torch.device("cpu"), torch.Generator().manual_seed(50)).items()}
+    _check(kwargs, "N 40 over 16-wide tiles")
+
+
+def test_strided_inputs(route: str) -> None:
     kwargs = _build("small_varlen", 45)
     strided = dict(kwargs)
     for name in ("x", "z", "B", "C"):
@@ -101,7 +130,7 @@ def test_strided_inputs() -> None:
     _check(strided, "strided inputs, offsets and initial states")
 
 
-def test_many_short_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_many_short_sequences(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # 40 sequences of 0-3 tokens and one of 37: many chunk programs (the grid's bound is T // Q + Bs, capped at T)
     # find no chunk, and with 8 a step the chunk table sums the sequences before a program's over several steps
     # and stores the long sequence's 19 chunks over three.
@@ -114,7 +143,7 @@ def test_many_short_sequences(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU; the kernels' graph safety is checked on it")
-def test_cuda_graph_replay_on_new_lengths() -> None:
+def test_cuda_graph_replay_on_new_lengths(route: str) -> None:
     static = _build("mamba2_2.7b_t1024_varlen", 47)
     graph, result = capture(host.ssd_scan, static)
     tokens = static["x"].shape[0]
