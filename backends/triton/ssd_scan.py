@@ -121,6 +121,9 @@ def _dot_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, object]:
     return dtype, {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[dtype]
 
 
+# The scan's elementwise exponentials and gate division approximate on the GPU (no inline PTX under the interpreter).
+FAST_MATH = not INTERPRETED
+
 # fp32 dots at 3xTF32 (one TF32 pass was off by up to 8e-3 against the fp32 reference on Mamba2-2.7B, the
 # tolerance 1e-3); 16-bit operands take no such setting.
 FP32_DOT_PRECISION = "tf32x3"
@@ -213,6 +216,6 @@ def ssd_scan(
                 *(zz.stride() if z is not None else (0, 0, 0)), *y.stride(), *step.stride()[:2], *cb.stride()[:2],
                 *starts.stride()[:2],
                 HAS_D=D is not None, HAS_Z=z is not None, DOT=dot, PRECISION=precision, CHUNK=q, BLOCK_M=t.scan_m,
-                BLOCK_P=t.scan_p, BLOCK_K=t.scan_k, BLOCK_J=t.scan_j, num_warps=t.scan_warps,
+                BLOCK_P=t.scan_p, BLOCK_K=t.scan_k, BLOCK_J=t.scan_j, FAST=FAST_MATH, num_warps=t.scan_warps,
                 num_stages=t.num_stages)
     return y, final
