@@ -63,6 +63,17 @@ def fp4_mm_kernel(a_ptr, b_ptr, s_ptr, gs_ptr, out_ptr, size_m, size_n, size_k,
 
 
 @triton.jit
+def divide_into_kernel(x_ptr, divisor_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    """out = x / divisor[0], elementwise over numel contiguous elements (BLOCK a program): fp32 x, an IEEE division,
+    one rounding into out's dtype. One pass where torch.div(x, divisor, out=) into a 16-bit out divides into an fp32
+    temporary first."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < numel
+    x = tl.load(x_ptr + offsets, mask=ok, other=0.0)
+    tl.store(out_ptr + offsets, tl.div_rn(x, tl.load(divisor_ptr)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def fp4_dequantize_kernel(b_ptr, s_ptr, w_ptr, size_n, size_k, stride_bn, stride_bk, stride_sn, stride_sk, stride_wn,
                           QUANT: tl.constexpr, HIDDEN: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr):

@@ -33,6 +33,8 @@ GEMV_WIDE_FROM = 1 << 25
 # under the interpreter, whose CPU route multiplies in fp32).
 DEQUANTIZE_MIN_ROWS = 32
 DEQUANTIZE_TILE = (32, 512, 4)  # the decoding's rows of b, K, warps a program
+# NVFP4's division of the fp32 product by the global scale, one pass into out (torch.div into a 16-bit out takes two).
+DIVIDE_BLOCK, DIVIDE_WARPS = 2048, 4
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,7 @@ def _dequantized_mm(kernels, a: torch.Tensor, b: torch.Tensor, scales: torch.Ten
     else:
         product = torch.mm(a, dense.t(), out_dtype=torch.float32)
     if fmt == "nvfp4":
-        torch.div(product, global_scale, out=out)
+        kernels.divide_into_kernel[(-(-out.numel() // DIVIDE_BLOCK),)](product, global_scale, out, out.numel(),
+                                                                       BLOCK=DIVIDE_BLOCK, num_warps=DIVIDE_WARPS)
     else:
         out.copy_(product)
