@@ -257,9 +257,9 @@ def state_walk_kernel(x_ptr, b_ptr, step_ptr, cum_ptr, first_ptr, cu_ptr, init_p
 
 @triton.jit
 def exp_approx(x, FAST: tl.constexpr):
-    """exp(x) in fp32; FAST (the GPU): one ex2.approx.ftz after the multiply by log2(e), 2 SASS instructions where
-    tl.exp's denormal-safe sequence takes 7 (2 ulp; results below 2^-126 flush to 0: a decay that small, or a gate's
-    exp(-z) that large, changes no sum it enters)."""
+    """exp(x) in fp32; FAST (the GPU): one ex2.approx.ftz after the multiply by log2(e), where tl.exp wraps the same
+    two instructions in a denormal fix-up (2 ulp; results below 2^-126 flush to 0: a decay that small changes no
+    sum it enters, and a gate's exp(-z) that large leaves z sigmoid(z) at 0 either way)."""
     if FAST:
         return tl.inline_asm_elementwise(asm="ex2.approx.ftz.f32 $0, $1;", constraints="=r,r",
                                          args=[x * 1.4426950408889634], dtype=tl.float32, is_pure=True, pack=1)
@@ -353,4 +353,3 @@ def chunk_scan_kernel(x_ptr, c_ptr, d_ptr, z_ptr, step_ptr, cum_ptr, cb_ptr, sta
         acc *= tl.fdiv(z, 1.0 + exp_approx(-z, FAST), ieee_rounding=not FAST)  # z sigmoid(z)
     tl.store(y_ptr + tokens * stride_yt + head * stride_yh + p[None, :] * stride_yp,
              acc.to(y_ptr.dtype.element_ty), mask=ok)
-

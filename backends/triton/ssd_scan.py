@@ -74,10 +74,10 @@ def tiles_for(chunk: int, head_dim: int, state_dim: int) -> Tiles:
 
 def walks(programs: int, device: torch.device) -> bool:
     """Whether the states go by state_walk_kernel: when its programs (a sequence, head and state tile each) fill the
-    GPU's SMs, for each walks its sequence's chunks one after another. H200, Mamba2-2.7B at 1 x 8192 tokens: 80 heads
-    (160 programs) 105.8 us against 133.3 for chunk states and state passing; the whole call at 40 heads (80
-    programs) 285.4 against 271.6 us, at 20 heads 192.3 against 151.1 (perf/decisions/ssd_scan.md). Under the
-    interpreter always (tests force the other route)."""
+    GPU's SMs, for each walks its sequence's chunks one after another. H200, Mamba2-2.7B at 1 x 8192 tokens, the whole
+    call: 80 heads (160 programs) 406 us against 429 by chunk states and state passing; 40 heads (80 programs) 242
+    against 235, 20 heads 162 against 133 (perf/decisions/ssd_scan.md). Under the interpreter always (the tests force
+    the other route)."""
     return INTERPRETED or programs >= _sm_count(device)
 
 

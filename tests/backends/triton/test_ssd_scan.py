@@ -105,8 +105,8 @@ def test_the_walk_takes_the_states_when_its_programs_fill_the_sms(monkeypatch: p
 
 
 def test_state_dim_over_several_tiles(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # N 40 against 16-wide tiles: the scan forms C.B and reads the entering state over three K steps of N (the last
-    # partly past N), and the chunk states' tiles split N; 2 groups of 2 heads, chunks of 32 over 16-token steps.
+    # N 40 against 16-wide tiles: C.B and the scan's read of the entering state take three K steps of N (the last
+    # partly past N), and the state tiles split N (both routes); 2 groups of 2 heads, chunks of 32 over 16-token steps.
     small = dataclasses.replace(host.tiles_for(32, 8, 40), cb_m=16, cb_n=16, cb_k=16, state_p=16, state_n=16,
                                 state_t=16, scan_m=16, scan_p=16, scan_k=16, scan_j=16, walk_p=16, walk_n=16,
                                 walk_t=16)
