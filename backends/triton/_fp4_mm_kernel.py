@@ -98,4 +98,3 @@ def fp4_dequantize_kernel(b_ptr, s_ptr, w_ptr, size_n, size_k, stride_bn, stride
     k = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + n[:, None].to(tl.int64) * stride_wn + k[None, :], values.to(w_ptr.dtype.element_ty),
              mask=n_ok[:, None] & (k < size_k)[None, :])
-

@@ -307,10 +307,13 @@ def test_every_shipped_bucket_names_its_ops_current_key_fields():
             assert set(measurement["bucket"]) == fields[measurement["op"]], (path.name, measurement["case"])
 
 
+_SPECS = {spec.name: spec for spec in ALL_SPECS}
+
+
 @functools.cache
 def _case_bucket(op: str, case: str) -> dict:
     """The bucket of a spec case's key, its tensors made on the meta device (the key needs no values)."""
-    spec = next(spec for spec in ALL_SPECS if spec.name == op)
+    spec = _SPECS[op]
     return tuning.bucket(spec.validate(**spec.case(case).make(torch.device("meta"), torch.Generator())))
 
 
