@@ -4,16 +4,18 @@ and write the tuning table that orders this device's calls (engine/tuning.py say
 It runs the bench's runner (same checks, timers and rows), or reads bench runs that recorded their
 buckets (``--load``, e.g. one made on a GPU machine), and writes ``$KERNELMUX_CACHE_DIR/tuning/
 <device>.json``, or the checkout's shipped table with ``--ship``. A table of the same device and
-versions is updated: the new measurements replace those of the same op and bucket.
+versions is updated: the new measurements replace those of the same op and bucket, and an old one
+whose bucket its cases no longer give (a key or a bucket rule changed, a case is gone) is dropped.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -24,7 +26,9 @@ from kernelmux.perf.runner import Plan, run
 from kernelmux.perf.timing import default_budget_s
 from kernelmux.specs import ALL_SPECS
 
-__all__ = ["add_arguments", "compatible", "main", "merge", "table_of_run"]
+__all__ = ["add_arguments", "case_bucket", "compatible", "current", "main", "merge", "table_of_run"]
+
+_SPECS = {spec.name: spec for spec in ALL_SPECS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,17 +63,31 @@ def compatible(old: dict[str, Any], new: dict[str, Any]) -> bool:
     return old.get("device") == new["device"] and old.get("versions") == new["versions"]
 
 
+@functools.cache
+def case_bucket(op: str, case: str) -> Optional[dict[str, Any]]:
+    """The bucket a spec case's key falls in now, its tensors made on the meta device (a key needs no
+    values); None where the op or the case is gone."""
+    spec = _SPECS.get(op)
+    if spec is None or case not in {c.name for c in spec.cases}:
+        return None
+    return tuning.bucket(spec.validate(**spec.case(case).make(torch.device("meta"), torch.Generator())))
+
+
+def current(measurement: dict[str, Any]) -> bool:
+    """Whether each case a measurement names still falls in its bucket: one that does not (the key grew,
+    a size class moved, the case is gone) can never order a call."""
+    return all(case_bucket(measurement["op"], case) == measurement["bucket"]
+               for case in measurement["case"].split(tuning.CASE_SEPARATOR))
+
+
 def merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """``new`` with the measurements of ``old`` it does not replace (same op and bucket), when both
-    are of one device and versions; else ``new`` alone. Old measurements of an op whose key has
-    other fields now (a spec's key grew) are dropped."""
+    """``new`` with the measurements of ``old`` it does not replace (same op and bucket) and that are
+    still ``current``, when both are of one device and versions; else ``new`` alone."""
     if not compatible(old, new):
         return new
     replaced = {(m["op"], json.dumps(m["bucket"], sort_keys=True)) for m in new["measurements"]}
-    fields = {m["op"]: set(m["bucket"]) for m in new["measurements"]}  # an op's key fields, as measured now
     kept = [m for m in old.get("measurements", ())
-            if (m["op"], json.dumps(m["bucket"], sort_keys=True)) not in replaced
-            and fields.get(m["op"], set(m["bucket"])) == set(m["bucket"])]
+            if (m["op"], json.dumps(m["bucket"], sort_keys=True)) not in replaced and current(m)]
     return {**new, "measurements": kept + new["measurements"]}
 
 

@@ -15,7 +15,6 @@ from kernelmux.engine import Engine, Settings, tuning
 from kernelmux.errors import ConfigurationError
 from kernelmux.perf import bench, report, tune
 from kernelmux.platforms import detect
-from kernelmux.registry import Registry
 from kernelmux.specs import ALL_SPECS
 from kernelmux.specs.grouped_topk import SPEC
 
@@ -107,6 +106,18 @@ def test_a_retune_after_the_key_grew_drops_the_ops_older_measurements(run_result
                                                        if k != "num_tokens_class"}} for m in made["measurements"]]}
     merged = tune.merge(older, made)
     assert merged["measurements"] == made["measurements"]
+
+
+def test_a_merge_drops_old_measurements_their_cases_no_longer_fall_in(run_result):
+    # Same fields, but a size class no case gives now (a bucket rule moved since), or a case that is gone:
+    # neither can order a call, so neither survives a retune of other buckets.
+    made = tune.table_of_run(run_result)
+    t1, t64 = sorted(made["measurements"], key=lambda m: m["bucket"]["num_tokens_class"])
+    moved = {**t1, "bucket": {**t1["bucket"], "num_tokens_class": t1["bucket"]["num_tokens_class"] + 1}}
+    gone = {**t1, "case": "no_such_case"}
+    assert tune.current(t1) and not tune.current(moved) and not tune.current(gone)
+    merged = tune.merge({**made, "measurements": [t1, moved, gone]}, {**made, "measurements": [t64]})
+    assert merged["measurements"] == [t1, t64]
 
 
 def test_a_run_before_tuning_fields_is_refused_by_name(run_result):
