@@ -99,7 +99,7 @@ def test_takes_the_goal_shapes_every_dtype_format_and_layout():
     key = nv_spec.SPEC.validate(x=torch.randn(2, 7168).to(torch.bfloat16))
     assert cuda_nv.describe(key, SM90).startswith("two launches: quantize_fp8's per-CTA maxima")
     key = mx_spec.SPEC.validate(x=torch.randn(2, 7168).to(torch.bfloat16))
-    assert cuda_mx.describe(key, SM90).startswith("one launch: warp tasks of 4 x 8 blocks of a row, 4 lanes a block")
+    assert cuda_mx.describe(key, SM90).startswith("one launch: warp tasks of 3 x 8 blocks of a row, 4 lanes a block")
 
 
 @pytest.mark.parametrize("module", [cuda_nv, cuda_mx])
@@ -147,9 +147,9 @@ def test_the_encoders_ffma_route_is_the_specs_encoder():
 
 @needs_nvrtc
 def test_every_kernel_compiles_for_sm90_without_spills():
-    # Up to SLOTS = 4 (8 spills 16 bytes for fp32 MXFP4: not offered).
+    # Up to 4 slots (8 spills 16 bytes for fp32 MXFP4: not offered).
     names = [fp4.kernel_name(fmt, kind, swizzled, slots) for fmt in fp4.FORMATS.values()
-             for kind in fp4.KINDS.values() for swizzled in (False, True) for slots in (1, 2, fp4.SLOTS)]
+             for kind in fp4.KINDS.values() for swizzled in (False, True) for slots in (1, 2, 3, 4)]
     module = _compile.compile_module(fp4.source(names), names, (9, 0), verbose=True)
     for name in names:
         assert module.spill_bytes(name) == 0, name
@@ -189,9 +189,9 @@ def test_every_format_layout_and_dtype(fmt, scale_layout, dtype):
 
 
 @needs_hopper
-@pytest.mark.parametrize("slots", [1, 2])
-def test_slot_counts_other_than_the_default(slots, monkeypatch):
-    monkeypatch.setattr(fp4, "SLOTS", slots)
+@pytest.mark.parametrize("slots", [1, 2, 3, 4])
+def test_every_slot_count_for_every_format(slots, monkeypatch):
+    monkeypatch.setattr(fp4, "SLOTS", dict.fromkeys(fp4.SLOTS, slots))
     for fmt in FORMATS:
         _check(fmt, _random(11, 2880, scale=10.0), f"{slots} slots")
         _check(fmt, _random(5, 1056, torch.float32, scale=10.0), f"fp32, {slots} slots")
