@@ -22,9 +22,9 @@ SOURCE_NAME = "quantize_fp4.cu"
 KINDS = fp8.KINDS  # the kinds quantize_common.cuh defines: bf16, fp16, fp32
 FORMATS = {"nvfp4_given": 0, "nvfp4_dynamic": 1, "floor": 2, "ceil": 3}  # the .cu file's kNvfp4Given, ...
 BLOCKS = {"nvfp4_given": 16, "nvfp4_dynamic": 16, "floor": 32, "ceil": 32}  # elements a block scale covers
-# 16-byte vectors a thread has in flight, by format: a warp task is SLOTS x 512 contiguous bytes of a row (NVFP4 at 4:
-# 64 blocks of bf16, H 7168 is 7 tasks; MXFP4 at 3: 24 blocks). Swept on the H200 (perf/decisions/quantize_nvfp4.md).
-SLOTS = {"nvfp4_given": 4, "nvfp4_dynamic": 4, "floor": 3, "ceil": 3}
+# 16-byte vectors a thread has in flight: a warp task is SLOTS x 512 contiguous bytes of a row (64 NVFP4 / 32 MXFP4
+# blocks of bf16: H 7168 is 7 tasks, H 2880 3). Swept on the H200 with the CTA (perf/decisions/quantize_nvfp4.md).
+SLOTS = 4
 THREADS = 4 * 32  # kWarps in the .cu file
 MAX_TASKS = 2**31
 
@@ -60,7 +60,7 @@ def describe(fmt: str, dtype: torch.dtype) -> str:
     n = lanes(fmt, dtype)
     first = ("two launches: quantize_fp8's per-CTA maxima (per_tensor's first pass), then " if fmt == "nvfp4_dynamic"
              else "one launch: ")
-    return (f"{first}warp tasks of {SLOTS[fmt]} x {32 // n} blocks of a row, {n} lanes a block, {SLOTS[fmt]} 16-byte loads a "
+    return (f"{first}warp tasks of {SLOTS} x {32 // n} blocks of a row, {n} lanes a block, {SLOTS} 16-byte loads a "
             "lane in flight, e2m1 codes by an FFMA-rounding integer encoder (perf/decisions/quantize_nvfp4.md)")
 
 
@@ -110,7 +110,7 @@ def quantize(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: torch.Tensor, sw
     rows, cols = x.shape
     device = x.device
     blocks = cols // BLOCKS[fmt]
-    tasks_per_row = -(-blocks // (SLOTS[fmt] * 32 // lanes(fmt, x.dtype)))
+    tasks_per_row = -(-blocks // (SLOTS * 32 // lanes(fmt, x.dtype)))
     if rows * tasks_per_row >= MAX_TASKS:
         raise ValueError(f"x: at most {MAX_TASKS - 1} warp tasks, got {rows} rows x {tasks_per_row}")
     magic, shift = fp8.division(tasks_per_row)
@@ -118,7 +118,7 @@ def quantize(x: torch.Tensor, fmt: str, q: torch.Tensor, scale: torch.Tensor, sw
         if swizzled:
             scale.zero_()  # the padding's scales are 0; the kernel writes the rest
         partials = fp8.amax_partials(x) if fmt == "nvfp4_dynamic" else None
-        kernel = _kernel(device, kernel_name(FORMATS[fmt], KINDS[x.dtype], swizzled, SLOTS[fmt]))
+        kernel = _kernel(device, kernel_name(FORMATS[fmt], KINDS[x.dtype], swizzled, SLOTS))
         kernel((-(-rows * tasks_per_row // (THREADS // 32)), 1, 1), overlap_previous=True,
                x=x, q=q, scale=scale, gs_in=gs_in, gs_out=gs_out, partials=partials, rows=rows, blocks=blocks,
                tasks_per_row=tasks_per_row, row_shift=shift, num_partials=0 if partials is None else partials.numel(),

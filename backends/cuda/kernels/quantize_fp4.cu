@@ -29,10 +29,10 @@ namespace {
 constexpr int kNvfp4Given = 0, kNvfp4Dynamic = 1, kMxfp4Floor = 2, kMxfp4Ceil = 3;
 template <int FORMAT> constexpr int kBlock = FORMAT <= kNvfp4Dynamic ? 16 : 32;
 constexpr int kWarps = 4;  // a CTA's warps (the host's THREADS)
-// CTAs an SM must hold (the launch bounds' second value; 0: no bound): NVFP4's kernels fit 40 registers without
-// spills at 12 (48 warps; 43 registers unbounded: 40). MXFP4's take 32-38 unbounded, where a bound of 12 let them
-// take 38 at every slot count and ran 2-3% slower (perf/decisions/quantize_mxfp4.md).
-template <int FORMAT> constexpr int kMinCtas = FORMAT <= kNvfp4Dynamic ? 12 : 0;
+// CTAs an SM must hold (the launch bounds): 48 warps in 40 registers without spills. Unbounded, ptxas gave NVFP4 43
+// registers (40 warps) and MXFP4 32, issuing its 4th slot's load after the first maxima (perf/decisions/
+// quantize_mxfp4.md).
+constexpr int kMinCtas = 12;
 constexpr float kGlobalNumerator = 2688.0f;  // 448 * 6: the dynamic gs = 2688 / amax(x)
 
 // The e2m1 magnitude code (0..7: 0, 0.5, 1, 1.5, 2, 3, 4, 6) of |y|, rounded half to even and saturated at 6,
@@ -159,7 +159,7 @@ struct QuantizeFp4Params {
 // takes block s * (32 / LANES) + l / LANES of the run, vector l % LANES of it: a slot of the warp is 512
 // contiguous bytes of the row.
 template <int FORMAT, int KIND, bool SWIZZLED, int SLOTS>
-__global__ void __launch_bounds__(kWarps * 32, kMinCtas<FORMAT>) quantize_fp4(
+__global__ void __launch_bounds__(kWarps * 32, kMinCtas) quantize_fp4(
     const unsigned char* __restrict__ x, unsigned char* __restrict__ q, unsigned char* __restrict__ scale,
     const float* __restrict__ gs_in, float* __restrict__ gs_out, const float* __restrict__ partials, int rows,
     int blocks, int tasks_per_row, int row_shift, int num_partials, i64 row_magic, i64 x_stride, i64 q_stride,
