@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from kernelmux.backends.triton._host import INTERPRETED, device_guard, next_pow2
+from kernelmux.backends.triton._host import INTERPRETED, compute_units, device_guard, next_pow2
 from kernelmux.platforms import Platform
 from kernelmux.specs import ssd_scan as spec
 
@@ -72,6 +72,9 @@ def tiles_for(chunk: int, head_dim: int, state_dim: int) -> Tiles:
         walk_warps=4)
 
 
+_sm_count = compute_units  # (a module name of its own: tests pin it)
+
+
 def walks(programs: int, device: torch.device) -> bool:
     """Whether the states go by state_walk_kernel: when its programs (a sequence, head and state tile each) fill the
     GPU's SMs, for each walks its sequence's chunks one after another. H200, Mamba2-2.7B at 1 x 8192 tokens, the whole
@@ -79,11 +82,6 @@ def walks(programs: int, device: torch.device) -> bool:
     against 235, 20 heads 162 against 133 (perf/decisions/ssd_scan.md). Under the interpreter always (the tests force
     the other route)."""
     return INTERPRETED or programs >= _sm_count(device)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def supports(key: spec.Key, platform: Platform) -> Optional[str]:
